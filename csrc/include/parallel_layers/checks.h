@@ -1,0 +1,70 @@
+// Input checks shared by the op implementations; every message names the offending values.
+#pragma once
+
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "parallel_layers/gelu.h"
+
+namespace parallel_layers {
+
+inline GeluApprox parse_gelu_approx(std::string_view approximate) {
+  if (approximate == "none") return GeluApprox::kNone;
+  if (approximate == "tanh") return GeluApprox::kTanh;
+  TORCH_CHECK(false, "approximate must be 'none' or 'tanh', got '", approximate, "'");
+}
+
+inline void check_floating(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
+              name, " must be float32, float64, float16 or bfloat16, got ", st);
+}
+
+inline void check_same_device_dtype(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                                    const char* b_name) {
+  TORCH_CHECK(a.device() == b.device(), a_name, " is on ", a.device(), " but ", b_name, " is on ",
+              b.device(), "; both must be on the same device");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), a_name, " has dtype ", a.scalar_type(), " but ",
+              b_name, " has dtype ", b.scalar_type(), "; they must match");
+}
+
+// `x` is [..., n] with n == size of the 1-D `bias`; returns n.
+inline int64_t check_bias_matches_last_dim(const at::Tensor& x, const char* x_name,
+                                           const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() >= 1, x_name, " must have at least 1 dimension, got shape ", x.sizes());
+  TORCH_CHECK(bias.dim() == 1, "bias must be 1-D, got shape ", bias.sizes());
+  TORCH_CHECK(bias.size(0) == x.size(-1), "bias has ", bias.size(0), " elements but the last dim of ",
+              x_name, " is ", x.size(-1), " (", x_name, " shape ", x.sizes(), "); they must match");
+  return x.size(-1);
+}
+
+inline void check_device_type(const at::Tensor& t, const char* name, at::DeviceType expected,
+                              const char* op) {
+  TORCH_CHECK(t.device().type() == expected, "parallel_layers::", op, " (", expected,
+              " kernel) got ", name, " on ", t.device());
+}
+
+// bias_gelu(x [..., n], bias [n]); returns n.
+inline int64_t check_bias_gelu_args(const at::Tensor& x, const at::Tensor& bias,
+                                    at::DeviceType expected) {
+  check_floating(x, "x");
+  check_same_device_dtype(x, "x", bias, "bias");
+  check_device_type(x, "x", expected, "bias_gelu");
+  return check_bias_matches_last_dim(x, "x", bias);
+}
+
+// bias_gelu_backward(grad_out [..., n], preact [..., n]); returns n.
+inline int64_t check_bias_gelu_backward_args(const at::Tensor& grad_out, const at::Tensor& preact,
+                                             at::DeviceType expected) {
+  check_floating(preact, "preact");
+  check_same_device_dtype(grad_out, "grad_out", preact, "preact");
+  check_device_type(preact, "preact", expected, "bias_gelu_backward");
+  TORCH_CHECK(grad_out.sizes() == preact.sizes(), "grad_out has shape ", grad_out.sizes(),
+              " but preact has shape ", preact.sizes(), "; they must match");
+  TORCH_CHECK(preact.dim() >= 1, "preact must have at least 1 dimension, got shape ", preact.sizes());
+  return preact.size(-1);
+}
+
+}  // namespace parallel_layers

@@ -1,0 +1,31 @@
+// C++ entry points of the ops, per backend. The dispatcher registrations in
+// csrc/<family>.cpp and csrc/cuda/<family>.cu point at these; the C++ unit tests
+// (tests/cpp) call the CPU ones directly.
+#pragma once
+
+#include <string_view>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+namespace parallel_layers {
+
+namespace cpu {
+// x [..., n], bias [n] -> (gelu(x + bias), x + bias), both shaped like x.
+std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tensor& bias,
+                                             std::string_view approximate);
+// grad_out, preact [..., n] -> (grad_out * gelu'(preact) shaped like preact, its column sum [n]).
+std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
+                                                      const at::Tensor& preact,
+                                                      std::string_view approximate);
+}  // namespace cpu
+
+namespace cuda {
+std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tensor& bias,
+                                             std::string_view approximate);
+std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
+                                                      const at::Tensor& preact,
+                                                      std::string_view approximate);
+}  // namespace cuda
+
+}  // namespace parallel_layers

@@ -1,0 +1,20 @@
+"""parallel_layers: tensor, pipeline and sharded data parallelism for PyTorch, with fused kernels.
+
+Importing the package loads the compiled extension (parallel_layers._C), which registers the
+ops under torch.ops.parallel_layers; their Python wrappers live in parallel_layers.ops.
+"""
+
+from parallel_layers import _extension
+
+_C = _extension.load()
+
+from parallel_layers import ops  # noqa: E402  (needs the ops registered by _C)
+
+__version__ = "0.1.0"
+
+__all__ = ["ops", "build_info"]
+
+
+def build_info() -> dict:
+    """What the extension was compiled with: CUDA kernels and archs, torch and CUDA versions."""
+    return dict(_C.build_info())

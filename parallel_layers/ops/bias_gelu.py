@@ -1,0 +1,68 @@
+"""Fused bias-add + GeLU: `y = gelu(x + bias)`, with the pre-activation kept for backward.
+
+Shapes: x [..., n], bias [n] -> y [..., n]. Dtypes: float32, float64, float16, bfloat16 (x and
+bias alike); math in float32 (float64 for float64 inputs). Backward is one fused op too
+(`bias_gelu_backward`: dgelu and the bias gradient in one pass over the data).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_APPROXIMATIONS = ("none", "tanh")
+
+
+def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
+    """Return `gelu(x + bias, approximate=approximate)` from one fused kernel.
+
+    Same result as `torch.nn.functional.gelu(x + bias, approximate=approximate)`; the forward
+    also writes the pre-activation `x + bias`, which backward reads instead of recomputing.
+    """
+    y, _ = torch.ops.parallel_layers.bias_gelu(x, bias, approximate)
+    return y
+
+
+def _check_approximate(approximate: str) -> None:
+    torch._check(approximate in _APPROXIMATIONS,
+                 lambda: f"approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+@torch.library.register_fake("parallel_layers::bias_gelu")
+def _bias_gelu_fake(x: Tensor, bias: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
+    _check_approximate(approximate)
+    torch._check(bias.dim() == 1 and x.dim() >= 1 and bias.shape[0] == x.shape[-1],
+                 lambda: f"bias of shape {tuple(bias.shape)} must be [n] with n the last dim of x {tuple(x.shape)}")
+    # The kernels return contiguous tensors whatever the strides of x.
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.register_fake("parallel_layers::bias_gelu_backward")
+def _bias_gelu_backward_fake(grad_out: Tensor, preact: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
+    _check_approximate(approximate)
+    torch._check(grad_out.shape == preact.shape,
+                 lambda: f"grad_out has shape {tuple(grad_out.shape)} but preact has {tuple(preact.shape)}")
+    return preact.new_empty(preact.shape), preact.new_empty(preact.shape[-1:])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, _, approximate = inputs
+    _, preact = output
+    ctx.save_for_backward(preact)
+    ctx.approximate = approximate
+    # Unused outputs (almost always the pre-activation) arrive as None, not as zeros to add.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_y: Tensor | None, grad_z: Tensor | None):
+    (preact,) = ctx.saved_tensors
+    grad_pre, grad_bias = None, None
+    if grad_y is not None:
+        grad_pre, grad_bias = torch.ops.parallel_layers.bias_gelu_backward(grad_y, preact, ctx.approximate)
+    if grad_z is not None:  # the pre-activation itself was used downstream
+        grad_pre = grad_z if grad_pre is None else grad_pre + grad_z
+        grad_bias = grad_pre.sum(dim=tuple(range(grad_pre.dim() - 1)))
+    return grad_pre, (grad_bias if ctx.needs_input_grad[1] else None), None
+
+
+torch.library.register_autograd("parallel_layers::bias_gelu", _backward, setup_context=_setup_context)

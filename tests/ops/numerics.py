@@ -1,0 +1,41 @@
+"""Error measures shared by the op tests: compare against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA_COMPILED_AND_PRESENT = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine (the CUDA kernels are compiled, not run)")
+
+
+def devices() -> list:
+    """CPU always; CUDA as a parameter that skips with a reason when no GPU is present."""
+    return ["cpu", pytest.param("cuda", marks=CUDA_COMPILED_AND_PRESENT)]
+
+
+def max_abs_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    if actual.numel() == 0:
+        return 0.0
+    return (actual.double() - reference.double()).abs().max().item()
+
+
+def assert_within_rounding(actual: torch.Tensor, reference: torch.Tensor, scale: torch.Tensor, ulps: float,
+                           what: str) -> None:
+    """|actual - reference| <= ulps * eps(actual.dtype) * (|reference| + scale), elementwise.
+
+    `scale` is the magnitude the computation went through (e.g. |pre-activation| for GeLU,
+    whose 1 + erf(z / sqrt 2) cancels for large negative z), so that the bound is that of
+    rounding in the working precision, not a loose absolute tolerance.
+    """
+    assert actual.shape == reference.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(reference.shape)}"
+    eps = torch.finfo(actual.dtype).eps
+    bound = ulps * eps * (reference.double().abs() + scale.double().abs())
+    err = (actual.double() - reference.double()).abs()
+    bad = err > bound
+    if bad.any():
+        i = bad.flatten().nonzero()[0].item()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {err.numel()} elements beyond {ulps} ulps of {actual.dtype}; first at flat "
+            f"index {i}: got {actual.flatten()[i].item()!r}, reference {reference.flatten()[i].item()!r}, "
+            f"error {err.flatten()[i].item():.3g} > bound {bound.flatten()[i].item():.3g}")

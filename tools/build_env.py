@@ -1,0 +1,143 @@
+"""Find what a build of parallel_layers needs: the CUDA toolkit, the `nvidia` wheels' cuBLAS
+headers and libraries, and the CUDA archs to compile for.
+
+Used by setup.py (imported by path, before torch.utils.cpp_extension is imported, because
+that module fixes CUDA_HOME at import time) and by the Makefile for the CMake build
+(`python tools/build_env.py --cmake-args`). Only the standard library is used here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100, H100; PTX of the newest so later GPUs can JIT it
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaToolkit:
+    root: Path  # the directory holding bin/nvcc
+    nvcc: Path
+    version: str  # "13.0"
+
+
+def _is_toolkit(root: Path) -> bool:
+    return (root / "bin" / "nvcc").is_file() and (
+        (root / "include" / "cuda_runtime.h").is_file()
+        or any(root.glob("targets/*/include/cuda_runtime.h"))
+    )
+
+
+def _nvcc_version(nvcc: Path) -> str | None:
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else None
+
+
+def _toolkit_of_nvcc_on_path() -> Path | None:
+    """The toolkit root of the `nvcc` on PATH, even when that nvcc is a wrapper script.
+
+    `nvcc --dryrun` prints the directory it really runs from (`#$ TOP=<root>/bin/..`), which
+    a symlink or wrapper in /usr/local/bin would otherwise hide.
+    """
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-v", "-c", "x.cu"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, flags=re.M)
+    if m:
+        return Path(m.group(1).strip()).resolve()
+    return Path(nvcc).resolve().parent.parent
+
+
+def find_cuda_toolkit() -> CudaToolkit | None:
+    """CUDA_HOME / CUDA_PATH if they hold a toolkit, else the nvcc on PATH, else /usr/local/cuda."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    candidates.append(str(_toolkit_of_nvcc_on_path() or ""))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if not c:
+            continue
+        root = Path(c).resolve()
+        if _is_toolkit(root):
+            nvcc = root / "bin" / "nvcc"
+            version = _nvcc_version(nvcc)
+            if version is not None:
+                return CudaToolkit(root=root, nvcc=nvcc, version=version)
+    return None
+
+
+def nvidia_wheel_dirs(cuda_major: str) -> tuple[Path, Path] | None:
+    """(include, lib) of the `nvidia` wheels torch installs, e.g. site-packages/nvidia/cu13.
+
+    The toolkit here ships no cuBLAS; these wheels do (versioned .so names only).
+    """
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    for base in (purelib / "nvidia" / f"cu{cuda_major}", purelib / "nvidia" / "cublas"):
+        if (base / "include" / "cublasLt.h").is_file():
+            return base / "include", base / "lib"
+    return None
+
+
+def normalize_archs(spec: str) -> str:
+    """'80;90+PTX', 'sm_80 sm_90', '8.0;9.0+PTX' -> '8.0;9.0+PTX' (TORCH_CUDA_ARCH_LIST form)."""
+    out = []
+    for tok in re.split(r"[;,\s]+", spec.strip()):
+        if not tok:
+            continue
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d+)(?:\.(\d+))?([a-z]?)(\+PTX)?", tok, flags=re.I)
+        if not m:
+            raise ValueError(
+                f"PARALLEL_LAYERS_CUDA_ARCHS entry {tok!r} is not an arch; use e.g. '80;90+PTX' or '8.0;9.0+PTX'")
+        major, minor, suffix, ptx = m.groups()
+        if minor is None:  # "80" -> 8.0, "120" -> 12.0, "90a" -> 9.0a
+            major, minor = major[:-1], major[-1]
+        out.append(f"{int(major)}.{minor}{suffix.lower()}{'+PTX' if ptx else ''}")
+    if not out:
+        raise ValueError("PARALLEL_LAYERS_CUDA_ARCHS is empty; use e.g. '80;90+PTX'")
+    return ";".join(out)
+
+
+def cmake_args() -> list[str]:
+    """Hints the CMake build needs to find Torch (and CUDA, for a CUDA torch) on this machine."""
+    import torch  # noqa: PLC0415 - only this entry point needs torch
+    import torch.utils
+
+    args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DPython3_EXECUTABLE={sys.executable}"]
+    if torch.version.cuda is None:
+        return args
+    toolkit = find_cuda_toolkit()
+    wheels = nvidia_wheel_dirs(torch.version.cuda.split(".")[0])
+    if toolkit is not None:
+        args += [f"-DCUDAToolkit_ROOT={toolkit.root}", f"-DCUDA_TOOLKIT_ROOT_DIR={toolkit.root}",
+                 f"-DCMAKE_CUDA_COMPILER={toolkit.nvcc}"]
+    if wheels is not None:
+        inc, lib = wheels
+        nvrtc = sorted(lib.glob("libnvrtc.so.*"))
+        if nvrtc:
+            args.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc[0]}")
+        args += [f"-DPL_NVIDIA_WHEEL_INCLUDE={inc}", f"-DPL_NVIDIA_WHEEL_LIB={lib}"]
+    return args
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--cmake-args"]:
+        print(" ".join(cmake_args()))
+    elif sys.argv[1:] == ["--toolkit"]:
+        tk = find_cuda_toolkit()
+        print(tk.root if tk else "")
+    else:
+        sys.exit("usage: build_env.py --cmake-args | --toolkit")
