@@ -116,13 +116,16 @@ def cmake_args() -> list[str]:
     import torch  # noqa: PLC0415 - only this entry point needs torch
     import torch.utils
 
-    args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DPython3_EXECUTABLE={sys.executable}"]
+    args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]
     if torch.version.cuda is None:
         return args
     toolkit = find_cuda_toolkit()
     wheels = nvidia_wheel_dirs(torch.version.cuda.split(".")[0])
     if toolkit is not None:
-        args += [f"-DCUDAToolkit_ROOT={toolkit.root}", f"-DCUDA_TOOLKIT_ROOT_DIR={toolkit.root}",
+        # An explicit arch list stops torch's CMake config from probing for GPUs (a try_run
+        # that fails to configure with CMake 3.25 + nvcc 13).
+        archs = normalize_archs(os.environ.get("PARALLEL_LAYERS_CUDA_ARCHS", DEFAULT_CUDA_ARCHS))
+        args += [f"-DTORCH_CUDA_ARCH_LIST={archs}", f"-DCUDAToolkit_ROOT={toolkit.root}", f"-DCUDA_TOOLKIT_ROOT_DIR={toolkit.root}",
                  f"-DCMAKE_CUDA_COMPILER={toolkit.nvcc}"]
     if wheels is not None:
         inc, lib = wheels

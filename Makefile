@@ -1,0 +1,62 @@
+# The two front-door commands:  make test  and  make demo  (each sets everything up first).
+#
+#   make test        venv + pinned deps, build the extension (CUDA kernels when nvcc is found),
+#                    C++ tests (ctest), Python tests (pytest)
+#   make demo        venv + build, then the main job on 2 local processes (torchrun, gloo)
+#   make wheel       dist/parallel_layers-*.whl
+#   make info        python -m parallel_layers.info
+#   make test-cpu-torch   build + test against the CPU-only torch 2.13.0 wheel in .venv-cpu
+#
+# PARALLEL_LAYERS_FORCE_CPU=1, PARALLEL_LAYERS_CUDA_ARCHS=80;90+PTX and MAX_JOBS=N pass through.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CMAKE_BUILD := build/cmake
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+export MAX_JOBS ?= $(NPROC)
+
+.PHONY: test demo build cpp-test pytest wheel info test-cpu-torch clean
+
+test: build cpp-test pytest
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+build: $(STAMP)
+	$(PY) setup.py --quiet build_ext --inplace
+
+cpp-test: $(STAMP)
+	$(VENV)/bin/cmake -S . -B $(CMAKE_BUILD) -G Ninja -DCMAKE_MAKE_PROGRAM=$(CURDIR)/$(VENV)/bin/ninja \
+		$$($(PY) tools/build_env.py --cmake-args) > $(CMAKE_BUILD).configure.log 2>&1 \
+		|| (cat $(CMAKE_BUILD).configure.log; exit 1)
+	$(VENV)/bin/cmake --build $(CMAKE_BUILD)
+	$(VENV)/bin/ctest --test-dir $(CMAKE_BUILD) --output-on-failure
+
+pytest: build
+	$(PY) -m pytest
+
+demo: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_mlp_dp.py
+
+wheel: $(STAMP)
+	$(PY) -m pip wheel --no-build-isolation --no-deps --wheel-dir dist .
+
+info: build
+	$(PY) -m parallel_layers.info
+
+# A CPU-only torch (the 2.13.0 CPU wheel on this machine's disk): proves the CPU-only build.
+test-cpu-torch:
+	test -x .venv-cpu/bin/python || $(PYTHON) -m venv .venv-cpu
+	.venv-cpu/bin/python -m pip install --quiet torch==2.13.0 $$(grep -v -E '^(-r|torch|#)' requirements-dev.txt)
+	rm -rf build-cpu && mkdir -p build-cpu
+	.venv-cpu/bin/python setup.py --quiet build_ext --inplace --build-temp build-cpu
+	.venv-cpu/bin/python -m pytest tests -q
+	$(MAKE) build  # put back the extension of the default venv
+
+clean:
+	rm -rf build build-cpu dist *.egg-info parallel_layers/_C*.so parallel_layers/_build_meta.py
