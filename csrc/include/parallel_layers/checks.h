@@ -10,6 +10,14 @@
 
 namespace parallel_layers {
 
+// Product of all dims but the last: the row count of t viewed as [rows, t.size(-1)]
+// (well defined when the last dim is 0, unlike view({-1, 0})).
+inline int64_t leading_rows(const at::Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return rows;
+}
+
 inline GeluApprox parse_gelu_approx(std::string_view approximate) {
   if (approximate == "none") return GeluApprox::kNone;
   if (approximate == "tanh") return GeluApprox::kTanh;

@@ -1,69 +1,131 @@
 // GeLU forward and derivative, written once for every backend.
 //
-// The formulas are templates over the value type `T`, so the same text runs as
-//   - `float` / `double` in the CUDA kernels and in the scalar tails of CPU loops,
-//   - `at::vec::Vectorized<float>` / `<double>` in the vectorised CPU loops.
-// `T` needs +, -, * with itself and construction from a scalar; transcendental
-// functions are reached through the overload set in `pl_math` (scalar overloads here,
-// Vectorized overloads in csrc/include/parallel_layers/cpu_vec_math.h).
+// The same templates run as `float` in the CUDA kernels and in the CPU SIMD loops
+// (csrc/gelu_simd.cpp, vectorised by the compiler), and as `double` in the float64 paths.
+// They are written to vectorise (no data-dependent branches, only selects) and to avoid
+// cancellation where the textbook forms have it:
+//   tanh form:  gelu(z) = z * sigmoid(2u),  u = sqrt(2/pi) (z + 0.044715 z^3)
+//               (= 0.5 z (1 + tanh u), without the 1 + tanh u -> 0 cancellation for z << 0)
+//   exact form: gelu(z) = z * Phi(z),  Phi(z) = erfc(-z / sqrt 2) / 2, computed from erfc of
+//               |z| / sqrt 2, so Phi stays accurate in the left tail instead of 1 + erf ~ 0.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "parallel_layers/macros.h"
 
 namespace parallel_layers {
 
-// Which GeLU: "none" is the exact x * Phi(x); "tanh" is the tanh approximation
-// that cuBLASLt epilogues and PyTorch's approximate="tanh" compute.
+// Which GeLU: "none" is the exact z * Phi(z); "tanh" is the tanh approximation that
+// cuBLASLt epilogues and PyTorch's approximate="tanh" compute.
 enum class GeluApprox : int { kNone = 0, kTanh = 1 };
 
 namespace pl_math {
-PL_HOST_DEVICE float erf(float x) { return ::erff(x); }
-PL_HOST_DEVICE double erf(double x) { return ::erf(x); }
-PL_HOST_DEVICE float tanh(float x) { return ::tanhf(x); }
-PL_HOST_DEVICE double tanh(double x) { return ::tanh(x); }
-PL_HOST_DEVICE float exp(float x) { return ::expf(x); }
+
+// exp(x) for float in straight-line code a compiler can vectorise: x = n ln2 + r with
+// |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by its degree-7 Taylor polynomial (remainder
+// < 6e-9 relative), 2^n assembled in the exponent bits. Inputs are clamped to [-87, 88], so
+// the result never overflows to inf or flushes to 0 (both ends are far outside what GeLU's
+// callers can tell apart from the true value).
+PL_HOST_DEVICE float exp_poly(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * kLog2e + kRound) - kRound;
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860676533018708e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+PL_HOST_DEVICE float exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return ::expf(x);
+#else
+  return exp_poly(x);
+#endif
+}
 PL_HOST_DEVICE double exp(double x) { return ::exp(x); }
+
 }  // namespace pl_math
 
 namespace gelu_constants {
-// 1/sqrt(2), 1/sqrt(2*pi), sqrt(2/pi) and the cubic coefficient of the tanh form.
-constexpr double kSqrtHalf = 0.70710678118654752440;
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kInvSqrt2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kTanhCubic = 0.044715;
+// Abramowitz & Stegun 7.1.26: erfc(a) ~ t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) e^{-a^2},
+// t = 1 / (1 + p a), a >= 0.
+constexpr double kAsP = 0.3275911;
+constexpr double kAs1 = 0.254829592, kAs2 = -0.284496736, kAs3 = 1.421413741, kAs4 = -1.453152027,
+                 kAs5 = 1.061405429;
 }  // namespace gelu_constants
+
+// erfc(a) / 2 for a >= 0, given e^{-a^2}. float: A&S 7.1.26 (absolute error <= 7.5e-8, below
+// float32 rounding of Phi near 1, and a polynomial the compiler can vectorise); double: the
+// C library's erfc, since the float formula is far from float64 accuracy.
+PL_HOST_DEVICE float half_erfc(float a, float exp_minus_a2) {
+  using namespace gelu_constants;
+  const float t = 1.0f / (1.0f + float(kAsP) * a);
+  const float poly =
+      t * (float(kAs1) + t * (float(kAs2) + t * (float(kAs3) + t * (float(kAs4) + t * float(kAs5)))));
+  return 0.5f * poly * exp_minus_a2;
+}
+PL_HOST_DEVICE double half_erfc(double a, double /*exp_minus_a2*/) { return 0.5 * ::erfc(a); }
+
+// Phi(z) (the standard normal CDF), and e^{-z^2/2} in *gauss (the derivative needs it too).
+template <typename T>
+PL_HOST_DEVICE T normal_cdf(T z, T* gauss) {
+  const T a = (z < T(0) ? -z : z) * T(gelu_constants::kInvSqrt2);
+  *gauss = pl_math::exp(-a * a);
+  const T tail = half_erfc(a, *gauss);  // Phi(-|z|)
+  return z < T(0) ? tail : T(1) - tail;
+}
+
+// sigmoid(2u) for the tanh form, and 2 du/dz.
+template <typename T>
+PL_HOST_DEVICE T tanh_gate(T z, T* two_du) {
+  using namespace gelu_constants;
+  const T z2 = z * z;
+  const T u = T(kSqrt2OverPi) * (z + T(kTanhCubic) * z2 * z);
+  *two_du = T(2.0 * kSqrt2OverPi) * (T(1) + T(3.0 * kTanhCubic) * z2);
+  return T(1) / (T(1) + pl_math::exp(T(-2) * u));
+}
 
 // y = gelu(z)
 template <GeluApprox kApprox, typename T>
 PL_HOST_DEVICE T gelu_forward(T z) {
-  using namespace gelu_constants;
-  const T half(0.5), one(1.0);
+  T unused;
   if constexpr (kApprox == GeluApprox::kNone) {
-    return half * z * (one + pl_math::erf(z * T(kSqrtHalf)));
+    return z * normal_cdf(z, &unused);
   } else {
-    const T inner = T(kSqrt2OverPi) * (z + T(kTanhCubic) * z * z * z);
-    return half * z * (one + pl_math::tanh(inner));
+    return z * tanh_gate(z, &unused);
   }
 }
 
 // d gelu(z) / dz
 template <GeluApprox kApprox, typename T>
 PL_HOST_DEVICE T gelu_derivative(T z) {
-  using namespace gelu_constants;
-  const T half(0.5), one(1.0);
   if constexpr (kApprox == GeluApprox::kNone) {
-    // Phi(z) + z * phi(z)
-    const T cdf = half * (one + pl_math::erf(z * T(kSqrtHalf)));
-    const T pdf = T(kInvSqrt2Pi) * pl_math::exp(T(-0.5) * z * z);
-    return cdf + z * pdf;
+    T gauss;  // e^{-z^2/2}
+    const T cdf = normal_cdf(z, &gauss);
+    return cdf + z * T(gelu_constants::kInvSqrt2Pi) * gauss;
   } else {
-    const T z2 = z * z;
-    const T t = pl_math::tanh(T(kSqrt2OverPi) * (z + T(kTanhCubic) * z2 * z));
-    const T dinner = T(kSqrt2OverPi) * (one + T(3.0 * kTanhCubic) * z2);
-    return half * (one + t) + half * z * (one - t * t) * dinner;
+    T two_du;
+    const T s = tanh_gate(z, &two_du);
+    return s + z * s * (T(1) - s) * two_du;
   }
 }
 
