@@ -102,7 +102,11 @@ def _extension(toolkit, archs):
     include_dirs.append(str(wheel_include))
     # An installed wheel finds the CUDA libraries of the nvidia wheels next to it.
     site_packages = Path(sysconfig.get_paths()["purelib"])
-    link += [f"-L{wheel_lib}", f"-Wl,-rpath,$ORIGIN/../{wheel_lib.relative_to(site_packages)}"]
+    cublaslt = sorted(wheel_lib.glob("libcublasLt.so.*"))
+    if not cublaslt:
+        raise RuntimeError(f"no libcublasLt.so.* in {wheel_lib}; reinstall torch with its CUDA dependencies")
+    # Versioned names only in the wheels (no libcublasLt.so): link the file itself.
+    link += [str(cublaslt[0]), f"-Wl,-rpath,$ORIGIN/../{wheel_lib.relative_to(site_packages)}"]
     nvcc = ["-O3", "-std=c++20", "-DPL_HAVE_BUILD_CONFIG", "--threads", "2", "-lineinfo"]
     return cpp_extension.CUDAExtension(
         "parallel_layers._C", sources, include_dirs=include_dirs,

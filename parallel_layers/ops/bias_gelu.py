@@ -23,14 +23,15 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     return y
 
 
-def _check_approximate(approximate: str) -> None:
+def check_approximate(approximate: str) -> None:
+    """Raise (also while tracing) unless approximate is 'none' or 'tanh'."""
     torch._check(approximate in _APPROXIMATIONS,
                  lambda: f"approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
 @torch.library.register_fake("parallel_layers::bias_gelu")
 def _bias_gelu_fake(x: Tensor, bias: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    _check_approximate(approximate)
+    check_approximate(approximate)
     torch._check(bias.dim() == 1 and x.dim() >= 1 and bias.shape[0] == x.shape[-1],
                  lambda: f"bias of shape {tuple(bias.shape)} must be [n] with n the last dim of x {tuple(x.shape)}")
     # The kernels return contiguous tensors whatever the strides of x.
@@ -39,7 +40,7 @@ def _bias_gelu_fake(x: Tensor, bias: Tensor, approximate: str) -> tuple[Tensor, 
 
 @torch.library.register_fake("parallel_layers::bias_gelu_backward")
 def _bias_gelu_backward_fake(grad_out: Tensor, preact: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    _check_approximate(approximate)
+    check_approximate(approximate)
     torch._check(grad_out.shape == preact.shape,
                  lambda: f"grad_out has shape {tuple(grad_out.shape)} but preact has {tuple(preact.shape)}")
     return preact.new_empty(preact.shape), preact.new_empty(preact.shape[-1:])

@@ -1,6 +1,7 @@
 // Input checks shared by the op implementations; every message names the offending values.
 #pragma once
 
+#include <optional>
 #include <string_view>
 
 #include <ATen/core/Tensor.h>
@@ -73,6 +74,28 @@ inline int64_t check_bias_gelu_backward_args(const at::Tensor& grad_out, const a
               " but preact has shape ", preact.sizes(), "; they must match");
   TORCH_CHECK(preact.dim() >= 1, "preact must have at least 1 dimension, got shape ", preact.sizes());
   return preact.size(-1);
+}
+
+struct LinearShape {
+  int64_t m, k, n;  // x viewed as [m, k], weight [n, k]
+};
+
+// linear_gelu(x [..., k], weight [n, k], bias [n] or none)
+inline LinearShape check_linear_gelu_args(const at::Tensor& x, const at::Tensor& weight,
+                                          const std::optional<at::Tensor>& bias, at::DeviceType expected) {
+  check_floating(x, "x");
+  check_same_device_dtype(x, "x", weight, "weight");
+  check_device_type(x, "x", expected, "linear_gelu");
+  TORCH_CHECK(x.dim() >= 1, "x must have at least 1 dimension, got shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D [out_features, in_features], got shape ", weight.sizes());
+  TORCH_CHECK(weight.size(1) == x.size(-1), "x has ", x.size(-1), " features in its last dim (shape ", x.sizes(),
+              ") but weight expects in_features = ", weight.size(1), " (weight shape ", weight.sizes(), ")");
+  if (bias) {
+    check_same_device_dtype(x, "x", *bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "bias must have shape [", weight.size(0),
+                "] (out_features of weight ", weight.sizes(), "), got ", bias->sizes());
+  }
+  return LinearShape{leading_rows(x), x.size(-1), weight.size(0)};
 }
 
 }  // namespace parallel_layers

@@ -3,6 +3,7 @@
 // (tests/cpp) call the CPU ones directly.
 #pragma once
 
+#include <optional>
 #include <string_view>
 #include <tuple>
 
@@ -18,6 +19,11 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
                                                       const at::Tensor& preact,
                                                       std::string_view approximate);
+// x [..., k], weight [n, k], bias [n] -> (gelu(x @ weight^T + bias) [..., n], the pre-activation
+// [..., n] if save_preact else an empty [0]).
+std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& bias,
+                                               std::string_view approximate, bool save_preact);
 }  // namespace cpu
 
 namespace cuda {
@@ -26,6 +32,9 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
                                                       const at::Tensor& preact,
                                                       std::string_view approximate);
+std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& bias,
+                                               std::string_view approximate, bool save_preact);
 }  // namespace cuda
 
 }  // namespace parallel_layers

@@ -1,0 +1,161 @@
+"""Fused GEMM + bias + GeLU (`linear_gelu`) against what a user would otherwise run.
+
+    python benchmarks/bench_linear_gelu.py [--device cpu|cuda] [--reps 15] [--quick]
+
+For MLP shapes (M, K, N) and float32 / bfloat16 it times, interleaved in one run (median of
+--reps calls after warm-up):
+  forward (no grad):  ours | eager F.gelu(F.linear(...)) | torch.compile of that |
+                      oneDNN's fused torch.ops.mkldnn._linear_pointwise (CPU) | F.linear alone
+  forward + backward: ours | eager autograd | torch.compile | F.linear alone (fwd + bwd)
+F.linear alone is the practical limit: the same GEMMs with no GeLU at all. GeLU is the tanh
+approximation (cuBLASLt's); oneDNN's fused op computes exact-erf GeLU, so it is compared
+with ours at approximate="none". Prints a table of ratios and writes
+benchmarks/results/bench_linear_gelu.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, machine, time_interleaved, write_json  # noqa: E402
+
+import parallel_layers  # noqa: E402
+from parallel_layers.ops import linear_gelu  # noqa: E402
+
+SHAPES = [(2048, 1024, 4096), (512, 4096, 4096), (4096, 4096, 1024)]
+QUICK_SHAPES = [(256, 256, 512)]
+
+
+def eager(x, w, b, approximate="tanh"):
+    return F.gelu(F.linear(x, w, b), approximate=approximate)
+
+
+def onednn_available(x, w, b) -> bool:
+    try:
+        torch.ops.mkldnn._linear_pointwise(x[:1], w, b, "gelu", [], "none")
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def bench_case(m, k, n, dtype, device, reps):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype)
+    dy = torch.randn(m, n, generator=g).to(device, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    compiled = torch.compile(eager)
+
+    fwd = {
+        "ours": lambda: linear_gelu(x, w, b),
+        "eager": lambda: eager(x, w, b),
+        "compile": lambda: compiled(x, w, b),
+        "gemm_alone": lambda: F.linear(x, w, b),
+    }
+    if device == "cpu" and onednn_available(x, w, b):
+        fwd["ours_erf"] = lambda: linear_gelu(x, w, b, "none")
+        fwd["onednn_erf"] = lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none")
+    with torch.no_grad():
+        t_fwd = time_interleaved(fwd, reps, sync=sync)
+
+    xg, wg, bg = (t.detach().clone().requires_grad_() for t in (x, w, b))
+
+    def fwd_bwd(fn):
+        def run():
+            out = fn(xg, wg, bg)
+            torch.autograd.grad(out, (xg, wg, bg), dy)
+        return run
+
+    t_train = time_interleaved({
+        "ours": fwd_bwd(linear_gelu),
+        "eager": fwd_bwd(eager),
+        "compile": fwd_bwd(compiled),
+        "gemm_alone": fwd_bwd(F.linear),
+    }, reps, sync=sync)
+    return t_fwd, t_train
+
+
+def ratios(t_fwd, t_train) -> dict:
+    r = {
+        "fwd_eager_over_ours": t_fwd["eager"] / t_fwd["ours"],
+        "fwd_ours_over_gemm": t_fwd["ours"] / t_fwd["gemm_alone"],
+        "fwd_compile_over_ours": t_fwd["compile"] / t_fwd["ours"],
+        "train_eager_over_ours": t_train["eager"] / t_train["ours"],
+        "train_ours_over_gemm": t_train["ours"] / t_train["gemm_alone"],
+        "train_compile_over_ours": t_train["compile"] / t_train["ours"],
+    }
+    if "onednn_erf" in t_fwd:
+        r["fwd_onednn_over_ours_erf"] = t_fwd["onednn_erf"] / t_fwd["ours_erf"]
+    return r
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['m']}x{r['k']}x{r['n']}\n{r['dtype']}" for r in rows]
+    keys = [("fwd_eager_over_ours", "fwd: eager / ours"), ("train_eager_over_ours", "fwd+bwd: eager / ours"),
+            ("fwd_compile_over_ours", "fwd: compile / ours"), ("fwd_ours_over_gemm", "fwd: ours / GEMM alone")]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    width = 0.8 / len(keys)
+    for i, (key, label) in enumerate(keys):
+        ax.bar([j + i * width for j in range(len(rows))], [r["ratios"][key] for r in rows], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, fontsize=8)
+    ax.set_ylabel("time ratio (>1: ours faster, except ours / GEMM)")
+    ax.set_title(f"linear_gelu on {rows[0]['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--quick", action="store_true", help="one small shape, for a smoke run")
+    ap.add_argument("--name", default="bench_linear_gelu", help="result file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+
+    rows = []
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    print(f"{'shape (M,K,N)':>20} {'dtype':>9} | {'fwd ms: ours':>12} {'eager':>7} {'compile':>7} {'gemm':>7} "
+          f"{'onednn':>7} | {'eager/ours':>10} {'ours/gemm':>9} | {'f+b ms: ours':>12} {'eager':>7} {'gemm':>7} "
+          f"| {'eager/ours':>10} {'ours/gemm':>9}")
+    for m, k, n in shapes:
+        for dname in args.dtypes.split(","):
+            dtype = getattr(torch, dname)
+            t_fwd, t_train = bench_case(m, k, n, dtype, args.device, args.reps)
+            r = ratios(t_fwd, t_train)
+            rows.append({"m": m, "k": k, "n": n, "dtype": dname, "device": args.device,
+                         "forward_s": t_fwd, "forward_backward_s": t_train, "ratios": r})
+            ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
+            onednn = ms(t_fwd["onednn_erf"]) if "onednn_erf" in t_fwd else "    n/a"
+            print(f"{str((m, k, n)):>20} {dname:>9} | {ms(t_fwd['ours']):>12} {ms(t_fwd['eager'])} "
+                  f"{ms(t_fwd['compile'])} {ms(t_fwd['gemm_alone'])} {onednn} | {r['fwd_eager_over_ours']:10.2f} "
+                  f"{r['fwd_ours_over_gemm']:9.2f} | {ms(t_train['ours']):>12} {ms(t_train['eager'])} "
+                  f"{ms(t_train['gemm_alone'])} | {r['train_eager_over_ours']:10.2f} {r['train_ours_over_gemm']:9.2f}",
+                  flush=True)
+            if "fwd_onednn_over_ours_erf" in r:
+                print(f"{'':>32}erf GeLU: ours {ms(t_fwd['ours_erf'])} ms, oneDNN fused {onednn} ms "
+                      f"-> oneDNN / ours = {r['fwd_onednn_over_ours_erf']:.2f}", flush=True)
+    payload = {"benchmark": "linear_gelu", "machine": machine(), "build": parallel_layers.build_info(),
+               "reps": args.reps, "rows": rows}
+    path = write_json(args.name, payload)
+    plot(rows, RESULTS / f"{args.name}.png")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

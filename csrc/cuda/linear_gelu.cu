@@ -1,0 +1,162 @@
+// Fused GEMM + bias + GeLU on CUDA.
+//
+// Shapes: x [M, K] (leading dims flattened), weight [N, K], bias [N], y and z [M, N].
+//
+// Fast path: one cuBLASLt matmul with the GELU(_AUX)(_BIAS) epilogue, which adds the bias,
+// writes the pre-activation ("aux", only when it is kept) and applies GeLU inside the GEMM.
+// cuBLASLt's GeLU is the tanh approximation, and its aux buffer needs a leading dimension
+// that is a multiple of 8, so the fast path is taken only for approximate == "tanh",
+// float32/float16/bfloat16, N % 8 == 0, K > 0 and 16-byte aligned pointers, and only if
+// cuBLASLt's heuristic returns an algorithm. Everything else (exact-erf GeLU, float64, odd
+// shapes - including the out_features == 1 case reported to fault inside cuBLASLt elsewhere)
+// takes the fallback: cuBLAS GEMM via ATen, then our fused bias + GeLU + pre-activation
+// kernel (csrc/cuda/bias_gelu.cu). Every cuBLASLt status is checked.
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+#include <torch/library.h>
+
+#include "parallel_layers/checks.h"
+#include "parallel_layers/ops.h"
+
+namespace parallel_layers::cuda {
+namespace {
+
+#define PL_CUBLASLT_CHECK(expr)                                                                   \
+  do {                                                                                            \
+    const cublasStatus_t pl_status = (expr);                                                      \
+    TORCH_CHECK(pl_status == CUBLAS_STATUS_SUCCESS, "parallel_layers::linear_gelu: ", #expr,      \
+                " failed: ", cublasLtGetStatusString(pl_status), " (", static_cast<int>(pl_status), ")"); \
+  } while (0)
+
+// Owners of cuBLASLt descriptors, destroyed on every exit path.
+struct MatmulDesc {
+  cublasLtMatmulDesc_t desc = nullptr;
+  MatmulDesc(cublasComputeType_t compute, cudaDataType_t scale) {
+    PL_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&desc, compute, scale));
+  }
+  ~MatmulDesc() { if (desc) cublasLtMatmulDescDestroy(desc); }
+  template <typename T>
+  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
+    PL_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+  }
+};
+
+struct Layout {
+  cublasLtMatrixLayout_t desc = nullptr;
+  Layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
+    PL_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc, type, rows, cols, ld));
+  }
+  ~Layout() { if (desc) cublasLtMatrixLayoutDestroy(desc); }
+};
+
+struct Preference {
+  cublasLtMatmulPreference_t desc = nullptr;
+  explicit Preference(size_t workspace_bytes) {
+    PL_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&desc));
+    PL_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        desc, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
+  }
+  ~Preference() { if (desc) cublasLtMatmulPreferenceDestroy(desc); }
+};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+cudaDataType_t cuda_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    default: TORCH_CHECK(false, "parallel_layers::linear_gelu: no cuBLASLt type for ", t);
+  }
+}
+
+// Which inputs the cuBLASLt epilogue can take (see the file comment).
+bool lt_supported(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  GeluApprox approx, int64_t K, int64_t N) {
+  const auto t = x2.scalar_type();
+  return approx == GeluApprox::kTanh && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) &&
+         K > 0 && N % 8 == 0 && K % 8 == 0 && aligned16(x2.const_data_ptr()) && aligned16(w.const_data_ptr()) &&
+         (!bias || aligned16(bias->const_data_ptr()));
+}
+
+// y = gelu(x2 @ w^T + bias) (and z = the pre-activation if defined) with one cuBLASLt call.
+// Returns false, having written nothing, if cuBLASLt offers no algorithm for this problem.
+bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                    const at::Tensor& y, const at::Tensor& z, int64_t M, int64_t K, int64_t N) {
+  const cudaDataType_t type = cuda_type(x2.scalar_type());
+  const bool tf32 = x2.scalar_type() == at::kFloat && at::globalContext().allowTF32CuBLAS();
+  MatmulDesc op(tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  // Column-major view: D[N, M] = op(A)[N, K] * B[K, M], with A = weight read transposed.
+  op.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  op.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  cublasLtEpilogue_t epilogue;
+  if (z.defined()) {
+    epilogue = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    op.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, z.data_ptr());
+    op.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(N));
+  } else {
+    epilogue = bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+  }
+  op.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+  if (bias) op.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->const_data_ptr());
+
+  Layout a(type, K, N, K), b(type, K, M, K), d(type, N, M, N);
+  const size_t workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  Preference pref(workspace_bytes);
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle, op.desc, a.desc, b.desc, d.desc, d.desc,
+                                                           pref.desc, 1, &heuristic, &found);
+  if (hs != CUBLAS_STATUS_SUCCESS || found == 0) return false;  // unsupported: caller falls back
+
+  const float alpha = 1.0f, beta = 0.0f;
+  PL_CUBLASLT_CHECK(cublasLtMatmul(handle, op.desc, &alpha, w.const_data_ptr(), a.desc, x2.const_data_ptr(),
+                                   b.desc, &beta, y.data_ptr(), d.desc, y.data_ptr(), d.desc, &heuristic.algo,
+                                   at::cuda::getCUDABlasLtWorkspace(), workspace_bytes,
+                                   at::cuda::getCurrentCUDAStream()));
+  return true;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& bias,
+                                               std::string_view approximate, bool save_preact) {
+  const GeluApprox approx = parse_gelu_approx(approximate);
+  const auto [M, K, N] = check_linear_gelu_args(x, weight, bias, at::kCUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  if (M == 0 || N == 0) {
+    return {at::empty(out_shape, x.options()), at::empty(save_preact ? out_shape : std::vector<int64_t>{0}, x.options())};
+  }
+
+  if (lt_supported(x2, w, b, approx, K, N)) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    at::Tensor z = save_preact ? at::empty({M, N}, x.options()) : at::Tensor();
+    if (lt_linear_gelu(x2, w, b, y, z, M, K, N)) {
+      return {y.view(out_shape), save_preact ? z.view(out_shape) : at::empty({0}, x.options())};
+    }
+  }
+  // Fallback: cuBLAS GEMM, then one fused kernel for bias + GeLU + pre-activation.
+  const at::Tensor gemm = at::mm(x2, w.t());
+  const at::Tensor bias_or_zero = b ? *b : at::zeros({N}, x.options());
+  auto [y, z] = bias_gelu(gemm, bias_or_zero, approximate);
+  return {y.view(out_shape), save_preact ? z.view(out_shape) : at::empty({0}, x.options())};
+}
+
+}  // namespace parallel_layers::cuda
+
+TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
+  m.impl("linear_gelu", &parallel_layers::cuda::linear_gelu);
+}

@@ -1,0 +1,72 @@
+"""Fused GEMM + bias + GeLU: `y = gelu(x @ weight.T + bias)`, for training and inference.
+
+Shapes: x [..., K], weight [N, K], bias [N] or None -> y [..., N]. Dtypes: float32, float64,
+bfloat16, float16 (all alike). Unlike `torch._addmm_activation`, the forward keeps the
+pre-activation `x @ weight.T + bias` for backward, and skips writing it when no gradient
+is needed. Backward runs the fused dgelu + bias-gradient kernel (`bias_gelu_backward`), then
+only the GEMMs whose gradients are needed (`dx = dz @ W`, `dW = dz.T @ x`; 16-bit GEMMs
+accumulate in float32 in the BLAS).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from parallel_layers.ops.bias_gelu import check_approximate
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "tanh") -> Tensor:
+    """Return `F.gelu(F.linear(x, weight, bias), approximate=approximate)` from one fused op."""
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    y, _ = torch.ops.parallel_layers.linear_gelu(x, weight, bias, approximate, needs_grad)
+    return y
+
+
+@torch.library.register_fake("parallel_layers::linear_gelu")
+def _linear_gelu_fake(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
+                      save_preact: bool) -> tuple[Tensor, Tensor]:
+    check_approximate(approximate)
+    torch._check(weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+                 lambda: f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match: weight must be "
+                         "[out_features, in_features] with in_features the last dim of x")
+    torch._check(bias is None or tuple(bias.shape) == (weight.shape[0],),
+                 lambda: f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    return x.new_empty(out_shape), x.new_empty(out_shape if save_preact else (0,))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, approximate, _ = inputs
+    _, preact = output
+    ctx.save_for_backward(x, weight, bias, preact)
+    ctx.approximate = approximate
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
+    x, weight, bias, preact = ctx.saved_tensors
+    if preact.numel() == 0 and x.numel() != 0 and weight.numel() != 0:
+        # Called directly with save_preact=False under autograd: recompute what was not kept.
+        preact = torch.nn.functional.linear(x, weight, bias)
+    else:
+        preact = preact.view(*x.shape[:-1], weight.shape[0])
+    n = weight.shape[0]
+    if grad_y is not None:
+        dz, db = torch.ops.parallel_layers.bias_gelu_backward(grad_y, preact, ctx.approximate)
+    else:
+        dz, db = None, None
+    if grad_preact is not None and grad_preact.numel() != 0:  # the pre-activation was used itself
+        dz = grad_preact if dz is None else dz + grad_preact
+        db = dz.reshape(-1, n).sum(0)
+    if dz is None:
+        return None, None, None, None, None
+    dz2 = dz.reshape(-1, n)
+    dx = (dz2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    dw = dz2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    db = db if bias is not None and ctx.needs_input_grad[2] else None
+    return dx, dw, db, None, None
+
+
+torch.library.register_autograd("parallel_layers::linear_gelu", _backward, setup_context=_setup_context)

@@ -1,0 +1,241 @@
+"""linear_gelu against a float64 reference (forward and backward), 16-bit against eager,
+opcheck, gradcheck, torch.compile, and the inference path that keeps no pre-activation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import parallel_layers  # noqa: F401  (registers the ops)
+from parallel_layers.ops import linear_gelu
+from tests.ops.numerics import devices, max_abs_error
+
+APPROX = ["none", "tanh"]
+# (x shape, out_features): degenerate M, N, K, odd sizes, 3-D, one big enough for several
+# CPU panels and epilogue tasks.
+CASES = [((0, 8), 5), ((1, 8), 5), ((7, 1), 9), ((6, 13), 1), ((3, 4, 33), 17), ((257, 64), 40),
+         ((1100, 96), 2000)]
+
+
+def _inputs(x_shape, n, dtype, device, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = x_shape[-1]
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) / max(k, 1) ** 0.5 * 2
+    b = torch.randn(n, generator=g, dtype=torch.float64) if bias else None
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(x), cast(w), cast(b)
+
+
+def _rel_error(actual, reference):
+    """max |actual - reference| / max |reference| (0 for empty tensors)."""
+    if reference.numel() == 0:
+        return 0.0
+    return max_abs_error(actual, reference) / max(reference.abs().max().item(), 1e-30)
+
+
+def _reference(x, w, b, approximate):
+    x64, w64 = x.double(), w.double()
+    b64 = None if b is None else b.double()
+    pre = F.linear(x64, w64, b64)
+    return F.gelu(pre, approximate=approximate), pre
+
+
+# float32: relative error (max-norm) under 1e-5, the acceptance bound. The GEMM's own
+# rounding is ~sqrt(K) * eps ~ 1e-6 for these K.
+F32_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("x_shape, n", CASES)
+def test_forward_float32_matches_float64(x_shape, n, approximate, bias, device):
+    x, w, b = _inputs(x_shape, n, torch.float32, device, bias)
+    y, pre = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, True)
+    y_ref, pre_ref = _reference(x, w, b, approximate)
+    assert y.shape == y_ref.shape and pre.shape == pre_ref.shape
+    assert _rel_error(y, y_ref) < F32_RTOL
+    assert _rel_error(pre, pre_ref) < F32_RTOL
+    # Without save_preact the pre-activation is not materialised and y is the same.
+    y2, none = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, False)
+    assert none.numel() == 0
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("x_shape, n", CASES)
+def test_backward_float32_matches_float64(x_shape, n, approximate, bias, device):
+    x, w, b = _inputs(x_shape, n, torch.float32, device, bias)
+    params = [t.requires_grad_() for t in (x, w, b) if t is not None]
+    dy = torch.randn(*x_shape[:-1], n, generator=torch.Generator().manual_seed(1)).to(device)
+    linear_gelu(x, w, b, approximate).backward(dy)
+    ref_params = [t.detach().double().requires_grad_() for t in params]
+    xr, wr = ref_params[0], ref_params[1]
+    br = ref_params[2] if bias else None
+    F.gelu(F.linear(xr, wr, br), approximate=approximate).backward(dy.double())
+    for name, p, r in zip(("x", "weight", "bias"), params, ref_params):
+        assert _rel_error(p.grad, r.grad) < F32_RTOL, name
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True),
+                                   (False, True, True)])
+def test_only_needed_gradients(needs, device):
+    x, w, b = _inputs((5, 6), 7, torch.float64, device)
+    for t, need in zip((x, w, b), needs):
+        t.requires_grad_(need)
+    linear_gelu(x, w, b).sum().backward()
+    xr, wr, br = (t.detach().clone().requires_grad_(need) for t, need in zip((x, w, b), needs))
+    F.gelu(F.linear(xr, wr, br), approximate="tanh").sum().backward()
+    for t, r, need in zip((x, w, b), (xr, wr, br), needs):
+        if need:
+            torch.testing.assert_close(t.grad, r.grad, rtol=1e-12, atol=1e-12)
+        else:
+            assert t.grad is None
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("bias", [True, False])
+def test_16bit_no_worse_than_twice_eager(dtype, approximate, bias, device):
+    x, w, b = _inputs((96, 80), 48, dtype, device, bias)
+    leaves = [t for t in (x, w, b) if t is not None]
+    dy = torch.randn(96, 48, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+
+    def run(fn, ts):
+        ts = [t.detach().clone().requires_grad_() for t in ts]
+        out = fn(*ts)
+        out.backward(dy.to(out.dtype))
+        return [out.detach()] + [t.grad for t in ts]
+
+    with_bias = lambda f: (lambda x, w, b=None: f(x, w, b))  # noqa: E731
+    ours = run(with_bias(lambda x, w, b: linear_gelu(x, w, b, approximate)), leaves)
+    eager = run(with_bias(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate)), leaves)
+    ref = run(with_bias(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate)),
+              [t.double() for t in leaves])
+    for name, o, e, r in zip(("y", "grad x", "grad weight", "grad bias"), ours, eager, ref):
+        assert max_abs_error(o, r) <= 2 * max_abs_error(e, r), name
+
+
+@pytest.mark.parametrize("device", devices())
+def test_non_contiguous_and_3d_input(device):
+    x, w, b = _inputs((4, 6, 10), 12, torch.float32, device)
+    xt = x.transpose(0, 1)  # [6, 4, 10], not contiguous
+    y = linear_gelu(xt, w, b, "none")
+    torch.testing.assert_close(y, F.gelu(F.linear(xt, w, b)), rtol=1e-5, atol=1e-6)  # float32 GEMM rounding
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("approximate", APPROX)
+def test_gradcheck(approximate, device):
+    x, w, b = _inputs((4, 5), 3, torch.float64, device)
+    assert torch.autograd.gradcheck(lambda x, w, b: linear_gelu(x, w, b, approximate),
+                                    (x.requires_grad_(), w.requires_grad_(), b.requires_grad_()))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_recomputes_preact_if_called_without_it_under_autograd(device):
+    x, w, b = _inputs((4, 5), 3, torch.float64, device)
+    x.requires_grad_()
+    y, pre = torch.ops.parallel_layers.linear_gelu(x, w, b, "tanh", False)
+    assert pre.numel() == 0
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    F.gelu(F.linear(xr, w, b), approximate="tanh").sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, args, out))
+        return out
+
+
+def test_inference_does_not_materialise_preact():
+    x, w, b = _inputs((8, 16), 32, torch.float32, "cpu")
+    w.requires_grad_()
+    for grad_enabled, expect_saved in ((False, False), (True, True)):
+        with torch.set_grad_enabled(grad_enabled), _RecordOps() as rec:
+            linear_gelu(x, w, b)
+        (call,) = [c for c in rec.calls if c[0] == torch.ops.parallel_layers.linear_gelu.default]
+        _, args, (_, pre) = call
+        assert args[4] is expect_saved
+        assert pre.numel() == (8 * 32 if expect_saved else 0)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_shape, n", [((0, 4), 3), ((5, 4), 3), ((2, 3, 8), 16)])
+def test_opcheck(x_shape, n, dtype, device):
+    for bias in (True, False):
+        x, w, b = _inputs(x_shape, n, dtype, device, bias)
+        x.requires_grad_(dtype == torch.float32)
+        w.requires_grad_(dtype == torch.float32)
+        for approximate in APPROX:
+            for save in (True, False):
+                torch.library.opcheck(torch.ops.parallel_layers.linear_gelu.default, (x, w, b, approximate, save))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_torch_compile_fullgraph(device):
+    def mlp(x, w1, b1, w2):
+        return F.linear(linear_gelu(x, w1, b1), w2).square().mean()
+
+    x, w1, b1 = _inputs((8, 16), 32, torch.float32, device)
+    w2 = torch.randn(4, 32, device=device)
+    leaves = [t.requires_grad_() for t in (x, w1, b1, w2)]
+    compiled = torch.compile(mlp, fullgraph=True)
+    out = compiled(*leaves)
+    grads = torch.autograd.grad(out, leaves)
+    out_ref = mlp(*leaves)
+    grads_ref = torch.autograd.grad(out_ref, leaves)
+    torch.testing.assert_close(out, out_ref)
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_cuda_lt_and_fallback_paths_match_reference(device):
+    if device == "cpu":
+        pytest.skip("exercises the CUDA cuBLASLt epilogue and its fallback")
+    # tanh + 16-bit/float32 + N % 8 == 0 -> cuBLASLt GELU_AUX_BIAS; "none", N = 1 or float64 -> fallback.
+    for dtype, approximate, n in [(torch.bfloat16, "tanh", 64), (torch.float16, "tanh", 64),
+                                  (torch.float32, "tanh", 64), (torch.float32, "none", 64),
+                                  (torch.float32, "tanh", 1), (torch.float64, "tanh", 8)]:
+        x, w, b = _inputs((33, 40), n, dtype, "cuda")
+        y, pre = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, True)
+        y_ref, pre_ref = _reference(x, w, b, approximate)
+        eager = F.gelu(F.linear(x, w, b), approximate=approximate)
+        # No worse than twice the eager CUDA result in the same dtype (TF32 settings alike).
+        assert max_abs_error(y, y_ref) <= 2 * max_abs_error(eager, y_ref) + 1e-12, (dtype, approximate, n)
+        assert max_abs_error(pre, pre_ref) <= 2 * max_abs_error(F.linear(x, w, b), pre_ref) + 1e-12
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (lambda: (torch.randn(3, 4), torch.randn(5, 6), None), r"x has 4 features in its last dim \(shape \[3, 4\]\) "
+                                                              r"but weight expects in_features = 6"),
+        (lambda: (torch.randn(3, 4), torch.randn(5, 4, 1), None), r"weight must be 2-D \[out_features, in_features\]"),
+        (lambda: (torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)), r"bias must have shape \[5\]"),
+        (lambda: (torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64), None),
+         "x has dtype Float but weight has dtype Double"),
+    ],
+)
+def test_bad_input_messages(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.parallel_layers.linear_gelu(*args(), "tanh", True)
+
+
+def test_bad_approximate_message():
+    with pytest.raises(RuntimeError, match="approximate must be 'none' or 'tanh', got 'erf'"):
+        linear_gelu(torch.randn(2, 3), torch.randn(4, 3), None, "erf")
