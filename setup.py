@@ -9,7 +9,6 @@ the parallel compile jobs (read by torch's ninja builder).
 import os
 import sys
 import sysconfig
-import warnings
 from pathlib import Path
 
 import torch
@@ -23,26 +22,11 @@ VERSION = "0.1.0"
 
 
 def _cuda_plan():
-    """(toolkit, archs) for a CUDA build, or (None, None) for a CPU-only one, with the reason warned."""
-    if os.environ.get("PARALLEL_LAYERS_FORCE_CPU", "0") == "1":
-        print("parallel_layers: PARALLEL_LAYERS_FORCE_CPU=1, building CPU kernels only")
-        return None, None
-    if torch.version.cuda is None:
-        print(f"parallel_layers: torch {torch.__version__} is a CPU build, building CPU kernels only")
-        return None, None
-    toolkit = build_env.find_cuda_toolkit()
-    if toolkit is None:
-        warnings.warn(
-            f"parallel_layers: torch {torch.__version__} is a CUDA {torch.version.cuda} build but no CUDA "
-            "toolkit was found (no nvcc on PATH, CUDA_HOME unset or without bin/nvcc): building CPU kernels "
-            "ONLY. Install the CUDA toolkit or set CUDA_HOME, then rebuild, to get the CUDA kernels.",
-            stacklevel=1)
-        return None, None
-    archs = build_env.normalize_archs(os.environ.get("PARALLEL_LAYERS_CUDA_ARCHS", build_env.DEFAULT_CUDA_ARCHS))
-    # torch.utils.cpp_extension reads both when it is imported / when it builds the -gencode flags.
-    os.environ["CUDA_HOME"] = str(toolkit.root)
-    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
-    print(f"parallel_layers: CUDA kernels for {archs} with nvcc {toolkit.version} from {toolkit.root}")
+    toolkit, archs = build_env.cuda_plan(torch.version.cuda, torch.__version__)
+    if toolkit is not None:
+        # torch.utils.cpp_extension reads both when it is imported / when it builds the -gencode flags.
+        os.environ["CUDA_HOME"] = str(toolkit.root)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
     return toolkit, archs
 
 
@@ -84,7 +68,9 @@ def _extension(toolkit, archs):
     generated = _write_build_config(toolkit, archs)
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
     include_dirs = [str(ROOT / "csrc" / "include"), str(generated)]
-    cxx = ["-O3", "-std=c++20", "-fopenmp", "-DPL_HAVE_BUILD_CONFIG"]
+    # -fno-trapping-math / -fno-math-errno: as PyTorch itself builds; without them GCC will not
+    # turn the selects in the GeLU math into vector blends (see csrc/gelu_epilogue.cpp).
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DPL_HAVE_BUILD_CONFIG"]
     link = ["-fopenmp"]
     if toolkit is None:
         return cpp_extension.CppExtension(

@@ -1,12 +1,14 @@
 // CPU GeLU epilogue (see parallel_layers/cpu/gelu_epilogue.h).
 //
-// The float32 inner loops are compiled several times for different x86 instruction sets
-// (target_clones: AVX-512, AVX2, baseline) and picked at load time, so one binary is fast on
-// this machine and still runs on any x86-64. 16-bit rows are widened into a float32 row
-// buffer, run through the same loops, and narrowed once at the end; float64 runs the scalar
-// templates.
+// The float32 and bfloat16 inner loops are compiled several times for different x86
+// instruction sets (target_clones: AVX-512, AVX2, baseline) and picked at load time, so one
+// binary is fast on this machine and still runs on any x86-64. Math is float32 throughout;
+// 16-bit rows are widened into float32 row buffers and narrowed once at the end; float64
+// runs the scalar templates.
 #include "parallel_layers/cpu/gelu_epilogue.h"
 
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -71,9 +73,8 @@ PL_ALWAYS_INLINE void backward_loop(const float* dy, const float* z, float* dz, 
   }
 }
 
-PL_SIMD_CLONES void forward_f32(const float* x, const float* b, float* z, float* y, int64_t n,
-                                GeluApprox approx) {
-  if (approx == GeluApprox::kNone) {
+PL_SIMD_CLONES void forward_f32(const float* x, const float* b, float* z, float* y, int64_t n, GeluApprox a) {
+  if (a == GeluApprox::kNone) {
     forward_loop<GeluApprox::kNone>(x, b, z, y, n);
   } else {
     forward_loop<GeluApprox::kTanh>(x, b, z, y, n);
@@ -81,11 +82,51 @@ PL_SIMD_CLONES void forward_f32(const float* x, const float* b, float* z, float*
 }
 
 PL_SIMD_CLONES void backward_f32(const float* dy, const float* z, float* dz, float* acc, int64_t n,
-                                 GeluApprox approx) {
-  if (approx == GeluApprox::kNone) {
+                                 GeluApprox a) {
+  if (a == GeluApprox::kNone) {
     backward_loop<GeluApprox::kNone>(dy, z, dz, acc, n);
   } else {
     backward_loop<GeluApprox::kTanh>(dy, z, dz, acc, n);
+  }
+}
+
+// bfloat16 <-> float32 on raw bits, in loops the compiler vectorises (c10::BFloat16's scalar
+// conversions are not). Narrowing rounds to nearest even and maps NaN to the canonical quiet
+// NaN: the same bits as c10::BFloat16(float).
+PL_SIMD_CLONES void widen_bf16(const uint16_t* in, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(&out[i], &bits, sizeof(float));
+  }
+}
+
+PL_SIMD_CLONES void narrow_bf16(const float* in, uint16_t* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &in[i], sizeof(bits));
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    out[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  }
+}
+
+// 16-bit rows go through float32 row buffers: widen, run the float32 loop, narrow once.
+template <typename scalar_t>
+void widen(const scalar_t* in, float* out, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    widen_bf16(reinterpret_cast<const uint16_t*>(in), out, n);
+  } else {
+    std::copy(in, in + n, out);
+  }
+}
+
+template <typename scalar_t>
+void narrow(const float* in, scalar_t* out, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    narrow_bf16(in, reinterpret_cast<uint16_t*>(out), n);
+  } else {
+    std::copy(in, in + n, out);
   }
 }
 
@@ -136,19 +177,14 @@ void gelu_epilogue(const at::Tensor& in, const std::optional<at::Tensor>& bias, 
         forward_f32(row<float>(in, r), b, row<float>(z, r), row<float>(y, r), cols, approx);
       }
     } else {
-      // 16-bit: widen the row, run the float32 loop, narrow once.
-      std::vector<float> b32, x32(cols), z32(z.defined() ? cols : 0), y32(cols);
-      if (bias) {
-        const scalar_t* b = bias->data_ptr<scalar_t>();
-        b32.assign(b, b + cols);
-      }
+      std::vector<float> b32(bias ? cols : 0), x32(cols), z32(z.defined() ? cols : 0), y32(cols);
+      if (bias) widen(bias->data_ptr<scalar_t>(), b32.data(), cols);
       for (int64_t r = 0; r < rows; ++r) {
-        const scalar_t* x = row<scalar_t>(in, r);
-        std::copy(x, x + cols, x32.begin());
+        widen(row<scalar_t>(in, r), x32.data(), cols);
         forward_f32(x32.data(), bias ? b32.data() : nullptr, z.defined() ? z32.data() : nullptr, y32.data(),
                     cols, approx);
-        std::copy(y32.begin(), y32.end(), row<scalar_t>(y, r));
-        if (z.defined()) std::copy(z32.begin(), z32.end(), row<scalar_t>(z, r));
+        narrow(y32.data(), row<scalar_t>(y, r), cols);
+        if (z.defined()) narrow(z32.data(), row<scalar_t>(z, r), cols);
       }
     }
   });
@@ -180,19 +216,18 @@ void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor&
         backward_f32(row<float>(dy, r), row<float>(z, r), row<float>(dz, r), acc, cols, approx);
       }
     } else {
+      // The bias gradient sums the gradient as returned (rounded), like eager autograd.
       float* acc = ptr_or_null<float>(partial);
       std::vector<float> dy32(cols), z32(cols), dz32(cols);
       for (int64_t r = 0; r < rows; ++r) {
-        const scalar_t* g = row<scalar_t>(dy, r);
-        const scalar_t* zr = row<scalar_t>(z, r);
-        std::copy(g, g + cols, dy32.begin());
-        std::copy(zr, zr + cols, z32.begin());
+        widen(row<scalar_t>(dy, r), dy32.data(), cols);
+        widen(row<scalar_t>(z, r), z32.data(), cols);
         backward_f32(dy32.data(), z32.data(), dz32.data(), nullptr, cols, approx);
         scalar_t* out = row<scalar_t>(dz, r);
-        std::copy(dz32.begin(), dz32.end(), out);
-        // The bias gradient sums the gradient as returned (rounded), like eager autograd.
+        narrow(dz32.data(), out, cols);
         if (acc) {
-          for (int64_t c = 0; c < cols; ++c) acc[c] += static_cast<float>(out[c]);
+          widen(out, dz32.data(), cols);
+          for (int64_t c = 0; c < cols; ++c) acc[c] += dz32[c];
         }
       }
     }

@@ -15,9 +15,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # A100, H100; PTX of the newest so later GPUs can JIT it
+STANDARD_TOOLKIT_DIRS = ("/usr/local/cuda",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +66,10 @@ def _toolkit_of_nvcc_on_path() -> Path | None:
 
 
 def find_cuda_toolkit() -> CudaToolkit | None:
-    """CUDA_HOME / CUDA_PATH if they hold a toolkit, else the nvcc on PATH, else /usr/local/cuda."""
+    """CUDA_HOME / CUDA_PATH if they hold a toolkit, else the nvcc on PATH, else STANDARD_TOOLKIT_DIRS."""
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     candidates.append(str(_toolkit_of_nvcc_on_path() or ""))
-    candidates.append("/usr/local/cuda")
+    candidates.extend(STANDARD_TOOLKIT_DIRS)
     for c in candidates:
         if not c:
             continue
@@ -109,6 +111,30 @@ def normalize_archs(spec: str) -> str:
     if not out:
         raise ValueError("PARALLEL_LAYERS_CUDA_ARCHS is empty; use e.g. '80;90+PTX'")
     return ";".join(out)
+
+
+def cuda_plan(torch_cuda_version: str | None, torch_version: str, env=os.environ):
+    """(toolkit, archs) for a CUDA build, or (None, None) for a CPU-only one, saying why.
+
+    CPU-only when PARALLEL_LAYERS_FORCE_CPU=1, when torch is a CPU build, or - with a loud
+    warning, since the user likely expected CUDA kernels - when no toolkit is found.
+    """
+    if env.get("PARALLEL_LAYERS_FORCE_CPU", "0") == "1":
+        print("parallel_layers: PARALLEL_LAYERS_FORCE_CPU=1, building CPU kernels only")
+        return None, None
+    if torch_cuda_version is None:
+        print(f"parallel_layers: torch {torch_version} is a CPU build, building CPU kernels only")
+        return None, None
+    toolkit = find_cuda_toolkit()
+    if toolkit is None:
+        warnings.warn(
+            f"parallel_layers: torch {torch_version} is a CUDA {torch_cuda_version} build but no CUDA toolkit "
+            "was found (no nvcc on PATH, CUDA_HOME unset or without bin/nvcc): building CPU kernels ONLY. "
+            "Install the CUDA toolkit or set CUDA_HOME, then rebuild, to get the CUDA kernels.", stacklevel=2)
+        return None, None
+    archs = normalize_archs(env.get("PARALLEL_LAYERS_CUDA_ARCHS", DEFAULT_CUDA_ARCHS))
+    print(f"parallel_layers: CUDA kernels for {archs} with nvcc {toolkit.version} from {toolkit.root}")
+    return toolkit, archs
 
 
 def cmake_args() -> list[str]:
