@@ -9,10 +9,13 @@ from parallel_layers import _extension
 _C = _extension.load()
 
 from parallel_layers import ops  # noqa: E402  (needs the ops registered by _C)
+from parallel_layers.parallel_dims import ParallelContext, ParallelDims, init_parallel  # noqa: E402
+from parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "build_info"]
+__all__ = ["ColumnParallelLinear", "ParallelContext", "ParallelDims", "RowParallelLinear", "build_info",
+           "init_parallel", "ops"]
 
 
 def build_info() -> dict:

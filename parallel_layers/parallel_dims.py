@@ -1,0 +1,118 @@
+"""The parallel layout: one dataclass that validates the degrees, and `init_parallel` that
+builds the process groups for it.
+
+Ranks are laid out on a mesh of shape (pp, dp, tp) with tensor parallelism innermost, as
+every reference system does: the ranks of one TP group are adjacent (on one node, on the
+fastest links), pipeline stages are outermost. Layers take their group explicitly
+(`tp_group=...`); `init_parallel` only builds the groups, it keeps no hidden global state
+beyond torch.distributed's own default group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("pp", "dp", "tp")
+
+
+def divisors(n: int, limit: int = 1024) -> list[int]:
+    """The sizes an axis of `n` items can be split into (for error messages)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of data, tensor and pipeline parallelism; their product is the world size."""
+
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ValueError(
+                f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.dp * self.tp * self.pp} != world_size "
+                f"{self.world_size}; choose degrees whose product is {self.world_size} (tp and pp must divide it: "
+                f"valid values are {divisors(self.world_size)})")
+
+    @classmethod
+    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None) -> ParallelDims:
+        """Fill in dp = world_size / (tp * pp) when it is not given."""
+        if dp is None:
+            if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+                raise ValueError(
+                    f"tp({tp}) * pp({pp}) = {tp * pp} does not divide world_size {world_size}; valid values for "
+                    f"tp * pp are {divisors(world_size)}")
+            dp = world_size // (tp * pp)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.pp, self.dp, self.tp)
+
+
+@dataclasses.dataclass
+class ParallelContext:
+    """What `init_parallel` built: the layout, the mesh, and one process group per axis."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    device: torch.device
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        if axis not in MESH_AXES:
+            raise ValueError(f"axis must be one of {MESH_AXES}, got {axis!r}")
+        return self.mesh.get_group(axis)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.group("tp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.group("dp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.group("pp")
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along `axis`."""
+        return self.mesh.get_local_rank(axis)
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when GPUs are visible, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: torch.device | str | None = None,
+                  timeout_s: float = 600.0) -> ParallelContext:
+    """Build the (pp, dp, tp) mesh and its groups; initialise torch.distributed if needed.
+
+    The backend follows the device: NCCL for CUDA, gloo for CPU. Collectives time out after
+    `timeout_s` instead of hanging forever. Works under torchrun (reads the usual env vars)
+    and after an existing `init_process_group` (tests).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    dims = ParallelDims.infer(dist.get_world_size(), tp=tp, pp=pp, dp=dp)
+    mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_AXES)
+    return ParallelContext(dims=dims, mesh=mesh, device=device)

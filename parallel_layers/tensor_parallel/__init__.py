@@ -1,0 +1,18 @@
+"""Tensor parallelism: communication (comm), parameter sharding (sharding), layers (layers)."""
+
+from parallel_layers.tensor_parallel.comm import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+    scatter_to_tp,
+)
+from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
+from parallel_layers.tensor_parallel.sharding import TPShard, gather_full
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "TPShard", "copy_to_tp", "gather_from_sp", "gather_from_tp",
+    "gather_full", "reduce_from_tp", "reduce_grad_over_tp", "reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp",
+]

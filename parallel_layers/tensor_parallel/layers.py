@@ -1,0 +1,271 @@
+"""Megatron-style tensor-parallel linear layers as plain modules over plain tensors.
+
+Shapes: x [..., in] for the column layer, [..., in / tp] for the row layer (input_is_parallel).
+With sequence parallelism, activations are [seq, batch, hidden] and sharded on dim 0 (seq)
+outside the column -> row pair, and whole inside it.
+
+  ColumnParallelLinear  weight [out / tp, in]: y_r = act(x A_r^T + b_r), output sharded on
+                        the last dim. Backward all-reduces (SP: reduce-scatters) grad-input,
+                        launched asynchronously and overlapped with the weight-gradient GEMM.
+  RowParallelLinear     weight [out, in / tp]: partial outputs all-reduced (SP:
+                        reduce-scattered); the replicated bias is added once, after.
+
+Collectives per layer (REFERENCE.md section 1): column 0 forward / 1 backward; row 1 / 0;
+column+SP 1 all-gather / 1 reduce-scatter; row+SP 1 reduce-scatter / 1 all-gather (plus one
+all-reduce of the row bias gradient, which is partial under SP).
+
+Initialisation does not depend on the TP size: each rank builds the full weight with
+`init_method` (default: nn.Linear's) and keeps its shard, so with the same seed the gathered
+weight equals the tp=1 (and nn.Linear) weight.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel.sharding import TPShard, check_divisible, gather_full, shard
+
+_ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
+
+
+def _default_init(weight: Tensor, bias: Tensor | None) -> None:
+    """nn.Linear's initialisation, on the full (unsharded) tensors, in nn.Linear's RNG order."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+def _init_full(out_features, in_features, bias, device, dtype, init_method):
+    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    b = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+    if weight.device.type != "meta":
+        if init_method is None:
+            _default_init(weight, b)
+        else:
+            init_method(weight)
+            if b is not None:
+                nn.init.zeros_(b)
+    return weight, b
+
+
+def _sharded_param(full: Tensor, dim: int, tp: int, rank: int, fused=None) -> nn.Parameter:
+    p = nn.Parameter(shard(full, dim, tp, rank, fused))
+    p.tp_shard = TPShard(dim=dim, parts=tp, index=rank, full_shape=tuple(full.shape), fused=fused)
+    return p
+
+
+def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) -> None:
+    """Sum `param`'s gradient over the TP group as it is produced (before accumulation).
+
+    For replicated parameters that see only part of the data under sequence parallelism
+    (LayerNorm weights, the row bias): each rank's gradient covers its sequence chunk only.
+    """
+    if comm.group_size(group) == 1 or getattr(param, "_pl_tp_grad_hook", False):
+        return
+
+    def hook(grad: Tensor) -> Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group)
+        return grad
+
+    param.register_hook(hook)
+    param._pl_tp_grad_hook = True
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """y = act(gather_sp(x) @ W^T + b); backward overlaps the grad-input collective with dW."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, approximate, group, sequence_parallel):
+        x_full = comm.all_gather(x, 0, group) if sequence_parallel else x
+        needs_grad = any(ctx.needs_input_grad[:3])
+        if approximate is None:
+            y, preact = F.linear(x_full, weight, bias), None
+        else:
+            y, preact = torch.ops.parallel_layers.linear_gelu(x_full, weight, bias, approximate, needs_grad)
+        if needs_grad:
+            ctx.save_for_backward(x_full, weight, preact)
+        ctx.approximate, ctx.group, ctx.sequence_parallel = approximate, group, sequence_parallel
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_full, weight, preact = ctx.saved_tensors
+        n, k = weight.shape
+        if ctx.approximate is None:
+            dz, db = dy, (dy.reshape(-1, n).sum(0) if ctx.has_bias else None)
+        else:
+            dz, db = torch.ops.parallel_layers.bias_gelu_backward(dy, preact, ctx.approximate)
+        dz2 = dz.reshape(-1, n)
+        dx, handle = None, None
+        if ctx.needs_input_grad[0]:
+            dx = (dz2 @ weight).view(x_full.shape)
+            if comm.group_size(ctx.group) > 1:  # overlapped with the weight-gradient GEMM below
+                if ctx.sequence_parallel:
+                    dx, handle = comm.reduce_scatter(dx, ctx.group, async_op=True)
+                else:
+                    handle = comm.all_reduce(dx, ctx.group, async_op=True)
+        dw = dz2.t() @ x_full.reshape(-1, k) if ctx.needs_input_grad[1] else None
+        db = db if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if handle is not None:
+            handle.wait()
+        return dx, dw, db, None, None, None
+
+
+class _RowLinear(torch.autograd.Function):
+    """y = reduce(x @ W^T) over the TP group (SP: reduce-scatter on dim 0); no bias here."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, sequence_parallel):
+        partial = F.linear(x, weight)
+        if comm.group_size(group) > 1:
+            if sequence_parallel:
+                partial, _ = comm.reduce_scatter(partial, group)
+            else:
+                comm.all_reduce(partial, group)
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(x, weight)
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        return partial
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        d = comm.all_gather(dy, 0, ctx.group) if ctx.sequence_parallel else dy
+        d2 = d.reshape(-1, weight.shape[0])
+        dx = (d2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = d2.t() @ x.reshape(-1, weight.shape[1]) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def _check_input(x: Tensor, expected: int, layer: str, what: str) -> None:
+    if x.dim() == 0 or x.shape[-1] != expected:
+        raise ValueError(f"{layer}: input of shape {tuple(x.shape)} has last dim "
+                         f"{x.shape[-1] if x.dim() else None}, expected {what} = {expected}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer with its output features split over the TP group (see the module doc).
+
+    `fused_sizes` describes a fused weight (e.g. QKV: (q, k, v) sizes summing to
+    out_features): each logical sub-matrix is split on its own, so rank r's output is
+    [q_r, k_r, v_r].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
+                 activation: str | None = None, sequence_parallel: bool = False,
+                 tp_group: dist.ProcessGroup | None = None, device=None, dtype=None,
+                 init_method: Callable[[Tensor], None] | None = None, fused_sizes: tuple[int, ...] | None = None,
+                 _full: tuple[Tensor, Tensor | None] | None = None):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True with sequence_parallel=True is not supported: under sequence "
+                             "parallelism the column output feeds a RowParallelLinear")
+        tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        for size in fused_sizes or (out_features,):
+            check_divisible(size, tp, "ColumnParallelLinear out_features" if fused_sizes is None
+                            else f"ColumnParallelLinear fused block of size {size} (fused_sizes={fused_sizes})")
+        if fused_sizes is not None and sum(fused_sizes) != out_features:
+            raise ValueError(f"fused_sizes {fused_sizes} sum to {sum(fused_sizes)}, not out_features {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.activation, self.tp_group, self.fused_sizes = activation, tp_group, fused_sizes
+        weight, b = _full if _full is not None else _init_full(out_features, in_features, bias, device, dtype,
+                                                                init_method)
+        self.weight = _sharded_param(weight, 0, tp, rank, fused_sizes)
+        self.bias = _sharded_param(b, 0, tp, rank, fused_sizes) if b is not None else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.in_features, "ColumnParallelLinear", "in_features")
+        y = _ColumnLinear.apply(x, self.weight, self.bias, _ACTIVATIONS[self.activation], self.tp_group,
+                                self.sequence_parallel and comm.group_size(self.tp_group) > 1)
+        return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> ColumnParallelLinear:
+        """Shard an existing nn.Linear (its weights are copied, nothing is re-initialised)."""
+        full = (linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, _full=full, **kwargs)
+
+    def to_linear(self) -> nn.Linear:
+        """The gathered nn.Linear (a collective: every rank of the TP group must call it)."""
+        return _to_linear(self)
+
+    def extra_repr(self) -> str:
+        tp = comm.group_size(self.tp_group)
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
+                f"tp={tp}, bias={self.bias is not None}, activation={self.activation}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer with its input features split over the TP group (see the module doc)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, tp_group: dist.ProcessGroup | None = None, device=None,
+                 dtype=None, init_method: Callable[[Tensor], None] | None = None,
+                 _full: tuple[Tensor, Tensor | None] | None = None):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True requires input_is_parallel=True (the input comes from a "
+                             "ColumnParallelLinear)")
+        tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        check_divisible(in_features, tp, "RowParallelLinear in_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel, self.tp_group = input_is_parallel, sequence_parallel, tp_group
+        weight, b = _full if _full is not None else _init_full(out_features, in_features, bias, device, dtype,
+                                                                init_method)
+        self.weight = _sharded_param(weight, 1, tp, rank)
+        self.bias = nn.Parameter(b.detach().clone()) if b is not None else None  # replicated
+        if self.bias is not None and sequence_parallel:
+            reduce_grad_over_tp(self.bias, tp_group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tp = comm.group_size(self.tp_group)
+        if self.input_is_parallel:
+            _check_input(x, self.in_features // tp, "RowParallelLinear", f"in_features / tp = {self.in_features} / {tp}")
+        else:
+            _check_input(x, self.in_features, "RowParallelLinear", "in_features")
+            x = comm.scatter_to_tp(x, self.tp_group)
+        y = _RowLinear.apply(x, self.weight, self.tp_group, self.sequence_parallel and tp > 1)
+        return y + self.bias if self.bias is not None else y
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> RowParallelLinear:
+        """Shard an existing nn.Linear (its weights are copied, nothing is re-initialised)."""
+        full = (linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, _full=full, **kwargs)
+
+    def to_linear(self) -> nn.Linear:
+        """The gathered nn.Linear (a collective: every rank of the TP group must call it)."""
+        return _to_linear(self)
+
+    def extra_repr(self) -> str:
+        tp = comm.group_size(self.tp_group)
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"tp={tp}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+def _to_linear(layer) -> nn.Linear:
+    weight = gather_full(layer.weight, layer.tp_group)
+    bias = gather_full(layer.bias, layer.tp_group) if layer.bias is not None else None
+    out = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, device=weight.device,
+                    dtype=weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+        if bias is not None:
+            out.bias.copy_(bias)
+    return out

@@ -1,0 +1,66 @@
+"""How a tensor-parallel parameter is cut: enough to gather it, re-split it or checkpoint it.
+
+Every sharded parameter carries a `TPShard` as `param.tp_shard`: the tensor dim it is split
+on, into how many equal parts, which part this rank holds, and - for fused weights such as
+QKV or gate/up - the sizes of the logical sub-matrices along that dim, each of which is
+split on its own (so rank r holds [q_r; k_r; v_r], never a slice that straddles q and k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallel_layers.parallel_dims import divisors
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShard:
+    dim: int  # tensor dim that is split
+    parts: int  # tensor-parallel size
+    index: int  # which part this rank holds
+    full_shape: tuple[int, ...]
+    fused: tuple[int, ...] | None = None  # sizes of the logical sub-matrices along `dim`
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.fused if self.fused is not None else (self.full_shape[self.dim],)
+
+
+def check_divisible(size: int, parts: int, what: str) -> None:
+    """Raise with the valid sizes when `size` cannot be split into `parts` equal pieces."""
+    if size % parts:
+        raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size ({parts}); "
+                         f"valid tensor-parallel sizes for {size} are {divisors(size, 64)}")
+
+
+def shard(full: Tensor, dim: int, parts: int, index: int, fused: tuple[int, ...] | None = None) -> Tensor:
+    """Rank `index`'s part of `full` (each fused sub-matrix split on its own), contiguous."""
+    blocks = fused if fused is not None else (full.shape[dim],)
+    if sum(blocks) != full.shape[dim]:
+        raise ValueError(f"fused sizes {blocks} do not add up to dim {dim} of shape {tuple(full.shape)}")
+    pieces = []
+    for block in full.split(list(blocks), dim=dim):
+        check_divisible(block.shape[dim], parts, f"dim {dim} of a block of shape {tuple(block.shape)}")
+        pieces.append(block.chunk(parts, dim=dim)[index])
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def unshard(parts_list: list[Tensor], spec: TPShard) -> Tensor:
+    """Inverse of `shard`: the full tensor from every rank's part (in rank order)."""
+    per_rank = [p.split([b // spec.parts for b in spec.blocks], dim=spec.dim) for p in parts_list]
+    blocks = [torch.cat([r[i] for r in per_rank], dim=spec.dim) for i in range(len(spec.blocks))]
+    return torch.cat(blocks, dim=spec.dim)
+
+
+def gather_full(param: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """All-gather a sharded parameter (with `tp_shard`) into the full tensor on every rank."""
+    spec: TPShard | None = getattr(param, "tp_shard", None)
+    if spec is None or spec.parts == 1:
+        return param.detach().clone()
+    parts_list = [torch.empty_like(param) for _ in range(spec.parts)]
+    dist.all_gather(parts_list, param.detach().contiguous(), group=group)
+    return unshard(parts_list, spec)

@@ -1,0 +1,80 @@
+"""The tensor-parallel region's autograd collectives: forward and backward of each, and the
+identity at group size 1."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel_layers.tensor_parallel import comm
+from tests.dist_harness import run_distributed
+
+
+def _check_functions(rank, ws):
+    group = dist.group.WORLD
+    full = torch.arange(4.0 * ws * 3).reshape(4 * ws, 3)  # the same on every rank
+    mine = full.chunk(ws, 0)[rank]
+    cols = torch.arange(2.0 * 3 * ws).reshape(2, 3 * ws)
+    results = {}
+
+    x = torch.ones(2, 3, requires_grad=True)
+    comm.copy_to_tp(x, group).backward(torch.full((2, 3), float(rank + 1)))
+    results["copy_to_tp grad"] = x.grad[0, 0].item()  # all-reduced: sum of rank + 1
+
+    x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    y = comm.reduce_from_tp(x, group)
+    y.backward(torch.ones(2, 3))
+    results["reduce_from_tp"] = (y[0, 0].item(), x.grad[0, 0].item())
+
+    x = cols.clone().requires_grad_()
+    y = comm.scatter_to_tp(x, group)
+    y.backward(torch.ones_like(y))
+    results["scatter_to_tp"] = torch.equal(y, cols.chunk(ws, -1)[rank]) and torch.equal(x.grad, torch.ones_like(cols))
+
+    x = cols.chunk(ws, -1)[rank].clone().requires_grad_()
+    y = comm.gather_from_tp(x, group)
+    y.backward(cols)
+    results["gather_from_tp"] = torch.equal(y, cols) and torch.equal(x.grad, cols.chunk(ws, -1)[rank])
+
+    x = mine.clone().requires_grad_()
+    y = comm.gather_from_sp(x, group)
+    y.backward(full)
+    results["gather_from_sp"] = torch.equal(y, full) and torch.equal(x.grad, ws * mine)
+
+    x = full.clone().requires_grad_()
+    y = comm.reduce_scatter_to_sp(x, group)
+    y.backward(torch.ones_like(y))
+    results["reduce_scatter_to_sp"] = torch.equal(y, ws * mine) and torch.equal(x.grad, torch.ones_like(full))
+
+    x = full.clone().requires_grad_()
+    y = comm.scatter_to_sp(x, group)
+    y.backward(torch.ones_like(y))
+    results["scatter_to_sp"] = torch.equal(y, mine) and torch.equal(x.grad, torch.ones_like(full))
+    return results
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_collectives_forward_and_backward(ws):
+    for r in run_distributed(_check_functions, ws):
+        total = ws * (ws + 1) / 2
+        assert r["copy_to_tp grad"] == total
+        assert r["reduce_from_tp"] == (total, 1.0)
+        for name in ("scatter_to_tp", "gather_from_tp", "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp"):
+            assert r[name], name
+
+
+def test_identity_without_process_group():
+    x = torch.randn(3, 4, requires_grad=True)
+    for fn in (comm.copy_to_tp, comm.reduce_from_tp, comm.scatter_to_tp, comm.gather_from_tp, comm.gather_from_sp,
+               comm.reduce_scatter_to_sp, comm.scatter_to_sp):
+        assert fn(x) is x
+
+
+def _bad_split(rank, ws):
+    try:
+        comm.split(torch.randn(5, 2), 0, dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+
+
+def test_uneven_split_error_on_every_rank():
+    assert run_distributed(_bad_split, 2) == ["cannot split dim 0 of size 5 evenly over 2 ranks (shape (5, 2))"] * 2

@@ -1,0 +1,204 @@
+"""ColumnParallelLinear / RowParallelLinear against the single-process model on real gloo
+process groups: outputs, input and parameter gradients, and parameters after AdamW steps,
+with and without sequence parallelism; collective counts; init independent of TP size."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_full
+from parallel_layers.tensor_parallel.comm import all_gather
+from parallel_layers.tensor_parallel.sharding import shard, unshard, TPShard
+from tests.dist_harness import run_distributed
+
+D_MODEL, HIDDEN, SEQ, BATCH = 8, 24, 12, 2  # HIDDEN and SEQ divide by 1, 2, 3 and 4
+# float32 parity: the column side is the same GEMMs on slices (bit-exact or nearly), the row
+# side differs by the order of the TP sum; AdamW keeps differences of that size.
+RTOL = 1e-5
+
+
+class RefMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D_MODEL, HIDDEN)
+        self.down = nn.Linear(HIDDEN, D_MODEL)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _mlp_parity(rank, ws, sequence_parallel, steps):
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    ref = RefMLP()
+    col = ColumnParallelLinear.from_linear(ref.up, activation="gelu_tanh", tp_group=group,
+                                           sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_linear(ref.down, tp_group=group, sequence_parallel=sequence_parallel)
+    par = nn.Sequential(col, row)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_par = torch.optim.AdamW(par.parameters(), lr=1e-2)
+    local = (lambda t: t.chunk(ws, 0)[rank]) if sequence_parallel else (lambda t: t)
+    g = torch.Generator().manual_seed(1)
+    worst = {}
+
+    def check(name, got, want):
+        worst[name] = max(worst.get(name, 0.0), _rel(got, want))
+
+    for _ in range(steps):
+        x, target = torch.randn(SEQ, BATCH, D_MODEL, generator=g), torch.randn(SEQ, BATCH, D_MODEL, generator=g)
+        xr = x.clone().requires_grad_()
+        loss_ref = ((ref(xr) - target) ** 2).sum()
+        loss_ref.backward()
+        xp = local(x).clone().requires_grad_()
+        out = par(xp)
+        ((out - local(target)) ** 2).sum().backward()
+
+        check("output", all_gather(out.detach(), 0, group) if sequence_parallel else out.detach(), ref(x).detach())
+        check("grad input", xp.grad, local(xr.grad))
+        check("grad up.weight", col.weight.grad, shard(ref.up.weight.grad, 0, ws, rank))
+        check("grad up.bias", col.bias.grad, shard(ref.up.bias.grad, 0, ws, rank))
+        check("grad down.weight", row.weight.grad, shard(ref.down.weight.grad, 1, ws, rank))
+        check("grad down.bias", row.bias.grad, ref.down.bias.grad)
+        opt_ref.step()
+        opt_par.step()
+        opt_ref.zero_grad()
+        opt_par.zero_grad()
+    check("up.weight after steps", gather_full(col.weight, group), ref.up.weight.detach())
+    check("down.weight after steps", gather_full(row.weight, group), ref.down.weight.detach())
+    check("down.bias after steps", row.bias.detach(), ref.down.bias.detach())
+    return worst
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_mlp_matches_single_process(tp, sequence_parallel):
+    for rank, worst in enumerate(run_distributed(_mlp_parity, tp, args=(sequence_parallel, 4))):
+        bad = {k: v for k, v in worst.items() if not v < RTOL}
+        assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
+
+
+@contextlib.contextmanager
+def _count_collectives():
+    counts = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _count_layer(rank, ws, kind, sequence_parallel):
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    if kind == "column":
+        layer = ColumnParallelLinear(D_MODEL, HIDDEN, activation="gelu", tp_group=group,
+                                     sequence_parallel=sequence_parallel)
+        x = torch.randn(SEQ // (ws if sequence_parallel else 1), BATCH, D_MODEL, requires_grad=True)
+    else:
+        layer = RowParallelLinear(HIDDEN, D_MODEL, bias=False, tp_group=group, sequence_parallel=sequence_parallel)
+        x = torch.randn(SEQ, BATCH, HIDDEN // ws, requires_grad=True)
+    with _count_collectives() as fwd:
+        out = layer(x)
+    with _count_collectives() as bwd:
+        out.sum().backward()
+    return {k: v for k, v in fwd.items() if v}, {k: v for k, v in bwd.items() if v}
+
+
+# REFERENCE.md section 1: the collectives each layer must issue (forward, backward).
+EXPECTED = {
+    ("column", False): ({}, {"all_reduce": 1}),
+    ("column", True): ({"all_gather_single": 1}, {"reduce_scatter_single": 1}),
+    ("row", False): ({"all_reduce": 1}, {}),
+    ("row", True): ({"reduce_scatter_single": 1}, {"all_gather_single": 1}),
+}
+
+
+@pytest.mark.parametrize("kind, sequence_parallel", list(EXPECTED))
+def test_collective_counts(kind, sequence_parallel):
+    for fwd, bwd in run_distributed(_count_layer, 2, args=(kind, sequence_parallel)):
+        assert (fwd, bwd) == EXPECTED[(kind, sequence_parallel)]
+
+
+def _init_is_tp_independent(rank, ws):
+    group = dist.group.WORLD
+    torch.manual_seed(123)
+    col = ColumnParallelLinear(12, 24, tp_group=group)
+    row = RowParallelLinear(24, 12, tp_group=group)
+    torch.manual_seed(123)
+    ref_col, ref_row = nn.Linear(12, 24), nn.Linear(24, 12)
+    return [torch.equal(gather_full(col.weight, group), ref_col.weight.detach()),
+            torch.equal(gather_full(col.bias, group), ref_col.bias.detach()),
+            torch.equal(gather_full(row.weight, group), ref_row.weight.detach()),
+            torch.equal(row.bias.detach(), ref_row.bias.detach()),
+            torch.equal(col.to_linear().weight, ref_col.weight.detach())]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_init_independent_of_tp_size(tp):
+    for checks in run_distributed(_init_is_tp_independent, tp):
+        assert all(checks), checks
+
+
+def _bad_sizes(rank, ws):
+    messages = []
+    for build in (lambda: ColumnParallelLinear(4, 10, tp_group=dist.group.WORLD),
+                  lambda: RowParallelLinear(10, 4, tp_group=dist.group.WORLD)):
+        try:
+            build()
+        except ValueError as e:
+            messages.append(str(e))
+    layer = ColumnParallelLinear(4, 6, tp_group=dist.group.WORLD)
+    try:
+        layer(torch.randn(2, 5))
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_bad_input_is_reported_on_every_rank():
+    results = run_distributed(_bad_sizes, 3)
+    for messages in results:
+        assert messages == [
+            "ColumnParallelLinear out_features (10) is not divisible by the tensor-parallel size (3); valid "
+            "tensor-parallel sizes for 10 are [1, 2, 5, 10]",
+            "RowParallelLinear in_features (10) is not divisible by the tensor-parallel size (3); valid "
+            "tensor-parallel sizes for 10 are [1, 2, 5, 10]",
+            "ColumnParallelLinear: input of shape (2, 5) has last dim 5, expected in_features = 4",
+        ]
+
+
+def test_fused_weight_is_split_per_sub_matrix():
+    q, k, v = (torch.full((4, 3), float(i)) for i in (1, 2, 3))
+    qkv = torch.cat([q, k, v])  # [12, 3]
+    part = shard(qkv, 0, 2, 1, fused=(4, 4, 4))
+    # Rank 1 of 2 holds the second half of q, of k and of v, never a slice across q and k.
+    assert part[:, 0].tolist() == [1, 1, 2, 2, 3, 3]
+    spec = TPShard(dim=0, parts=2, index=0, full_shape=(12, 3), fused=(4, 4, 4))
+    assert torch.equal(unshard([shard(qkv, 0, 2, r, (4, 4, 4)) for r in range(2)], spec), qkv)
+
+
+def test_layer_argument_errors():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ColumnParallelLinear(4, 4, activation="relu")
+    with pytest.raises(ValueError, match="sequence_parallel=True requires input_is_parallel=True"):
+        RowParallelLinear(4, 4, input_is_parallel=False, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"fused_sizes \(2, 2\) sum to 4, not out_features 6"):
+        ColumnParallelLinear(4, 6, fused_sizes=(2, 2))
