@@ -58,3 +58,44 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def spawn(fn, world_size: int, args: tuple = ()) -> list:
+    """Run fn(rank, world_size, *args) in `world_size` processes on gloo; return rank results.
+
+    A small launcher for the distributed benchmarks (tests use tests/dist_harness.py, which
+    also turns hangs and dead ranks into failures).
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_spawned, args=(fn, r, world_size, args, f"file://{tmp}/rdzv", queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=3600) for _ in procs)
+        for p in procs:
+            p.join()
+        failed = {r: v for r, v in results.items() if isinstance(v, BaseException)}
+        if failed:
+            raise RuntimeError(f"benchmark ranks failed: {failed}")
+        return [results[r] for r in range(world_size)]
+
+
+def _spawned(fn, rank, world_size, args, init_method, queue):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=600))
+        queue.put((rank, fn(rank, world_size, *args)))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        queue.put((rank, RuntimeError(f"rank {rank}: {e!r}")))

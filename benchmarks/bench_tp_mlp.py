@@ -1,0 +1,86 @@
+"""Tensor-parallel MLP step time: ours vs PyTorch DTensor TP vs the single-process MLP.
+
+    python benchmarks/bench_tp_mlp.py [--tokens 1024] [--d-model 1024] [--reps 15]
+
+Two processes on gloo (tp=2), one thread each. Per step (forward + backward of
+Column(gelu) -> Row on [seq, batch, d_model] activations, interleaved, median of --reps):
+  ours:      parallel_layers ColumnParallelLinear(activation="gelu_tanh") + RowParallelLinear
+  dtensor:   torch.distributed.tensor.parallel ColwiseParallel / RowwiseParallel on
+             nn.Linear + nn.GELU(approximate="tanh") + nn.Linear
+  single:    the unsharded MLP in one process with both threads (rank 0; rank 1 waits)
+Writes benchmarks/results/bench_tp_mlp.json. Target: ours / dtensor <= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, spawn, time_interleaved, write_json  # noqa: E402
+
+
+def _mlp(d_model: int, hidden: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d_model))
+
+
+def _rank(rank, ws, seq, batch, d_model, hidden, reps):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    ref = _mlp(d_model, hidden)
+    group = dist.group.WORLD
+    ours = nn.Sequential(ColumnParallelLinear.from_linear(ref[0], activation="gelu_tanh", tp_group=group),
+                         RowParallelLinear.from_linear(ref[2], tp_group=group))
+    mesh = init_device_mesh("cpu", (ws,))
+    dtensor = parallelize_module(_mlp(d_model, hidden), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(seq, batch, d_model)
+
+    def step(model):
+        def run():
+            model(x).sum().backward()
+        return run
+
+    times = time_interleaved({"ours": step(ours), "dtensor": step(dtensor)}, reps)
+    dist.barrier()
+    if rank == 0:
+        torch.set_num_threads(ws)
+        times["single"] = time_interleaved({"single": step(ref)}, reps)["single"]
+        torch.set_num_threads(1)
+    dist.barrier()
+    return times
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--name", default="bench_tp_mlp", help="result file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    results = spawn(_rank, 2, (args.seq, args.batch, args.d_model, args.hidden, args.reps))
+    t = results[0]
+    ratios = {"ours_over_dtensor": t["ours"] / t["dtensor"], "ours_over_single": t["ours"] / t["single"],
+              "dtensor_over_single": t["dtensor"] / t["single"]}
+    print(f"tp=2 MLP [{args.seq}x{args.batch}x{args.d_model}] -> {args.hidden}, fwd+bwd per step (rank 0):")
+    for name in ("ours", "dtensor", "single"):
+        print(f"  {name:8s} {t[name] * 1e3:8.2f} ms")
+    print(f"  ours / dtensor = {ratios['ours_over_dtensor']:.2f} (target <= 0.8), "
+          f"ours / single = {ratios['ours_over_single']:.2f}, dtensor / single = {ratios['dtensor_over_single']:.2f}")
+    path = write_json(args.name, {"benchmark": "tp_mlp", "machine": machine(), "args": vars(args),
+                                       "seconds_per_step": t, "ratios": ratios})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
