@@ -11,8 +11,14 @@ from parallel_layers.tensor_parallel.comm import (
 )
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.sharding import TPShard, gather_full
+from parallel_layers.tensor_parallel.vocab import (
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logits,
+)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "TPShard", "copy_to_tp", "gather_from_sp", "gather_from_tp",
     "gather_full", "reduce_from_tp", "reduce_grad_over_tp", "reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_logits",
 ]

@@ -56,9 +56,10 @@ def unshard(parts_list: list[Tensor], spec: TPShard) -> Tensor:
     return torch.cat(blocks, dim=spec.dim)
 
 
-def gather_full(param: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """All-gather a sharded parameter (with `tp_shard`) into the full tensor on every rank."""
-    spec: TPShard | None = getattr(param, "tp_shard", None)
+def gather_full(param: Tensor, group: dist.ProcessGroup | None, spec: TPShard | None = None) -> Tensor:
+    """All-gather a sharded parameter (with `tp_shard`, or cut as `spec`, e.g. its gradient)
+    into the full tensor on every rank."""
+    spec = spec if spec is not None else getattr(param, "tp_shard", None)
     if spec is None or spec.parts == 1:
         return param.detach().clone()
     parts_list = [torch.empty_like(param) for _ in range(spec.parts)]

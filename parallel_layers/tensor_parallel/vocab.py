@@ -1,0 +1,154 @@
+"""Vocabulary-parallel embedding, tied output logits and cross-entropy.
+
+The vocabulary is padded to a multiple of the TP size (padded rows are zero and never
+selected) and split on dim 0: rank r holds rows [r * V_r, (r + 1) * V_r), V_r = V_pad / tp.
+
+  VocabParallelEmbedding     ids [...] -> [..., D]: each rank looks up the ids it owns,
+                             zeros elsewhere, and the partial results are all-reduced
+                             (SP: reduce-scattered on dim 0, activations [seq, batch, D]).
+  vocab_parallel_logits      hidden [..., D] -> local logits [..., V_r] with the embedding's
+                             weight (tied head): copy-to-TP (SP: all-gather) then a local GEMM.
+  vocab_parallel_cross_entropy  local logits + global targets -> loss, never gathering the
+                             [..., V] logits: 1 all-reduce (max) and 1 all-reduce (sum of
+                             exp, target logit) forward; backward is local.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel.layers import _sharded_param
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding with its rows split over the TP group (see the module doc)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 sequence_parallel: bool = False, tp_group: dist.ProcessGroup | None = None, device=None, dtype=None,
+                 _full: Tensor | None = None):
+        super().__init__()
+        tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+            raise ValueError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx}")
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
+        self.padded_num_embeddings = math.ceil(num_embeddings / tp) * tp
+        self.rows_per_rank = self.padded_num_embeddings // tp
+        self.vocab_start = rank * self.rows_per_rank
+        full = _full
+        if full is None:  # nn.Embedding's initialisation, on the full table
+            full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+            if full.device.type != "meta":
+                nn.init.normal_(full)
+                if padding_idx is not None:
+                    with torch.no_grad():
+                        full[padding_idx].zero_()
+        pad = full.new_zeros(self.padded_num_embeddings - num_embeddings, embedding_dim)
+        self.weight = _sharded_param(torch.cat([full.detach(), pad]), 0, tp, rank)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"VocabParallelEmbedding expects integer ids, got {ids.dtype}")
+        if ids.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got values in "
+                             f"[{ids.min().item()}, {ids.max().item()}]")
+        local_pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.rows_per_rank:
+            local_pad = self.padding_idx - self.vocab_start
+        if comm.group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight, local_pad)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, local_pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sp(out, self.tp_group)
+        return comm.reduce_from_tp(out, self.tp_group)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> VocabParallelEmbedding:
+        """Shard an existing nn.Embedding (weights copied; its padding_idx kept)."""
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+                   _full=embedding.weight.detach(), **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}, local {self.rows_per_rank}), "
+                f"{self.embedding_dim}, tp={comm.group_size(self.tp_group)}, sequence_parallel={self.sequence_parallel}")
+
+
+def vocab_parallel_logits(hidden: Tensor, embedding: VocabParallelEmbedding) -> Tensor:
+    """Local logits [..., V_r] of a head tied to `embedding`.
+
+    hidden is replicated over TP (copy-to-TP: its gradient is all-reduced), or, when the
+    embedding is sequence parallel, sharded on dim 0 (all-gathered here; its gradient is
+    reduce-scattered), like the input of a column-parallel layer.
+    """
+    if embedding.sequence_parallel:
+        hidden = comm.gather_from_sp(hidden, embedding.tp_group)
+    else:
+        hidden = comm.copy_to_tp(hidden, embedding.tp_group)
+    return F.linear(hidden, embedding.weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size, vocab_start, ignore_index, group):
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        rows = logits.shape[-1]
+        padded = torch.arange(vocab_start, vocab_start + rows, device=logits.device) >= vocab_size
+        if padded.any():  # padding rows of the vocabulary never win and never count
+            logits = logits.masked_fill(padded, float("-inf"))
+        max_logit = logits.max(dim=-1).values
+        if comm.group_size(group) > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - max_logit.unsqueeze(-1)
+        exp = shifted.exp()
+        local_t = target - vocab_start
+        mine = (local_t >= 0) & (local_t < rows)
+        local_t = local_t.clamp(0, rows - 1)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine
+        sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        if comm.group_size(group) > 1:
+            dist.all_reduce(sums, group=group)
+        sum_exp, target_logit = sums
+        valid = target != ignore_index
+        loss = (sum_exp.log() - target_logit) * valid
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, mine, valid = ctx.saved_tensors
+        grad = softmax * valid.unsqueeze(-1)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding_or_vocab: VocabParallelEmbedding,
+                                 *, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """F.cross_entropy over logits split on the vocabulary, without gathering them.
+
+    local_logits [..., V_r] (from `vocab_parallel_logits`), target [...] global ids or
+    ignore_index. reduction: "mean" over non-ignored targets, "sum" or "none".
+    """
+    emb = embedding_or_vocab
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if local_logits.shape[:-1] != target.shape or local_logits.shape[-1] != emb.rows_per_rank:
+        raise ValueError(f"local logits {tuple(local_logits.shape)} and target {tuple(target.shape)} do not match: "
+                         f"expected logits [*target.shape, {emb.rows_per_rank}]")
+    loss = _VocabParallelCrossEntropy.apply(local_logits, target, emb.num_embeddings, emb.vocab_start,
+                                            ignore_index, emb.tp_group)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum().clamp_min(1)

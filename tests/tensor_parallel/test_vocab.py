@@ -1,0 +1,87 @@
+"""VocabParallelEmbedding, the tied vocab-parallel head and cross-entropy against
+nn.Embedding + F.linear + F.cross_entropy, with a vocabulary that needs padding."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel_layers.tensor_parallel import (
+    VocabParallelEmbedding,
+    gather_full,
+    reduce_grad_over_tp,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logits,
+)
+from parallel_layers.tensor_parallel.comm import all_gather
+from tests.dist_harness import run_distributed
+
+VOCAB, DIM, SEQ, BATCH = 50, 8, 12, 2  # 50 = padded to 51 at tp=3 and 52 at tp=4
+RTOL = 1e-5  # float32; the only difference is the order of the softmax sums over shards
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _lm_parity(rank, ws, sequence_parallel, padding_idx):
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    ref_emb = nn.Embedding(VOCAB, DIM, padding_idx=padding_idx)
+    ref_mix = nn.Linear(DIM, DIM)
+    emb = VocabParallelEmbedding.from_embedding(ref_emb, tp_group=group, sequence_parallel=sequence_parallel)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
+    ids[0, 0] = padding_idx if padding_idx is not None else 0  # the lookup of a padding id adds no gradient
+    target = torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
+    target[1, :] = -100  # ignored positions
+
+    h_ref = torch.tanh(ref_mix(ref_emb(ids)))
+    logits_ref = F.linear(h_ref, ref_emb.weight)
+    loss_ref = F.cross_entropy(logits_ref.reshape(-1, VOCAB), target.reshape(-1), ignore_index=-100)
+    loss_ref.backward()
+    mix_grad_ref = ref_mix.weight.grad.clone()
+    ref_mix.zero_grad()
+
+    if sequence_parallel:
+        # A replicated layer that sees only this rank's sequence chunk: its gradient is
+        # partial and must be summed over TP (as for LayerNorm under SP).
+        for p in ref_mix.parameters():
+            reduce_grad_over_tp(p, group)
+    h = torch.tanh(ref_mix(emb(ids)))  # [SEQ (/ tp under SP), BATCH, DIM]
+    local_logits = vocab_parallel_logits(h, emb)
+    loss = vocab_parallel_cross_entropy(local_logits, target, emb)
+    loss.backward()
+    full_logits = all_gather(local_logits.detach(), -1, group)[..., :VOCAB]
+    emb_grad = gather_full(emb.weight.grad, group, emb.weight.tp_shard)[:VOCAB]
+    return {"loss": abs(loss.item() - loss_ref.item()) / loss_ref.item(),
+            "logits": _rel(full_logits, logits_ref.detach()),
+            "grad embedding": _rel(emb_grad, ref_emb.weight.grad),
+            "grad mix": _rel(ref_mix.weight.grad, mix_grad_ref)}
+
+
+@pytest.mark.parametrize("padding_idx", [None, 7])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_lm_head_and_loss_match_single_process(tp, sequence_parallel, padding_idx):
+    for rank, r in enumerate(run_distributed(_lm_parity, tp, args=(sequence_parallel, padding_idx))):
+        bad = {k: v for k, v in r.items() if not v < RTOL}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_reductions_and_errors_single_process():
+    emb = VocabParallelEmbedding(10, 4)
+    logits = torch.randn(3, 10, requires_grad=True)
+    target = torch.tensor([1, -100, 9])
+    for reduction in ("mean", "sum", "none"):
+        ours = vocab_parallel_cross_entropy(logits, target, emb, reduction=reduction)
+        torch.testing.assert_close(ours, F.cross_entropy(logits, target, reduction=reduction))
+    with pytest.raises(ValueError, match="reduction must be 'mean', 'sum' or 'none', got 'avg'"):
+        vocab_parallel_cross_entropy(logits, target, emb, reduction="avg")
+    with pytest.raises(ValueError, match=r"expected logits \[\*target.shape, 10\]"):
+        vocab_parallel_cross_entropy(logits[:, :5], target, emb)
+    with pytest.raises(IndexError, match=r"ids must be in \[0, 10\), got values in \[0, 12\]"):
+        emb(torch.tensor([0, 12]))
+    with pytest.raises(ValueError, match=r"padding_idx must be in \[0, 10\), got 10"):
+        VocabParallelEmbedding(10, 4, padding_idx=10)
