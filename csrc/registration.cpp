@@ -42,6 +42,15 @@ TORCH_LIBRARY(parallel_layers, m) {
   // y = gelu(x @ weight^T + bias); preact = x @ weight^T + bias when save_preact, else an
   // empty [0] (inference skips writing it). x [..., k], weight [n, k], bias [n].
   m.def("linear_gelu(Tensor x, Tensor weight, Tensor? bias, str approximate, bool save_preact) -> (Tensor y, Tensor preact)");
+  // Shard copies (layout in parallel_layers/shard_layout.h; buffers are [world_size, S]):
+  // this rank's shards -> its row of the all-gather buffer (cast to out's dtype);
+  m.def("all_gather_copy_in(Tensor[] shards, Tensor(a!) out, int rank) -> ()");
+  // the gathered buffer -> the full, unpadded tensors (cast to their dtype);
+  m.def("all_gather_copy_out(Tensor gathered, Tensor(a!)[] outs) -> ()");
+  // full gradients -> padded, rank-interleaved reduce-scatter buffer, times pre_scale, cast;
+  m.def("reduce_scatter_copy_in(Tensor[] grads, Tensor(a!) out, float pre_scale) -> ()");
+  // this rank's reduced chunk [S] -> shard gradients (= or +=) post_scale * chunk, cast.
+  m.def("reduce_scatter_copy_out(Tensor reduced, Tensor(a!)[] shard_grads, float post_scale, bool accumulate) -> ()");
 }
 
 namespace {

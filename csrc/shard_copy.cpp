@@ -1,0 +1,145 @@
+// Shard copy-in / copy-out kernels on CPU: pack sharded parameters into the all-gather buffer
+// and unpack them, and pack gradients into the reduce-scatter buffer (pad, interleave ranks,
+// scale, cast) and unpack this rank's reduced chunk into float32 shard gradients. Many tensors
+// per call, parallel over the flat buffer; the buffer is cut into pieces that each lie in one
+// tensor (the shared slot search of parallel_layers/shard_layout.h), and each piece is one
+// vectorised ATen copy/cast. Scaling of a piece happens while it is in cache.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "parallel_layers/shard_copy.h"
+
+namespace parallel_layers::cpu {
+namespace {
+
+constexpr int64_t kGrain = 65536;
+
+// Calls visit(i, lo, hi) for the pieces of slot positions [begin, end) that belong to one
+// tensor each (tensor i owns [o_i, o_i + s_i)), found with the shared binary search. Every
+// piece is contiguous on both sides, so it is copied by one vectorised ATen call.
+template <typename Visit>
+void for_each_piece(const SlotLayout& l, int64_t begin, int64_t end, Visit&& visit) {
+  const int64_t count = static_cast<int64_t>(l.offset.size());
+  for (int64_t i = find_tensor(l.offset.data(), count, begin); i < count && l.offset[i] < end; ++i) {
+    const int64_t lo = std::max(begin, l.offset[i]), hi = std::min(end, l.offset[i] + l.shard[i]);
+    if (lo < hi) visit(i, lo, hi);
+  }
+}
+
+// Calls visit(r, lo, hi) for the pieces of flat positions [begin, end) of a [world, S] buffer
+// that stay within one row r (lo, hi are slot positions within that row).
+template <typename Visit>
+void for_each_row_piece(int64_t total, int64_t begin, int64_t end, Visit&& visit) {
+  for (int64_t r = begin / total; r * total < end; ++r) {
+    visit(r, std::max(begin, r * total) - r * total, std::min(end, (r + 1) * total) - r * total);
+  }
+}
+
+// dst = scale * src, the product taken in the wider of the two dtypes and rounded once into
+// dst's; a piece is small enough that the second pass over dst hits the cache.
+void scaled_copy(const at::Tensor& dst, const at::Tensor& src, double scale) {
+  if (scale == 1.0) {
+    dst.copy_(src);
+  } else if (c10::promoteTypes(src.scalar_type(), dst.scalar_type()) == dst.scalar_type()) {
+    dst.copy_(src).mul_(scale);
+  } else {
+    dst.copy_(src * scale);
+  }
+}
+
+// Elements [lo, hi) of tensor t viewed flat.
+at::Tensor flat(const at::Tensor& t, int64_t lo, int64_t hi) { return t.view({-1}).slice(0, lo, hi); }
+
+}  // namespace
+
+void all_gather_copy_in(at::TensorList shards, const at::Tensor& out, int64_t rank) {
+  const SlotLayout l = layout_of_shards(shards, "shards");
+  check_same_dtype(shards, "shards");
+  TORCH_CHECK(rank >= 0 && rank < (out.dim() > 0 ? out.size(0) : 0), "rank ", rank, " is outside [0, ",
+              out.dim() > 0 ? out.size(0) : 0, ") (the world size is out.size(0))");
+  check_buffer(out, out.size(0), l.total, "out");
+  if (l.total == 0) return;
+  const at::Tensor row = out[rank];
+  at::parallel_for(0, l.total, kGrain, [&](int64_t b, int64_t e) {
+    for_each_piece(l, b, e, [&](int64_t i, int64_t lo, int64_t hi) {
+      row.slice(0, lo, hi).copy_(flat(shards[i], lo - l.offset[i], hi - l.offset[i]));
+    });
+  });
+}
+
+void all_gather_copy_out(const at::Tensor& gathered, at::TensorList outs) {
+  TORCH_CHECK(gathered.dim() == 2, "gathered must be [world_size, sum of shard sizes], got shape ", gathered.sizes());
+  const int64_t world = gathered.size(0);
+  const SlotLayout l = layout_of_full(outs, world, "outs");
+  check_same_dtype(outs, "outs");
+  check_buffer(gathered, world, l.total, "gathered");
+  if (l.total == 0 || outs.empty()) return;
+  at::parallel_for(0, world * l.total, kGrain, [&](int64_t b, int64_t e) {
+    for_each_row_piece(l.total, b, e, [&](int64_t r, int64_t row_lo, int64_t row_hi) {
+      for_each_piece(l, row_lo, row_hi, [&](int64_t i, int64_t lo, int64_t hi) {
+        // Elements of tensor i this piece covers, cut at its unpadded end.
+        const int64_t el_lo = element_of_slot(r, l.shard[i], l.offset[i], lo);
+        const int64_t el_hi = std::min(element_of_slot(r, l.shard[i], l.offset[i], hi), l.numel[i]);
+        if (el_lo < el_hi) flat(outs[i], el_lo, el_hi).copy_(gathered[r].slice(0, lo, lo + (el_hi - el_lo)));
+      });
+    });
+  });
+}
+
+void reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out, double pre_scale) {
+  TORCH_CHECK(out.dim() == 2, "out must be [world_size, sum of shard sizes], got shape ", out.sizes());
+  const int64_t world = out.size(0);
+  const SlotLayout l = layout_of_full(grads, world, "grads");
+  check_same_dtype(grads, "grads");
+  check_buffer(out, world, l.total, "out");
+  if (l.total == 0 || grads.empty()) return;
+  at::parallel_for(0, world * l.total, kGrain, [&](int64_t b, int64_t e) {
+    for_each_row_piece(l.total, b, e, [&](int64_t r, int64_t row_lo, int64_t row_hi) {
+      for_each_piece(l, row_lo, row_hi, [&](int64_t i, int64_t lo, int64_t hi) {
+        const int64_t el_lo = element_of_slot(r, l.shard[i], l.offset[i], lo);
+        const int64_t el_hi = std::min(element_of_slot(r, l.shard[i], l.offset[i], hi), l.numel[i]);
+        const int64_t valid = std::max<int64_t>(0, el_hi - el_lo);
+        at::Tensor dst = out[r].slice(0, lo, lo + valid);
+        if (valid > 0) {
+          // Scaled in the source's precision, rounded once into the buffer's dtype.
+          const at::Tensor src = flat(grads[i], el_lo, el_hi);
+          scaled_copy(dst, src, pre_scale);
+        }
+        out[r].slice(0, lo + valid, hi).zero_();  // padding past the tensor's end
+      });
+    });
+  });
+}
+
+void reduce_scatter_copy_out(const at::Tensor& reduced, at::TensorList shard_grads, double post_scale,
+                             bool accumulate) {
+  const SlotLayout l = layout_of_shards(shard_grads, "shard_grads");
+  check_same_dtype(shard_grads, "shard_grads");
+  check_float_type(reduced, "reduced");
+  TORCH_CHECK(reduced.dim() == 1 && reduced.numel() == l.total && reduced.is_contiguous(),
+              "reduced must be a contiguous [", l.total, "] tensor (the sum of the shard sizes), got shape ",
+              reduced.sizes());
+  if (l.total == 0) return;
+  at::parallel_for(0, l.total, kGrain, [&](int64_t b, int64_t e) {
+    for_each_piece(l, b, e, [&](int64_t i, int64_t lo, int64_t hi) {
+      at::Tensor dst = flat(shard_grads[i], lo - l.offset[i], hi - l.offset[i]);
+      const at::Tensor src = reduced.slice(0, lo, hi);
+      if (accumulate) {
+        dst.add_(src, post_scale);
+      } else {
+        scaled_copy(dst, src, post_scale);
+      }
+    });
+  });
+}
+
+}  // namespace parallel_layers::cpu
+
+TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
+  m.impl("all_gather_copy_in", &parallel_layers::cpu::all_gather_copy_in);
+  m.impl("all_gather_copy_out", &parallel_layers::cpu::all_gather_copy_out);
+  m.impl("reduce_scatter_copy_in", &parallel_layers::cpu::reduce_scatter_copy_in);
+  m.impl("reduce_scatter_copy_out", &parallel_layers::cpu::reduce_scatter_copy_out);
+}

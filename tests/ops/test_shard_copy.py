@@ -1,0 +1,160 @@
+"""Shard copy kernels against pure-PyTorch references (torch.cat / chunk / pad): random and
+degenerate shapes (first dim < world size, size 1, empty), world sizes 1-8, dtype changes,
+property-based with hypothesis, opcheck, and the CUDA kernels when a GPU is present."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import parallel_layers  # noqa: F401  (registers the ops)
+from parallel_layers.ops.shard_copy import (
+    all_gather_copy_in,
+    all_gather_copy_out,
+    reduce_scatter_copy_in,
+    reduce_scatter_copy_out,
+    shard_numel,
+)
+from tests.ops.numerics import devices
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+# ---- references -------------------------------------------------------------------------
+def ref_shards(full: torch.Tensor, world: int) -> list[torch.Tensor]:
+    s = shard_numel(full.numel(), world)
+    padded = F.pad(full.flatten(), (0, s * world - full.numel()))
+    return list(padded.chunk(world)) if s else [padded.new_empty(0)] * world
+
+
+def ref_gather_buffer(fulls, world, dtype):
+    """What the all-gather produces: row r = rank r's shards, cast."""
+    rows = [torch.cat([ref_shards(t, world)[r].to(dtype) for t in fulls]) if fulls else torch.empty(0, dtype=dtype)
+            for r in range(world)]
+    return torch.stack(rows)
+
+
+def ref_reduce_scatter_in(grads, world, dtype, scale):
+    return torch.stack([torch.cat([(ref_shards(g, world)[r].to(torch.float64) * scale).to(dtype) for g in grads])
+                        if grads else torch.empty(0, dtype=dtype) for r in range(world)])
+
+
+def _tensors(shapes, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype) for shape in shapes]
+
+
+SHAPES = [(7, 15), (15, 3), (1,), (3, 5), (0,), (2,), (1, 1, 4), (0, 3), (33,)]
+
+
+# ---- all-gather -------------------------------------------------------------------------
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("src, dst", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                      (torch.float32, torch.float32), (torch.float16, torch.float32)])
+def test_all_gather_round_trip(world, src, dst, device):
+    fulls = _tensors(SHAPES, src, device)
+    per_rank = [[ref_shards(t, world)[r] for t in fulls] for r in range(world)]
+    # Each rank packs its shards into its row; the all-gather is simulated by merging rows.
+    gathered = torch.empty(world, sum(shard_numel(t.numel(), world) for t in fulls), dtype=dst, device=device)
+    for r in range(world):
+        row = all_gather_copy_in(per_rank[r], world, r, dst)[r]
+        gathered[r] = row
+    torch.testing.assert_close(gathered, ref_gather_buffer(fulls, world, dst), rtol=0, atol=0)
+    outs = [torch.full(t.shape, float("nan"), dtype=src, device=device) for t in fulls]
+    all_gather_copy_out(gathered, outs)
+    for t, o in zip(fulls, outs):
+        # Back in the source dtype: exact unless the buffer dtype was narrower.
+        torch.testing.assert_close(o, t.to(dst).to(src), rtol=0, atol=0)
+
+
+# ---- reduce-scatter ---------------------------------------------------------------------
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                      (torch.float32, torch.bfloat16)])
+def test_reduce_scatter_copy_in_and_out(world, src, dst, device):
+    grads = _tensors(SHAPES, src, device, seed=1)
+    buf = reduce_scatter_copy_in(grads, world, dst, pre_scale=0.5)
+    expected = ref_reduce_scatter_in([g.cpu() for g in grads], world, dst, 0.5)
+    # Scaling runs in float32 (float64 if either side is float64), so compare with a float32 reference.
+    expected32 = torch.stack([torch.cat([(ref_shards(g.cpu(), world)[r].float() * 0.5).to(dst) for g in grads])
+                              for r in range(world)])
+    torch.testing.assert_close(buf.cpu(), expected32, rtol=0, atol=0)
+    torch.testing.assert_close(buf.cpu().double(), expected.double(), rtol=1e-2, atol=1e-6)  # same up to rounding
+    for rank in range(world):
+        shard_grads = [torch.ones(shard_numel(g.numel(), world), dtype=torch.float32, device=device) for g in grads]
+        reduce_scatter_copy_out(buf[rank], shard_grads, post_scale=2.0, accumulate=True)
+        for g, sg in zip(grads, shard_grads):
+            want = 1.0 + 2.0 * (ref_shards(g.cpu(), world)[rank].float() * 0.5).to(dst).float()
+            torch.testing.assert_close(sg.cpu(), want, rtol=1e-6, atol=1e-6)  # one float32 rounding of 1 + x
+
+
+@pytest.mark.parametrize("device", devices())
+def test_reduce_scatter_copy_out_overwrites(device):
+    reduced = torch.arange(5.0, device=device)
+    a, b = torch.full((2,), 9.0, device=device), torch.full((3,), 9.0, device=device)
+    reduce_scatter_copy_out(reduced, [a, b], post_scale=3.0, accumulate=False)
+    assert a.tolist() == [0.0, 3.0] and b.tolist() == [6.0, 9.0, 12.0]
+
+
+# ---- property-based ---------------------------------------------------------------------
+shape_st = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(shape_st, min_size=1, max_size=6), world=st.integers(1, 8),
+       src=st.sampled_from(DTYPES), dst=st.sampled_from(DTYPES), data=st.data())
+def test_property_all_ops_match_reference(shapes, world, src, dst, data):
+    fulls = _tensors(shapes, src, "cpu", seed=data.draw(st.integers(0, 1000)))
+    rank = data.draw(st.integers(0, world - 1))
+    buf = all_gather_copy_in([ref_shards(t, world)[rank] for t in fulls], world, rank, dst)
+    torch.testing.assert_close(buf[rank], ref_gather_buffer(fulls, world, dst)[rank], rtol=0, atol=0)
+    full_buf = ref_gather_buffer(fulls, world, dst)
+    outs = [torch.empty(t.shape, dtype=src) for t in fulls]
+    all_gather_copy_out(full_buf, outs)
+    for t, o in zip(fulls, outs):
+        torch.testing.assert_close(o, t.to(dst).to(src), rtol=0, atol=0)
+    rs = reduce_scatter_copy_in(fulls, world, dst, pre_scale=1.0)
+    torch.testing.assert_close(rs, ref_reduce_scatter_in(fulls, world, dst, 1.0), rtol=0, atol=0)
+    # Scatter then gather again: every element lands back where it came from.
+    shard_grads = [torch.empty(shard_numel(t.numel(), world), dtype=dst) for t in fulls]
+    reduce_scatter_copy_out(rs[rank], shard_grads)
+    for t, sg in zip(fulls, shard_grads):
+        torch.testing.assert_close(sg, ref_shards(t, world)[rank].to(dst), rtol=0, atol=0)
+
+
+# ---- opcheck and errors -----------------------------------------------------------------
+@pytest.mark.parametrize("device", devices())
+def test_opcheck(device):
+    fulls = _tensors([(3, 4), (5,), (0,)], torch.float32, device)
+    world = 2
+    shards = [ref_shards(t, world)[1].contiguous() for t in fulls]
+    total = sum(s.numel() for s in shards)
+    ops = torch.ops.parallel_layers
+    torch.library.opcheck(ops.all_gather_copy_in.default,
+                          (shards, torch.zeros(world, total, dtype=torch.bfloat16, device=device), 1))
+    torch.library.opcheck(ops.all_gather_copy_out.default,
+                          (torch.randn(world, total, device=device), [torch.empty_like(t) for t in fulls]))
+    torch.library.opcheck(ops.reduce_scatter_copy_in.default,
+                          (fulls, torch.empty(world, total, device=device), 0.25))
+    torch.library.opcheck(ops.reduce_scatter_copy_out.default,
+                          (torch.randn(total, device=device), [torch.zeros_like(s) for s in shards], 2.0, True))
+
+
+def test_bad_inputs():
+    ops = torch.ops.parallel_layers
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous \[2, 5\] buffer"):
+        ops.all_gather_copy_in([torch.randn(2), torch.randn(3)], torch.empty(2, 4), 0)
+    with pytest.raises(RuntimeError, match=r"rank 2 is outside \[0, 2\)"):
+        ops.all_gather_copy_in([torch.randn(2)], torch.empty(2, 2), 2)
+    with pytest.raises(RuntimeError, match=r"all shards must have one dtype: shards\[0\] is Float but shards\[1\] is "
+                                           r"Double"):
+        ops.all_gather_copy_in([torch.randn(2), torch.randn(2, dtype=torch.float64)], torch.empty(1, 4), 0)
+    with pytest.raises(RuntimeError, match=r"outs\[0\] must be contiguous"):
+        ops.all_gather_copy_out(torch.empty(2, 3), [torch.empty(3, 2).t()])
+    with pytest.raises(RuntimeError, match=r"reduced must be a contiguous \[3\] tensor"):
+        ops.reduce_scatter_copy_out(torch.empty(4), [torch.empty(3)], 1.0, False)
+    with pytest.raises(ValueError, match=r"rank 3 is outside \[0, 2\)"):
+        all_gather_copy_in([torch.randn(2)], 2, 3, torch.float32)
