@@ -18,21 +18,55 @@ own autograd Functions call, with `async_op=True` where backward overlaps commun
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 
+def _check_member(group: dist.ProcessGroup | None) -> None:
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not a member of the given process group (its ranks are "
+                         f"{dist.get_process_group_ranks(group)}); pass the tensor-parallel group this rank "
+                         "belongs to, e.g. init_parallel(...).tp_group")
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    if not dist.is_initialized():
+        return 1
+    _check_member(group)
+    return dist.get_world_size(group)
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    if not dist.is_initialized():
+        return 0
+    _check_member(group)
+    return dist.get_rank(group)
+
+
+def check_agreement(op: str, x: Tensor, group) -> None:
+    """With PARALLEL_LAYERS_DEBUG=1: all ranks of `group` must be about to run the same
+    collective on the same shape and dtype; raise on every rank if not.
+
+    A mismatch (a rank that skipped a layer, a shape that differs) otherwise hangs or
+    corrupts data. The check costs one small collective per collective, so it is opt-in.
+    """
+    if os.environ.get("PARALLEL_LAYERS_DEBUG") != "1" or group_size(group) == 1:
+        return
+    mine = (op, tuple(x.shape), str(x.dtype))
+    everyone: list = [None] * group_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(f != mine for f in everyone):
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
+        detail = "; ".join(f"rank {r}: {op_} {shape} {dtype}" for r, (op_, shape, dtype) in zip(ranks, everyone))
+        raise RuntimeError(f"PARALLEL_LAYERS_DEBUG: ranks disagree on the next collective of group {ranks}: {detail}")
 
 
 def all_reduce(x: Tensor, group, async_op: bool = False):
     """Sum `x` in place over the group; returns the work handle when async_op."""
+    check_agreement("all_reduce", x, group)
     return dist.all_reduce(x, group=group, async_op=async_op)
 
 
@@ -41,6 +75,7 @@ def all_gather(x: Tensor, dim: int, group) -> Tensor:
     ws = group_size(group)
     if ws == 1:
         return x
+    check_agreement(f"all_gather(dim={dim})", x, group)
     x = x.contiguous()
     out = x.new_empty((ws * x.shape[0], *x.shape[1:]))  # rank-major along dim 0
     dist.all_gather_single(out, x, group=group)
@@ -54,6 +89,7 @@ def reduce_scatter(x: Tensor, group, async_op: bool = False):
         raise ValueError(f"cannot reduce-scatter dim 0 of size {x.shape[0]} evenly over {ws} ranks "
                          f"(shape {tuple(x.shape)}); under sequence parallelism the sequence length must "
                          f"divide by the tensor-parallel size")
+    check_agreement("reduce_scatter", x, group)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // ws, *x.shape[1:]))
     handle = dist.reduce_scatter_single(out, x, group=group, async_op=async_op)

@@ -108,6 +108,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.masked_fill(padded, float("-inf"))
         max_logit = logits.max(dim=-1).values
         if comm.group_size(group) > 1:
+            comm.check_agreement("all_reduce(max)", max_logit, group)
             dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - max_logit.unsqueeze(-1)
         exp = shifted.exp()
@@ -117,7 +118,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
         if comm.group_size(group) > 1:
-            dist.all_reduce(sums, group=group)
+            comm.all_reduce(sums, group)
         sum_exp, target_logit = sums
         valid = target != ignore_index
         loss = (sum_exp.log() - target_logit) * valid

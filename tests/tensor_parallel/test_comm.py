@@ -78,3 +78,36 @@ def _bad_split(rank, ws):
 
 def test_uneven_split_error_on_every_rank():
     assert run_distributed(_bad_split, 2) == ["cannot split dim 0 of size 5 evenly over 2 ranks (shape (5, 2))"] * 2
+
+
+def _mismatched_collective(rank, ws):
+    import os
+
+    os.environ["PARALLEL_LAYERS_DEBUG"] = "1"
+    x = torch.ones(3 if rank == 0 else 4)  # rank 1 reduces a tensor of another shape
+    try:
+        comm.all_reduce(x, dist.group.WORLD)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_debug_mode_turns_a_mismatch_into_an_error_on_every_rank():
+    expected = ("PARALLEL_LAYERS_DEBUG: ranks disagree on the next collective of group [0, 1]: "
+                "rank 0: all_reduce (3,) torch.float32; rank 1: all_reduce (4,) torch.float32")
+    assert run_distributed(_mismatched_collective, 2, timeout_s=60) == [expected, expected]
+
+
+def _not_a_member(rank, ws):
+    group = dist.new_group([0, 1])  # every rank must call new_group; rank 2 is not in it
+    try:
+        comm.group_size(group)
+    except ValueError as e:
+        return str(e)
+    return "member"
+
+
+def test_group_this_rank_is_not_in():
+    results = run_distributed(_not_a_member, 3)
+    assert results[:2] == ["member", "member"]
+    assert results[2].startswith("rank 2 is not a member of the given process group (its ranks are [0, 1])")
