@@ -1,0 +1,95 @@
+"""One parameter group: the parameters of one wrapped module, sharded together.
+
+Note [ZeRO param group]: every parameter is flattened, padded to a multiple of the world
+size W and cut into W shards (the layout of parallel_layers/ops/shard_copy.py). This rank
+keeps its shard of each as a float32 master (`shards`, what the optimizer steps). The
+module keeps its ordinary nn.Parameters ("full" params): under stage 3 their storage is
+resized to zero between uses and refilled by `unshard()` - autograd's saved references to
+the same storage see the data again once it is refilled. One all-gather fills a group; one
+reduce-scatter turns the group's full gradients into shard gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from parallel_layers.ops import shard_copy
+
+
+class ParamGroup:
+    def __init__(self, name: str, params: list[nn.Parameter], group: dist.ProcessGroup | None,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype):
+        self.name, self.params, self.group = name, params, group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.numels = [p.numel() for p in params]
+        self.shard_sizes = [shard_copy.shard_numel(n, self.world) for n in self.numels]
+        self.total = sum(self.shard_sizes)
+        self.shards = [nn.Parameter(self._my_shard(p), requires_grad=p.requires_grad) for p in params]
+        self.is_unsharded = True
+        self.pending_grads = 0  # params of this group still to receive their gradient this backward
+        self._gloo = dist.get_backend(group) == "gloo"
+
+    def _my_shard(self, p: Tensor) -> Tensor:
+        s = shard_copy.shard_numel(p.numel(), self.world)
+        flat = torch.nn.functional.pad(p.detach().reshape(-1).float(), (0, s * self.world - p.numel()))
+        return flat[self.rank * s:(self.rank + 1) * s].clone()
+
+    # ---- parameters ---------------------------------------------------------------------
+    def unshard(self) -> None:
+        """All-gather the shards into the full parameters (cast to param_dtype)."""
+        if self.is_unsharded:
+            return
+        dtype = self.param_dtype or self.params[0].dtype
+        buf = shard_copy.all_gather_copy_in([s.detach() for s in self.shards], self.world, self.rank, dtype)
+        if self.world > 1:
+            # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
+            mine = buf[self.rank].clone() if self._gloo else buf[self.rank]
+            dist.all_gather_single(buf.view(-1), mine, group=self.group)
+        for p in self.params:
+            storage = p.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(p.numel() * p.element_size())
+        shard_copy.all_gather_copy_out(buf, [p.data for p in self.params])
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free the full parameters' storage (stage 3); the shards stay."""
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.is_unsharded = False
+
+    def refresh_full(self) -> None:
+        """After an optimizer step: make the full parameters match the updated shards."""
+        self.is_unsharded = False
+        self.unshard()
+
+    # ---- gradients ----------------------------------------------------------------------
+    def reduce_grads(self, free_full_grads: bool) -> None:
+        """Reduce-scatter the full gradients (averaged over ranks) into the shard gradients."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
+                 for p in self.params]
+        grads = [g.contiguous() for g in grads]
+        buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world)
+        if self.world > 1:
+            out = buf.new_empty(self.total)
+            dist.reduce_scatter_single(out, buf.view(-1), group=self.group)
+        else:
+            out = buf[0]
+        for s in self.shards:
+            if s.grad is None:
+                s.grad = torch.zeros_like(s)
+        shard_copy.reduce_scatter_copy_out(out, [s.grad for s in self.shards], accumulate=True)
+        if free_full_grads:
+            for p in self.params:
+                p.grad = None
+
+    def full_param_bytes(self) -> int:
+        return sum(p.untyped_storage().size() for p in self.params)

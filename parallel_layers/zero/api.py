@@ -1,0 +1,225 @@
+"""`ZeRO(model, optimizer_factory, stage=...)`: ZeRO-style sharded data parallelism.
+
+    zero = ZeRO(model, lambda params: torch.optim.AdamW(params, lr=1e-3), stage=3)
+    loss = loss_fn(zero(batch)); loss.backward(); zero.step(); zero.zero_grad()
+
+Stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (ZeRO
+paper). The optimizer only ever sees this rank's float32 shards (see _group.py, Note [ZeRO
+param group]), so any torch.optim optimizer works and its state is sharded in every stage.
+
+  stage 1  full params and full grads on every rank; at step(): reduce-scatter the grads
+           into the shards, step the shards, all-gather the params.
+  stage 2  as 1, but each group's grads are reduce-scattered and freed as soon as its
+           backward is done (post-accumulate-grad hooks), so full grads do not pile up.
+  stage 3  as 2, and each wrapped module's params are all-gathered right before its forward
+           and its backward and freed after (reshard_after_forward; the root is kept).
+
+Groups: one per module for which `wrap(module)` is true (default: every direct child of
+the model with parameters), plus a root group for the remaining parameters. Gradients are
+averaged over the data-parallel group. `no_sync()` accumulates gradients locally (full
+grads kept) until the next backward outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree
+
+from parallel_layers.zero._group import ParamGroup
+
+
+def _default_wrap(model: nn.Module):
+    children = {id(m) for m in model.children() if any(True for _ in m.parameters())}
+    return lambda m: id(m) in children
+
+
+class ZeRO(nn.Module):
+    def __init__(self, model: nn.Module, optimizer_factory: Callable, stage: int = 3, *,
+                 group: dist.ProcessGroup | None = None, wrap: Callable[[nn.Module], bool] | None = None,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+                 reshard_after_forward: bool = True):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
+        self.module, self.stage, self.group = model, stage, group
+        self.reshard_after_forward = reshard_after_forward
+        self._sync = True
+        wrap = wrap or _default_wrap(model)
+        owned: set[int] = set()
+        self.groups: list[ParamGroup] = []
+        self._module_group: dict[int, ParamGroup] = {}
+        for name, module in model.named_modules():
+            if module is model or not wrap(module):
+                continue
+            params = [p for p in module.parameters() if id(p) not in owned]
+            if params:
+                owned.update(id(p) for p in params)
+                g = ParamGroup(name, params, group, param_dtype, reduce_dtype)
+                self.groups.append(g)
+                self._module_group[id(module)] = g
+        rest = [p for p in model.parameters() if id(p) not in owned]
+        self.root_group = ParamGroup("<root>", rest, group, param_dtype, reduce_dtype) if rest else None
+        if self.root_group is not None:
+            self.groups.append(self.root_group)
+        if param_dtype is not None:
+            for g in self.groups:
+                for p in g.params:
+                    p.data = p.data.to(param_dtype)
+        self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
+        self._hook_handles = []
+        if stage >= 2:
+            self._install_grad_hooks()
+        if stage == 3:
+            self._install_module_hooks()
+            for g in self.groups:
+                if g is not self.root_group:
+                    g.reshard()
+        self._callback_queued = False
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def _install_grad_hooks(self) -> None:
+        for g in self.groups:
+            for p in g.params:
+                if p.requires_grad:
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g)))
+
+    def _make_grad_hook(self, g: ParamGroup):
+        def hook(_param):
+            self._queue_finalize()
+            if g.pending_grads == 0:  # first gradient of this group in this backward
+                g.pending_grads = sum(p.requires_grad for p in g.params)
+            g.pending_grads -= 1
+            if g.pending_grads == 0 and self._sync:
+                g.reduce_grads(free_full_grads=True)
+                if self.stage == 3 and g is not self.root_group:
+                    g.reshard()
+        return hook
+
+    def _install_module_hooks(self) -> None:
+        for name, module in self.module.named_modules():
+            g = self._module_group.get(id(module))
+            if g is None:
+                continue
+            self._hook_handles.append(module.register_forward_pre_hook(lambda m, a, g=g: g.unshard()))
+            self._hook_handles.append(module.register_forward_hook(self._make_post_forward(g)))
+
+    def _make_post_forward(self, g: ParamGroup):
+        def post_forward(module, args, output):
+            if not torch.is_grad_enabled():
+                if self.reshard_after_forward:
+                    g.reshard()
+                return output
+            tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
+                       and t.requires_grad]
+            if tensors:
+                # Before this module's backward runs, its parameters must be back.
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(g), mode="any")
+            if self.reshard_after_forward:
+                g.reshard()
+            return output
+        return post_forward
+
+    def _pre_backward(self, g: ParamGroup) -> None:
+        self._queue_finalize()
+        g.unshard()
+
+    def _queue_finalize(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _finalize_backward(self) -> None:
+        """End of backward: groups some of whose params got no gradient are reduced now."""
+        self._callback_queued = False
+        for g in self.groups:
+            if g.pending_grads and self._sync:
+                g.reduce_grads(free_full_grads=True)
+            g.pending_grads = 0
+            if self.stage == 3 and g is not self.root_group:
+                g.reshard()
+
+    # ---- public API -----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.stage == 3 and self.root_group is not None:
+            self.root_group.unshard()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the next backward outside reduces them all."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _reduce_remaining(self) -> None:
+        """Full gradients not yet reduced (stage 1, or after no_sync) -> shard gradients."""
+        for g in self.groups:
+            if any(p.grad is not None for p in g.params):
+                g.reduce_grads(free_full_grads=True)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the (sharded) gradients by their global L2 norm; returns the norm before."""
+        self._reduce_remaining()
+        sq = torch.zeros((), dtype=torch.float32)
+        for g in self.groups:
+            for s in g.shards:
+                if s.grad is not None:
+                    sq += s.grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.group)
+        norm = sq.sqrt()
+        scale = max_norm / (norm.item() + 1e-6)
+        if scale < 1.0:
+            for g in self.groups:
+                for s in g.shards:
+                    if s.grad is not None:
+                        s.grad.mul_(scale)
+        return norm
+
+    def step(self) -> None:
+        self._reduce_remaining()
+        self.optimizer.step()
+        for g in self.groups:
+            if self.stage < 3 or g is self.root_group:
+                g.refresh_full()  # stage 3 groups gather at their next use
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with every parameter gathered (a collective)."""
+        for g in self.groups:
+            g.refresh_full()
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.stage == 3:
+            for g in self.groups:
+                if g is not self.root_group:
+                    g.reshard()
+        return state
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: full params, full grads, shards, shard grads, optimizer state."""
+        full = sum(g.full_param_bytes() for g in self.groups)
+        full_grads = sum(p.grad.numel() * p.grad.element_size() for g in self.groups for p in g.params
+                         if p.grad is not None)
+        shards = sum(s.numel() * s.element_size() for g in self.groups for s in g.shards)
+        shard_grads = sum(s.grad.numel() * s.grad.element_size() for g in self.groups for s in g.shards
+                          if s.grad is not None)
+        opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return {"params": full, "grads": full_grads, "master_shards": shards, "shard_grads": shard_grads,
+                "optimizer_state": opt}
+
+
+__all__ = ["ZeRO"]
