@@ -32,6 +32,7 @@ class ParamGroup:
         self.total = sum(self.shard_sizes)
         self.shards = [nn.Parameter(self._my_shard(p), requires_grad=p.requires_grad) for p in params]
         self.is_unsharded = True
+        self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
         self.pending_grads = 0  # params of this group still to receive their gradient this backward
         self._gloo = dist.get_backend(group) == "gloo"
 
@@ -41,16 +42,36 @@ class ParamGroup:
         return flat[self.rank * s:(self.rank + 1) * s].clone()
 
     # ---- parameters ---------------------------------------------------------------------
+    def start_unshard(self) -> None:
+        """Launch the all-gather of this group without waiting (prefetch); no-op if unsharded."""
+        if self.is_unsharded or self._inflight is not None:
+            return
+        dtype = self.param_dtype or self.params[0].dtype
+        buf = shard_copy.all_gather_copy_in([s.detach() for s in self.shards], self.world, self.rank, dtype)
+        work = None
+        if self.world > 1:
+            # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
+            mine = buf[self.rank].clone() if self._gloo else buf[self.rank]
+            work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
+        self._inflight = (buf, work)
+
+    def drop_prefetch(self) -> None:
+        """Discard a prefetched all-gather (its data predates an optimizer step)."""
+        if self._inflight is not None:
+            _, work = self._inflight
+            if work is not None:
+                work.wait()
+            self._inflight = None
+
     def unshard(self) -> None:
         """All-gather the shards into the full parameters (cast to param_dtype)."""
         if self.is_unsharded:
             return
-        dtype = self.param_dtype or self.params[0].dtype
-        buf = shard_copy.all_gather_copy_in([s.detach() for s in self.shards], self.world, self.rank, dtype)
-        if self.world > 1:
-            # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
-            mine = buf[self.rank].clone() if self._gloo else buf[self.rank]
-            dist.all_gather_single(buf.view(-1), mine, group=self.group)
+        self.start_unshard()
+        buf, work = self._inflight
+        self._inflight = None
+        if work is not None:
+            work.wait()
         for p in self.params:
             storage = p.untyped_storage()
             if storage.size() == 0:

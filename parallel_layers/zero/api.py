@@ -42,15 +42,16 @@ class ZeRO(nn.Module):
     def __init__(self, model: nn.Module, optimizer_factory: Callable, stage: int = 3, *,
                  group: dist.ProcessGroup | None = None, wrap: Callable[[nn.Module], bool] | None = None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, prefetch: bool = True):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
         self.module, self.stage, self.group = model, stage, group
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._sync = True
+        self._forward_order: list[ParamGroup] = []  # groups as their forward ran, first step
         wrap = wrap or _default_wrap(model)
         owned: set[int] = set()
         self.groups: list[ParamGroup] = []
@@ -107,8 +108,26 @@ class ZeRO(nn.Module):
             g = self._module_group.get(id(module))
             if g is None:
                 continue
-            self._hook_handles.append(module.register_forward_pre_hook(lambda m, a, g=g: g.unshard()))
+            self._hook_handles.append(module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
             self._hook_handles.append(module.register_forward_hook(self._make_post_forward(g)))
+
+    # Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first
+    # forward. Afterwards, while group i computes, the all-gather of the group after it runs
+    # (forward) or of the group before it (backward, which runs in reverse): one collective
+    # waited on, one in flight.
+    def _neighbour(self, g: ParamGroup, step: int) -> ParamGroup | None:
+        if not self.prefetch or g not in self._forward_order:
+            return None
+        i = self._forward_order.index(g) + step
+        return self._forward_order[i] if 0 <= i < len(self._forward_order) else None
+
+    def _pre_forward(self, g: ParamGroup) -> None:
+        if g not in self._forward_order:
+            self._forward_order.append(g)
+        g.unshard()
+        nxt = self._neighbour(g, +1)
+        if nxt is not None:
+            nxt.start_unshard()
 
     def _make_post_forward(self, g: ParamGroup):
         def post_forward(module, args, output):
@@ -129,6 +148,9 @@ class ZeRO(nn.Module):
     def _pre_backward(self, g: ParamGroup) -> None:
         self._queue_finalize()
         g.unshard()
+        prev = self._neighbour(g, -1)
+        if prev is not None:
+            prev.start_unshard()
 
     def _queue_finalize(self) -> None:
         if not self._callback_queued:
@@ -186,6 +208,8 @@ class ZeRO(nn.Module):
 
     def step(self) -> None:
         self._reduce_remaining()
+        for g in self.groups:
+            g.drop_prefetch()
         self.optimizer.step()
         for g in self.groups:
             if self.stage < 3 or g is self.root_group:

@@ -38,10 +38,11 @@ def _rel(a, b):
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2), "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1)}
 
 
-def _zero_parity(rank, ws, stage, micro, opt="adamw"):
+def _zero_parity(rank, ws, stage, micro, opt="adamw", prefetch=True):
     torch.manual_seed(0)
     ref = Net()
-    zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS[opt], stage=stage, wrap=lambda m: isinstance(m, nn.Linear))
+    zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS[opt], stage=stage, wrap=lambda m: isinstance(m, nn.Linear),
+                prefetch=prefetch)
     opt_ref = OPTIMIZERS[opt](ref.parameters())
     g = torch.Generator().manual_seed(1)
     worst_loss = 0.0
@@ -91,6 +92,47 @@ def test_zero_matches_single_process_sgd(ws, stage):
         assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
 
 
+@pytest.mark.parametrize("ws", [2, 4])
+def test_zero3_without_prefetch(ws):
+    for rank, worst in enumerate(run_distributed(_zero_parity, ws, args=(3, 2, "adamw", False))):
+        bad = {k: v for k, v in worst.items() if not v < RTOL}
+        assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
+
+
 def test_bad_stage():
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 4"):
         ZeRO(nn.Linear(2, 2), torch.optim.SGD, stage=4)
+
+
+def _prefetch_order(rank, ws, prefetch):
+    torch.manual_seed(0)
+    zero = ZeRO(Net(), OPTIMIZERS["sgd"], stage=3, wrap=lambda m: isinstance(m, nn.Linear), prefetch=prefetch)
+    log = []
+    for g in zero.groups:
+        for method in ("start_unshard", "unshard"):
+            original = getattr(g, method)
+
+            def traced(original=original, name=f"{method}:{g.name}"):
+                log.append(name)
+                original()
+            setattr(g, method, traced)
+    x = torch.randn(4, 7)
+    for _ in range(2):  # the first forward records the order; the second prefetches
+        log.clear()
+        F.mse_loss(zero(x), torch.zeros(4, 1)).backward()
+        zero.step()
+        zero.zero_grad()
+    return log
+
+
+def _prefetches(log):
+    """The all-gathers launched ahead of time: start_unshard calls not made by unshard itself."""
+    return [e.split(":")[1] for i, e in enumerate(log)
+            if e.startswith("start_unshard") and (i == 0 or log[i - 1] != e.replace("start_unshard", "unshard"))]
+
+
+def test_prefetch_overlaps_the_next_all_gather():
+    # Forward: a's forward launches b's all-gather, b's launches c's; backward runs c, b, a:
+    # c's launches b's, b's launches a's.
+    assert _prefetches(run_distributed(_prefetch_order, 2, args=(True,))[0]) == ["b", "c", "b", "a"]
+    assert _prefetches(run_distributed(_prefetch_order, 2, args=(False,))[0]) == []
