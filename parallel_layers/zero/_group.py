@@ -21,7 +21,7 @@ from parallel_layers.ops import shard_copy
 
 class ParamGroup:
     def __init__(self, name: str, params: list[nn.Parameter], group: dist.ProcessGroup | None,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype):
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, alias_full: bool):
         self.name, self.params, self.group = name, params, group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -30,14 +30,25 @@ class ParamGroup:
         self.numels = [p.numel() for p in params]
         self.shard_sizes = [shard_copy.shard_numel(n, self.world) for n in self.numels]
         self.total = sum(self.shard_sizes)
-        self.shards = [nn.Parameter(self._my_shard(p), requires_grad=p.requires_grad) for p in params]
+        self.shards = [nn.Parameter(self._my_shard(p, alias_full), requires_grad=p.requires_grad) for p in params]
         self.is_unsharded = True
         self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
         self.pending_grads = 0  # params of this group still to receive their gradient this backward
         self._gloo = dist.get_backend(group) == "gloo"
 
-    def _my_shard(self, p: Tensor) -> Tensor:
+    def _my_shard(self, p: Tensor, alias_full: bool) -> Tensor:
+        """This rank's float32 master shard of p.
+
+        When the full parameter stays allocated (stages 1 and 2), is float32, contiguous and
+        divides evenly by the world size, the shard is a view of its own slice of the full
+        parameter rather than a copy: the optimizer updates that slice in place and the
+        all-gather after the step rewrites it with the same values. That keeps stage 1/2
+        memory at the ZeRO paper's figures instead of one extra float32 copy of 1/W.
+        """
         s = shard_copy.shard_numel(p.numel(), self.world)
+        if (alias_full and p.dtype == torch.float32 and p.is_contiguous() and p.numel() == s * self.world
+                and self.param_dtype in (None, torch.float32)):
+            return p.detach().view(-1)[self.rank * s:(self.rank + 1) * s]
         flat = torch.nn.functional.pad(p.detach().reshape(-1).float(), (0, s * self.world - p.numel()))
         return flat[self.rank * s:(self.rank + 1) * s].clone()
 
@@ -114,3 +125,9 @@ class ParamGroup:
 
     def full_param_bytes(self) -> int:
         return sum(p.untyped_storage().size() for p in self.params)
+
+    def shard_bytes(self) -> int:
+        """Bytes of master shards that are not views of a full parameter."""
+        full = {p.untyped_storage().data_ptr() for p in self.params}
+        return sum(s.numel() * s.element_size() for s in self.shards
+                   if s.untyped_storage().data_ptr() not in full)

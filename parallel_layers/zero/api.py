@@ -62,11 +62,12 @@ class ZeRO(nn.Module):
             params = [p for p in module.parameters() if id(p) not in owned]
             if params:
                 owned.update(id(p) for p in params)
-                g = ParamGroup(name, params, group, param_dtype, reduce_dtype)
+                g = ParamGroup(name, params, group, param_dtype, reduce_dtype, alias_full=stage < 3)
                 self.groups.append(g)
                 self._module_group[id(module)] = g
         rest = [p for p in model.parameters() if id(p) not in owned]
-        self.root_group = ParamGroup("<root>", rest, group, param_dtype, reduce_dtype) if rest else None
+        self.root_group = (ParamGroup("<root>", rest, group, param_dtype, reduce_dtype, alias_full=stage < 3)
+                           if rest else None)
         if self.root_group is not None:
             self.groups.append(self.root_group)
         if param_dtype is not None:
@@ -233,11 +234,12 @@ class ZeRO(nn.Module):
         return state
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: full params, full grads, shards, shard grads, optimizer state."""
+        """Bytes this rank holds now: full params, full grads, master shards (not counting those
+        that are views of full params), shard grads, optimizer state."""
         full = sum(g.full_param_bytes() for g in self.groups)
         full_grads = sum(p.grad.numel() * p.grad.element_size() for g in self.groups for p in g.params
                          if p.grad is not None)
-        shards = sum(s.numel() * s.element_size() for g in self.groups for s in g.shards)
+        shards = sum(g.shard_bytes() for g in self.groups)
         shard_grads = sum(s.grad.numel() * s.grad.element_size() for g in self.groups for s in g.shards
                           if s.grad is not None)
         opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
