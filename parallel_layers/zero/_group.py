@@ -21,16 +21,19 @@ from parallel_layers.ops import shard_copy
 
 class ParamGroup:
     def __init__(self, name: str, params: list[nn.Parameter], group: dist.ProcessGroup | None,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, alias_full: bool):
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, alias_full: bool,
+                 offload: bool = False):
         self.name, self.params, self.group = name, params, group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.offload = offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
         self.numels = [p.numel() for p in params]
         self.shard_sizes = [shard_copy.shard_numel(n, self.world) for n in self.numels]
         self.total = sum(self.shard_sizes)
-        self.shards = [nn.Parameter(self._my_shard(p, alias_full), requires_grad=p.requires_grad) for p in params]
+        self.shards = [nn.Parameter(self._my_shard(p, alias_full and not offload), requires_grad=p.requires_grad)
+                       for p in params]
         self.is_unsharded = True
         self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
         self.pending_grads = 0  # params of this group still to receive their gradient this backward
@@ -50,7 +53,10 @@ class ParamGroup:
                 and self.param_dtype in (None, torch.float32)):
             return p.detach().view(-1)[self.rank * s:(self.rank + 1) * s]
         flat = torch.nn.functional.pad(p.detach().reshape(-1).float(), (0, s * self.world - p.numel()))
-        return flat[self.rank * s:(self.rank + 1) * s].clone()
+        shard = flat[self.rank * s:(self.rank + 1) * s].clone()
+        if self.offload:
+            shard = shard.cpu().pin_memory() if torch.cuda.is_available() else shard.cpu()
+        return shard
 
     # ---- parameters ---------------------------------------------------------------------
     def start_unshard(self) -> None:
@@ -58,7 +64,9 @@ class ParamGroup:
         if self.is_unsharded or self._inflight is not None:
             return
         dtype = self.param_dtype or self.params[0].dtype
-        buf = shard_copy.all_gather_copy_in([s.detach() for s in self.shards], self.world, self.rank, dtype)
+        device = self.params[0].device
+        shards = [s.detach().to(device, non_blocking=True) for s in self.shards]  # no-op unless offloaded
+        buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype)
         work = None
         if self.world > 1:
             # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
@@ -118,6 +126,8 @@ class ParamGroup:
         for s in self.shards:
             if s.grad is None:
                 s.grad = torch.zeros_like(s)
+        if self.offload:
+            out = out.to("cpu")
         shard_copy.reduce_scatter_copy_out(out, [s.grad for s in self.shards], accumulate=True)
         if free_full_grads:
             for p in self.params:

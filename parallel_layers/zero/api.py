@@ -14,6 +14,10 @@ param group]), so any torch.optim optimizer works and its state is sharded in ev
   stage 3  as 2, and each wrapped module's params are all-gathered right before its forward
            and its backward and freed after (reshard_after_forward; the root is kept).
 
+offload_optimizer=True (ZeRO-Offload) keeps the shards, their gradients and the optimizer
+state and step on the CPU while the parameters and activations stay on the GPU; reduced
+gradients go down and updated shards come up once per step.
+
 Groups: one per module for which `wrap(module)` is true (default: every direct child of
 the model with parameters), plus a root group for the remaining parameters. Gradients are
 averaged over the data-parallel group. `no_sync()` accumulates gradients locally (full
@@ -42,7 +46,7 @@ class ZeRO(nn.Module):
     def __init__(self, model: nn.Module, optimizer_factory: Callable, stage: int = 3, *,
                  group: dist.ProcessGroup | None = None, wrap: Callable[[nn.Module], bool] | None = None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-                 reshard_after_forward: bool = True, prefetch: bool = True):
+                 reshard_after_forward: bool = True, prefetch: bool = True, offload_optimizer: bool = False):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -62,12 +66,13 @@ class ZeRO(nn.Module):
             params = [p for p in module.parameters() if id(p) not in owned]
             if params:
                 owned.update(id(p) for p in params)
-                g = ParamGroup(name, params, group, param_dtype, reduce_dtype, alias_full=stage < 3)
+                g = ParamGroup(name, params, group, param_dtype, reduce_dtype, alias_full=stage < 3,
+                               offload=offload_optimizer)
                 self.groups.append(g)
                 self._module_group[id(module)] = g
         rest = [p for p in model.parameters() if id(p) not in owned]
-        self.root_group = (ParamGroup("<root>", rest, group, param_dtype, reduce_dtype, alias_full=stage < 3)
-                           if rest else None)
+        self.root_group = (ParamGroup("<root>", rest, group, param_dtype, reduce_dtype, alias_full=stage < 3,
+                                      offload=offload_optimizer) if rest else None)
         if self.root_group is not None:
             self.groups.append(self.root_group)
         if param_dtype is not None:
@@ -232,6 +237,32 @@ class ZeRO(nn.Module):
                 if g is not self.root_group:
                     g.reshard()
         return state
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's shards and optimizer state (no collective): save one per rank, load it
+        back with `load_sharded_state_dict` at the same world size and wrap policy."""
+        shards = {f"{g.name}/{i}": s.detach().clone() for g in self.groups for i, s in enumerate(g.shards)}
+        return {"world_size": self.groups[0].world if self.groups else 1, "rank": self.groups[0].rank
+                if self.groups else 0, "shards": shards, "optimizer": self.optimizer.state_dict()}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        world = self.groups[0].world if self.groups else 1
+        if state["world_size"] != world:
+            raise ValueError(f"sharded state dict was saved at world size {state['world_size']}, this ZeRO runs at "
+                             f"{world}; load the full state dict instead to change the world size")
+        for g in self.groups:
+            for i, s in enumerate(g.shards):
+                key = f"{g.name}/{i}"
+                if key not in state["shards"] or state["shards"][key].shape != s.shape:
+                    raise ValueError(f"sharded state dict has no shard {key!r} of shape {tuple(s.shape)}; was it saved "
+                                     "with another model or wrap policy?")
+                with torch.no_grad():
+                    s.copy_(state["shards"][key])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for g in self.groups:
+            g.drop_prefetch()
+            if self.stage < 3 or g is self.root_group:
+                g.refresh_full()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: full params, full grads, master shards (not counting those
