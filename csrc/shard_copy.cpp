@@ -55,11 +55,7 @@ at::Tensor flat(const at::Tensor& t, int64_t lo, int64_t hi) { return t.view({-1
 }  // namespace
 
 void all_gather_copy_in(at::TensorList shards, const at::Tensor& out, int64_t rank) {
-  const SlotLayout l = layout_of_shards(shards, "shards");
-  check_same_dtype(shards, "shards");
-  TORCH_CHECK(rank >= 0 && rank < (out.dim() > 0 ? out.size(0) : 0), "rank ", rank, " is outside [0, ",
-              out.dim() > 0 ? out.size(0) : 0, ") (the world size is out.size(0))");
-  check_buffer(out, out.size(0), l.total, "out");
+  const SlotLayout l = check_all_gather_copy_in(shards, out, rank);
   if (l.total == 0) return;
   const at::Tensor row = out[rank];
   at::parallel_for(0, l.total, kGrain, [&](int64_t b, int64_t e) {
@@ -70,11 +66,8 @@ void all_gather_copy_in(at::TensorList shards, const at::Tensor& out, int64_t ra
 }
 
 void all_gather_copy_out(const at::Tensor& gathered, at::TensorList outs) {
-  TORCH_CHECK(gathered.dim() == 2, "gathered must be [world_size, sum of shard sizes], got shape ", gathered.sizes());
+  const SlotLayout l = check_all_gather_copy_out(gathered, outs);
   const int64_t world = gathered.size(0);
-  const SlotLayout l = layout_of_full(outs, world, "outs");
-  check_same_dtype(outs, "outs");
-  check_buffer(gathered, world, l.total, "gathered");
   if (l.total == 0 || outs.empty()) return;
   at::parallel_for(0, world * l.total, kGrain, [&](int64_t b, int64_t e) {
     for_each_row_piece(l.total, b, e, [&](int64_t r, int64_t row_lo, int64_t row_hi) {
@@ -89,11 +82,8 @@ void all_gather_copy_out(const at::Tensor& gathered, at::TensorList outs) {
 }
 
 void reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out, double pre_scale) {
-  TORCH_CHECK(out.dim() == 2, "out must be [world_size, sum of shard sizes], got shape ", out.sizes());
+  const SlotLayout l = check_reduce_scatter_copy_in(grads, out);
   const int64_t world = out.size(0);
-  const SlotLayout l = layout_of_full(grads, world, "grads");
-  check_same_dtype(grads, "grads");
-  check_buffer(out, world, l.total, "out");
   if (l.total == 0 || grads.empty()) return;
   at::parallel_for(0, world * l.total, kGrain, [&](int64_t b, int64_t e) {
     for_each_row_piece(l.total, b, e, [&](int64_t r, int64_t row_lo, int64_t row_hi) {
@@ -115,12 +105,7 @@ void reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out, double 
 
 void reduce_scatter_copy_out(const at::Tensor& reduced, at::TensorList shard_grads, double post_scale,
                              bool accumulate) {
-  const SlotLayout l = layout_of_shards(shard_grads, "shard_grads");
-  check_same_dtype(shard_grads, "shard_grads");
-  check_float_type(reduced, "reduced");
-  TORCH_CHECK(reduced.dim() == 1 && reduced.numel() == l.total && reduced.is_contiguous(),
-              "reduced must be a contiguous [", l.total, "] tensor (the sum of the shard sizes), got shape ",
-              reduced.sizes());
+  const SlotLayout l = check_reduce_scatter_copy_out(reduced, shard_grads);
   if (l.total == 0) return;
   at::parallel_for(0, l.total, kGrain, [&](int64_t b, int64_t e) {
     for_each_piece(l, b, e, [&](int64_t i, int64_t lo, int64_t hi) {

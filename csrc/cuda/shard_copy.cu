@@ -112,11 +112,7 @@ void check_on_device(at::TensorList ts, const at::Tensor& buf, const char* what)
 }  // namespace
 
 void all_gather_copy_in(at::TensorList shards, const at::Tensor& out, int64_t rank) {
-  const SlotLayout l = layout_of_shards(shards, "shards");
-  check_same_dtype(shards, "shards");
-  TORCH_CHECK(rank >= 0 && rank < (out.dim() > 0 ? out.size(0) : 0), "rank ", rank, " is outside [0, ",
-              out.dim() > 0 ? out.size(0) : 0, ") (the world size is out.size(0))");
-  check_buffer(out, out.size(0), l.total, "out");
+  const SlotLayout l = check_all_gather_copy_in(shards, out, rank);
   check_on_device(shards, out, "shards");
   if (l.total == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
@@ -132,11 +128,8 @@ void all_gather_copy_in(at::TensorList shards, const at::Tensor& out, int64_t ra
 }
 
 void all_gather_copy_out(const at::Tensor& gathered, at::TensorList outs) {
-  TORCH_CHECK(gathered.dim() == 2, "gathered must be [world_size, sum of shard sizes], got shape ", gathered.sizes());
+  const SlotLayout l = check_all_gather_copy_out(gathered, outs);
   const int64_t world = gathered.size(0);
-  const SlotLayout l = layout_of_full(outs, world, "outs");
-  check_same_dtype(outs, "outs");
-  check_buffer(gathered, world, l.total, "gathered");
   check_on_device(outs, gathered, "outs");
   if (l.total == 0 || outs.empty()) return;
   const c10::cuda::CUDAGuard guard(gathered.device());
@@ -153,11 +146,8 @@ void all_gather_copy_out(const at::Tensor& gathered, at::TensorList outs) {
 }
 
 void reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out, double pre_scale) {
-  TORCH_CHECK(out.dim() == 2, "out must be [world_size, sum of shard sizes], got shape ", out.sizes());
+  const SlotLayout l = check_reduce_scatter_copy_in(grads, out);
   const int64_t world = out.size(0);
-  const SlotLayout l = layout_of_full(grads, world, "grads");
-  check_same_dtype(grads, "grads");
-  check_buffer(out, world, l.total, "out");
   check_on_device(grads, out, "grads");
   if (l.total == 0 || grads.empty()) return;
   const c10::cuda::CUDAGuard guard(out.device());
@@ -175,12 +165,7 @@ void reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out, double 
 
 void reduce_scatter_copy_out(const at::Tensor& reduced, at::TensorList shard_grads, double post_scale,
                              bool accumulate) {
-  const SlotLayout l = layout_of_shards(shard_grads, "shard_grads");
-  check_same_dtype(shard_grads, "shard_grads");
-  check_float_type(reduced, "reduced");
-  TORCH_CHECK(reduced.dim() == 1 && reduced.numel() == l.total && reduced.is_contiguous(),
-              "reduced must be a contiguous [", l.total, "] tensor (the sum of the shard sizes), got shape ",
-              reduced.sizes());
+  const SlotLayout l = check_reduce_scatter_copy_out(reduced, shard_grads);
   check_on_device(shard_grads, reduced, "shard_grads");
   if (l.total == 0) return;
   const c10::cuda::CUDAGuard guard(reduced.device());

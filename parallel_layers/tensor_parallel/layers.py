@@ -154,7 +154,29 @@ def _check_input(x: Tensor, expected: int, layer: str, what: str) -> None:
                          f"{x.shape[-1] if x.dim() else None}, expected {what} = {expected}")
 
 
-class ColumnParallelLinear(nn.Module):
+class _LinearConversions:
+    """from_linear / to_linear, shared by both layer kinds."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs):
+        """Shard an existing nn.Linear (its weights are copied, nothing is re-initialised)."""
+        full = (linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, _full=full, **kwargs)
+
+    def to_linear(self) -> nn.Linear:
+        """The gathered nn.Linear (a collective: every rank of the TP group must call it)."""
+        weight = gather_full(self.weight, self.tp_group)
+        bias = gather_full(self.bias, self.tp_group) if self.bias is not None else None
+        out = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=weight.device,
+                        dtype=weight.dtype)
+        with torch.no_grad():
+            out.weight.copy_(weight)
+            if bias is not None:
+                out.bias.copy_(bias)
+        return out
+
+
+class ColumnParallelLinear(_LinearConversions, nn.Module):
     """Linear layer with its output features split over the TP group (see the module doc).
 
     `fused_sizes` describes a fused weight (e.g. QKV: (q, k, v) sizes summing to
@@ -193,16 +215,6 @@ class ColumnParallelLinear(nn.Module):
                                 self.sequence_parallel and comm.group_size(self.tp_group) > 1)
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> ColumnParallelLinear:
-        """Shard an existing nn.Linear (its weights are copied, nothing is re-initialised)."""
-        full = (linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, _full=full, **kwargs)
-
-    def to_linear(self) -> nn.Linear:
-        """The gathered nn.Linear (a collective: every rank of the TP group must call it)."""
-        return _to_linear(self)
-
     def extra_repr(self) -> str:
         tp = comm.group_size(self.tp_group)
         return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
@@ -210,7 +222,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LinearConversions, nn.Module):
     """Linear layer with its input features split over the TP group (see the module doc)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
@@ -242,30 +254,8 @@ class RowParallelLinear(nn.Module):
         y = _RowLinear.apply(x, self.weight, self.tp_group, self.sequence_parallel and tp > 1)
         return y + self.bias if self.bias is not None else y
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> RowParallelLinear:
-        """Shard an existing nn.Linear (its weights are copied, nothing is re-initialised)."""
-        full = (linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, _full=full, **kwargs)
-
-    def to_linear(self) -> nn.Linear:
-        """The gathered nn.Linear (a collective: every rank of the TP group must call it)."""
-        return _to_linear(self)
-
     def extra_repr(self) -> str:
         tp = comm.group_size(self.tp_group)
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
                 f"tp={tp}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")
-
-
-def _to_linear(layer) -> nn.Linear:
-    weight = gather_full(layer.weight, layer.tp_group)
-    bias = gather_full(layer.bias, layer.tp_group) if layer.bias is not None else None
-    out = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, device=weight.device,
-                    dtype=weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(weight)
-        if bias is not None:
-            out.bias.copy_(bias)
-    return out

@@ -71,6 +71,44 @@ inline void check_buffer(const at::Tensor& buf, int64_t rows, int64_t total, con
               buf.sizes(), " strides ", buf.strides());
 }
 
+// The argument checks of the four ops, shared by the CPU and CUDA entry points; each returns
+// the layout of the call's tensors.
+inline SlotLayout check_all_gather_copy_in(at::TensorList shards, const at::Tensor& out, int64_t rank) {
+  SlotLayout l = layout_of_shards(shards, "shards");
+  check_same_dtype(shards, "shards");
+  const int64_t world = out.dim() > 0 ? out.size(0) : 0;
+  TORCH_CHECK(rank >= 0 && rank < world, "rank ", rank, " is outside [0, ", world,
+              ") (the world size is out.size(0))");
+  check_buffer(out, world, l.total, "out");
+  return l;
+}
+
+inline SlotLayout check_all_gather_copy_out(const at::Tensor& gathered, at::TensorList outs) {
+  TORCH_CHECK(gathered.dim() == 2, "gathered must be [world_size, sum of shard sizes], got shape ", gathered.sizes());
+  SlotLayout l = layout_of_full(outs, gathered.size(0), "outs");
+  check_same_dtype(outs, "outs");
+  check_buffer(gathered, gathered.size(0), l.total, "gathered");
+  return l;
+}
+
+inline SlotLayout check_reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out) {
+  TORCH_CHECK(out.dim() == 2, "out must be [world_size, sum of shard sizes], got shape ", out.sizes());
+  SlotLayout l = layout_of_full(grads, out.size(0), "grads");
+  check_same_dtype(grads, "grads");
+  check_buffer(out, out.size(0), l.total, "out");
+  return l;
+}
+
+inline SlotLayout check_reduce_scatter_copy_out(const at::Tensor& reduced, at::TensorList shard_grads) {
+  SlotLayout l = layout_of_shards(shard_grads, "shard_grads");
+  check_same_dtype(shard_grads, "shard_grads");
+  check_float_type(reduced, "reduced");
+  TORCH_CHECK(reduced.dim() == 1 && reduced.numel() == l.total && reduced.is_contiguous(),
+              "reduced must be a contiguous [", l.total, "] tensor (the sum of the shard sizes), got shape ",
+              reduced.sizes());
+  return l;
+}
+
 // Calls fn(T{}) for the C++ type T of a floating dtype (the ATen dispatch macros do not nest
 // inside templates).
 template <typename Fn>
