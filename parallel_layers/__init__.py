@@ -9,6 +9,7 @@ from parallel_layers import _extension
 _C = _extension.load()
 
 from parallel_layers import ops  # noqa: E402  (needs the ops registered by _C)
+from parallel_layers.data_parallel import DataParallel  # noqa: E402
 from parallel_layers.parallel_dims import ParallelContext, ParallelDims, init_parallel  # noqa: E402
 from parallel_layers.parallelize import Column, Row, parallelize  # noqa: E402
 from parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -16,7 +17,7 @@ from parallel_layers.zero import ZeRO  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Column", "ColumnParallelLinear", "ParallelContext", "ParallelDims", "Row", "RowParallelLinear",
+__all__ = ["Column", "ColumnParallelLinear", "DataParallel", "ParallelContext", "ParallelDims", "Row", "RowParallelLinear",
            "ZeRO", "build_info", "init_parallel", "ops", "parallelize"]
 
 
