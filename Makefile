@@ -2,7 +2,8 @@
 #
 #   make test        venv + pinned deps, build the extension (CUDA kernels when nvcc is found),
 #                    C++ tests (ctest), Python tests (pytest)
-#   make demo        venv + build, then the main job on 2 local processes (torchrun, gloo)
+#   make demo        venv + build, then the main job: a GPT trained on 4 local processes
+#                    (dp=2 x tp=2, ZeRO-1; torchrun, gloo) and checked against one process
 #   make wheel       dist/parallel_layers-*.whl
 #   make info        python -m parallel_layers.info
 #   make test-cpu-torch   build + test against the CPU-only torch 2.13.0 wheel in .venv-cpu
@@ -41,7 +42,8 @@ pytest: build
 	$(PY) -m pytest
 
 demo: build
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_mlp_dp.py
+	PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \
+		examples/train_gpt.py --dp 2 --tp 2 --zero 1 --steps 60
 
 wheel: $(STAMP)
 	$(PY) -m pip wheel --no-build-isolation --no-deps --wheel-dir dist .
