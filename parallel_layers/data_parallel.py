@@ -17,11 +17,12 @@ Parameters are broadcast from rank 0 at construction, so every replica starts eq
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from parallel_layers._accumulation import LocalAccumulation
 
 
 class _Bucket:
@@ -64,7 +65,7 @@ def _split_into_buckets(params: list[nn.Parameter], bucket_bytes: int, first_byt
     return buckets
 
 
-class DataParallel(nn.Module):
+class DataParallel(LocalAccumulation, nn.Module):
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
         super().__init__()
@@ -84,7 +85,6 @@ class DataParallel(nn.Module):
         self._set_buckets(list(reversed(self._params)))
         self._arrival: list[nn.Parameter] | None = []  # observed gradient order, first backward only
         self._seen: set[int] = set()
-        self._sync = True
         self._callback_queued = False
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -95,15 +95,6 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally; the next backward outside reduces the accumulated sum."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._callback_queued:

@@ -26,7 +26,6 @@ grads kept) until the next backward outside it.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree
 
+from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.zero._group import ParamGroup
 
 
@@ -42,7 +42,7 @@ def _default_wrap(model: nn.Module):
     return lambda m: id(m) in children
 
 
-class ZeRO(nn.Module):
+class ZeRO(LocalAccumulation, nn.Module):
     def __init__(self, model: nn.Module, optimizer_factory: Callable, stage: int = 3, *,
                  group: dist.ProcessGroup | None = None, wrap: Callable[[nn.Module], bool] | None = None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
@@ -54,7 +54,6 @@ class ZeRO(nn.Module):
             raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
         self.module, self.stage, self.group = model, stage, group
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self._sync = True
         self._forward_order: list[ParamGroup] = []  # groups as their forward ran, first step
         wrap = wrap or _default_wrap(model)
         owned: set[int] = set()
@@ -178,15 +177,6 @@ class ZeRO(nn.Module):
         if self.stage == 3 and self.root_group is not None:
             self.root_group.unshard()
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally; the next backward outside reduces them all."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _reduce_remaining(self) -> None:
         """Full gradients not yet reduced (stage 1, or after no_sync) -> shard gradients."""
