@@ -12,6 +12,11 @@ list indexed by rank. The run fails, never hangs:
   (the process group's own timeout), which then fails the run as above.
 Workers start from a forkserver that has imported torch once, so a run costs a fork, not
 a fresh interpreter per rank.
+
+One failure is not the code under test: gloo's TCP rendezvous (`connectFullMesh`, run while a
+process group is created) rarely sees a peer's half-open socket closed under load (seen once in
+~60 runs of a 3-rank new_group on this 2-core machine). A run that fails only that way is
+retried, at most `_RENDEZVOUS_RETRIES` times, with a warning; any other failure is reported.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 _POLL_S = 0.1
 _GRACE_S = 2.0  # after a first failure, how long to collect the other ranks' reports
+_RENDEZVOUS_RETRIES = 2
+_RENDEZVOUS_FLAKE = "Gloo connectFullMesh failed"
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "torch.distributed"])
 
@@ -64,6 +72,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return the results by rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for attempt in range(_RENDEZVOUS_RETRIES + 1):
+        try:
+            return _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s)
+        except DistributedTestFailure as e:
+            if _RENDEZVOUS_FLAKE not in str(e) or attempt == _RENDEZVOUS_RETRIES:
+                raise
+            warnings.warn(f"gloo rendezvous failed while creating a process group (attempt {attempt + 1}); "
+                          f"running {fn.__name__} again:\n{e}", RuntimeWarning, stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s) -> list[Any]:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         results = _ctx.Queue()

@@ -96,3 +96,27 @@ def test_run_timeout_names_the_hung_ranks():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_distributed(_collectives, 0)
+
+
+def _rendezvous_flake_once(rank, world_size, marker):
+    # The first attempt fails the way gloo's TCP rendezvous does; the retry must succeed.
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:561] Connection closed by peer")
+    return rank
+
+
+def test_gloo_rendezvous_flake_is_retried(tmp_path):
+    with pytest.warns(RuntimeWarning, match="gloo rendezvous failed"):
+        assert run_distributed(_rendezvous_flake_once, 2, args=(str(tmp_path / "failed-once"),)) == [0, 1]
+
+
+def _other_failure_every_time(rank, world_size):
+    raise RuntimeError("Connection closed by peer, but not while creating a group")
+
+
+def test_other_failures_are_not_retried():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure, match="not while creating a group"):
+        run_distributed(_other_failure_every_time, 2)
+    assert time.monotonic() - start < 30
