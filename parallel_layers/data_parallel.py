@@ -10,8 +10,9 @@ soon as its last gradient is accumulated - while backward still computes the res
 of backward waits for them and writes the averages back. Buckets start in reverse parameter
 order (a guess at the backward order) and are rebuilt once, after the first backward, in
 the order gradients actually arrived. `no_sync()` accumulates locally; the next backward
-outside it reduces the sum. A parameter that gets no gradient in a backward (unused in
-forward) is an error naming it, since the other ranks would otherwise wait for it forever.
+outside it (or `reduce_gradients()`) reduces the sum. A parameter that got no gradient since
+the last reduction (unused in forward) is an error naming it, since the other ranks would
+otherwise wait for it forever.
 Parameters are broadcast from rank 0 at construction, so every replica starts equal.
 """
 
@@ -112,6 +113,17 @@ class DataParallel(LocalAccumulation, nn.Module):
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
+        if self._sync:
+            self._reduce()
+
+    def reduce_gradients(self) -> None:
+        """All-reduce now the gradients accumulated under `no_sync()`: for a caller that runs
+        several backwards per step and knows when the last one is done (PipelineParallel)."""
+        self._reduce()
+
+    def _reduce(self) -> None:
+        # Parameters used only in some of the backwards since the last reduction are fine;
+        # one never used would leave the other ranks waiting for its bucket.
         missing = [self._names[id(p)] for p in self._params if id(p) not in self._seen]
         self._seen.clear()
         if missing:
@@ -121,10 +133,12 @@ class DataParallel(LocalAccumulation, nn.Module):
                     b.work = None
                 b.ready = 0
             raise RuntimeError(
-                f"DataParallel: parameters {missing} received no gradient in this backward (not used in forward?). "
-                "Every rank must reduce every parameter; use them, set requires_grad=False on them, or remove them.")
-        if not self._sync:
-            return
+                f"DataParallel: parameters {missing} received no gradient since the last reduction (not used in "
+                "forward?). Every rank must reduce every parameter; use them, set requires_grad=False on them, or "
+                "remove them.")
+        for b in self.buckets:
+            if b.work is None:  # some of its gradients came from backwards under no_sync()
+                b.launch(self.group, self.world)
         for b in self.buckets:
             b.finish()
         if self._arrival is not None:

@@ -184,6 +184,11 @@ class ZeRO(LocalAccumulation, nn.Module):
             if any(p.grad is not None for p in g.params):
                 g.reduce_grads(free_full_grads=True)
 
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter now the full gradients accumulated under `no_sync()` into the shards:
+        for a caller that runs several backwards per step (PipelineParallel)."""
+        self._reduce_remaining()
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the (sharded) gradients by their global L2 norm; returns the norm before."""
         self._reduce_remaining()

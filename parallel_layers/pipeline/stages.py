@@ -1,0 +1,152 @@
+"""Cut a model, given as a list of layers, into pipeline stages, and keep this rank's.
+
+    stages = PipelineStages(layers, group=ctx.pp_group, virtual=1)          # balanced split
+    stages = PipelineStages(layers, group=ctx.pp_group, split_points=[3, 7])  # stages start at layers 3, 7
+
+`layers` is the model as a sequence of modules that each take one tensor and return one
+(e.g. embedding, blocks..., final norm + head); the loss is applied to the last one's output
+by the schedule. Every rank builds the same layer list (same seed, so the same weights) and
+keeps the layers of its stages: stage k of S = p * v lives on rank k % p as its chunk k // p.
+
+The balanced split minimises the largest stage's parameter count over contiguous splits,
+counting every layer's parameters, embedding and head included (a tied head counts its
+weight again: its matmul costs as much as an untied one).
+
+Note [tied parameters]: a parameter used by layers of two stages on different ranks (an
+embedding tied to the LM head) becomes one copy per rank. The copies start equal (broadcast
+from the lowest stage's rank) and stay equal because their gradients are summed across the
+ranks holding them before the optimizer step (`sync_tied_grads`), so every copy takes the
+same step. Gradient-norm clipping counts a tied parameter once, on its lowest stage.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel_layers.pipeline.schedule import check_arguments
+
+
+def _layer_params(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters())
+
+
+def balanced_split(sizes: Sequence[int], parts: int) -> list[int]:
+    """Start indices of `parts` contiguous, non-empty groups of `sizes` minimising the largest sum."""
+    n = len(sizes)
+    if parts > n:
+        raise ValueError(f"cannot cut {n} layers into {parts} pipeline stages: every stage needs at least one layer; "
+                         f"use at most {n} stages (pp * virtual) or split the model into more layers")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[j][i]: the smallest possible largest sum cutting the first i layers into j groups.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for j in range(1, parts + 1):
+        for i in range(j, n - (parts - j) + 1):
+            for start in range(j - 1, i):
+                cost = max(best[j - 1][start], prefix[i] - prefix[start])
+                if cost < best[j][i]:
+                    best[j][i], cut[j][i] = cost, start
+    starts, i = [], n
+    for j in range(parts, 0, -1):
+        i = cut[j][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def stage_bounds(layers: Sequence[nn.Module], stages: int, split_points: Sequence[int] | None) -> list[tuple[int, int]]:
+    """[start, end) layer indices of each stage."""
+    n = len(layers)
+    if split_points is None:
+        starts = balanced_split([_layer_params(m) for m in layers], stages)
+    else:
+        points = list(split_points)
+        if len(points) != stages - 1:
+            raise ValueError(f"split_points must give the first layer of stages 1..{stages - 1} ({stages - 1} indices "
+                             f"for {stages} stages), got {len(points)}: {points}")
+        if any(not isinstance(x, int) for x in points) or points != sorted(set(points)) or \
+                (points and (points[0] < 1 or points[-1] > n - 1)):
+            raise ValueError(f"split_points must be strictly increasing layer indices in [1, {n - 1}] (the model has "
+                             f"{n} layers), got {points}")
+        starts = [0] + points
+    return [(s, e) for s, e in zip(starts, starts[1:] + [n])]
+
+
+class PipelineStages(nn.Module):
+    """This rank's pipeline stages (chunks), in the order of their stage index."""
+
+    def __init__(self, layers: Sequence[nn.Module], *, group: dist.ProcessGroup | None = None, virtual: int = 1,
+                 split_points: Sequence[int] | None = None):
+        super().__init__()
+        layers = list(layers)
+        self.group = group
+        self.ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        check_arguments("interleaved" if virtual > 1 else "1f1b", self.ranks, 1, virtual)
+        self.virtual = virtual
+        self.num_stages = self.ranks * virtual
+        self.bounds = stage_bounds(layers, self.num_stages, split_points)
+        self.stage_ids = list(range(self.rank, self.num_stages, self.ranks))
+        self.chunks = nn.ModuleList(nn.Sequential(*layers[s:e]) for s, e in (self.bounds[k] for k in self.stage_ids))
+        self._ties = self._find_ties(layers)
+
+    def chunk(self, stage: int) -> nn.Module:
+        return self.chunks[stage // self.ranks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run this rank's stages in order (only meaningful when it holds them all: p = 1)."""
+        for c in self.chunks:
+            x = c(x)
+        return x
+
+    # ---- tied parameters (Note [tied parameters]) ----------------------------------------
+    def _find_ties(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, dist.ProcessGroup | None, bool]]:
+        stage_of_layer = [k for k, (s, e) in enumerate(self.bounds) for _ in range(s, e)]
+        holders: dict[int, list[int]] = {}  # id(param) -> stages using it
+        params: dict[int, nn.Parameter] = {}
+        for i, layer in enumerate(layers):
+            for p in layer.parameters():
+                holders.setdefault(id(p), [])
+                if stage_of_layer[i] not in holders[id(p)]:
+                    holders[id(p)].append(stage_of_layer[i])
+                params[id(p)] = p
+        shared = [(params[pid], sorted({k % self.ranks for k in st})) for pid, st in holders.items()
+                  if len({k % self.ranks for k in st}) > 1]
+        if not shared or not dist.is_initialized():
+            return []
+        # Every rank creates every tie group, in the same order (new_group is collective over
+        # the world): one group per pipeline (pp group) and tie.
+        all_pp_groups: list = [None] * dist.get_world_size()
+        dist.all_gather_object(all_pp_groups, dist.get_process_group_ranks(self.group) if self.group is not None
+                               else list(range(dist.get_world_size())))
+        ties = []
+        for pp_ranks in sorted({tuple(g) for g in all_pp_groups}):
+            for p, pipeline_ranks in shared:
+                members = [pp_ranks[r] for r in pipeline_ranks]
+                tie_group = dist.new_group(members)
+                if dist.get_rank() in members:
+                    mine = pipeline_ranks.index(self.rank) if self.rank in pipeline_ranks else None
+                    if mine is not None:
+                        ties.append((p, tie_group, mine == 0))
+        with torch.no_grad():
+            for p, tie_group, _ in ties:
+                dist.broadcast(p.data, src=dist.get_global_rank(tie_group, 0), group=tie_group)
+        return ties
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of tied parameters over the ranks holding a copy."""
+        for p, tie_group, _ in self._ties:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=tie_group)
+
+    def counted_once(self, p: nn.Parameter) -> bool:
+        """False for the copies of a tied parameter that are not on its lowest stage's rank."""
+        return all(q is not p or owner for q, _, owner in self._ties)
