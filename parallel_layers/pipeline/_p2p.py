@@ -94,7 +94,7 @@ class Messenger:
         self._isend(g, peer, tag(1, stage, microbatch, self.num_stages, 1))
 
     def recv_gradient(self, like: Tensor, stage: int, microbatch: int, peer: int) -> Tensor:
-        return self._recv(torch.empty_like(like), peer, tag(1, stage, microbatch, self.num_stages, 1))
+        return self._recv(torch.empty(like.shape, dtype=like.dtype, device=like.device), peer, tag(1, stage, microbatch, self.num_stages, 1))
 
     def finish(self) -> None:
         """Wait for every send of the step (their buffers may be reused after)."""

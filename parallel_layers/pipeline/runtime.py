@@ -26,12 +26,14 @@ pipeline rank.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import Messenger
 from parallel_layers.pipeline.schedule import (
     BACKWARD,
@@ -60,6 +62,13 @@ class PipelineParallel:
                                               hasattr(data_parallel, "reduce_gradients")):
             raise TypeError(f"data_parallel must be a DataParallel or ZeRO wrapper (with no_sync() and "
                             f"reduce_gradients()), got {type(data_parallel)}")
+        if getattr(data_parallel, "stage", 1) > 1 and stages.ranks > 1:
+            warnings.warn(
+                f"ZeRO stage {data_parallel.stage} under pipeline parallelism: the full gradients of every "
+                "microbatch are kept until the step's last backward (then reduce-scattered once), so stage 2 saves "
+                "no gradient memory over stage 1" + (", and stage 3 all-gathers each chunk's parameters for every "
+                "microbatch's forward and backward" if data_parallel.stage == 3 else "") +
+                "; ZeRO stage 1 is the usual choice with a pipeline", stacklevel=2)
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.loss_fn, self.token_count, self.data_parallel = loss_fn, token_count, data_parallel
         self.group, self.rank, self.ranks = stages.group, stages.rank, stages.ranks
@@ -159,3 +168,9 @@ class PipelineParallel:
             dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank) if self.group is not None
                            else self.last_rank, group=self.group)
         return total.float()
+
+    def clip_grad_norm_(self, max_norm: float, *, tp_group: dist.ProcessGroup | None = None) -> Tensor:
+        """Clip by the global norm over this pipeline's stages, the TP group and (ZeRO) the
+        data-parallel shards; a tied parameter counts once. Call after `step()`."""
+        return clip_grad_norm_(self.stages, max_norm, data_parallel=self.data_parallel, tp_group=tp_group,
+                               pp_group=self.group)

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.utils._pytree
 
 from parallel_layers._accumulation import LocalAccumulation
+from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.zero._group import ParamGroup
 
 
@@ -189,23 +190,13 @@ class ZeRO(LocalAccumulation, nn.Module):
         for a caller that runs several backwards per step (PipelineParallel)."""
         self._reduce_remaining()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the (sharded) gradients by their global L2 norm; returns the norm before."""
+    def clip_grad_norm_(self, max_norm: float, *, tp_group: dist.ProcessGroup | None = None,
+                        pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Clip the (sharded) gradients by the global L2 norm of the whole model (over the
+        data-parallel group, and the tensor- and pipeline-parallel groups when given); returns
+        the norm before clipping."""
         self._reduce_remaining()
-        sq = torch.zeros((), dtype=torch.float32)
-        for g in self.groups:
-            for s in g.shards:
-                if s.grad is not None:
-                    sq += s.grad.float().pow(2).sum()
-        dist.all_reduce(sq, group=self.group)
-        norm = sq.sqrt()
-        scale = max_norm / (norm.item() + 1e-6)
-        if scale < 1.0:
-            for g in self.groups:
-                for s in g.shards:
-                    if s.grad is not None:
-                        s.grad.mul_(scale)
-        return norm
+        return clip_grad_norm_(self.module, max_norm, data_parallel=self, tp_group=tp_group, pp_group=pp_group)
 
     def step(self) -> None:
         self._reduce_remaining()
