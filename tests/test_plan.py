@@ -1,0 +1,228 @@
+"""The layout planner (parallel_layers/plan.py): its memory model against REFERENCE.md's
+formulas and against memory measured in real gloo runs of parallel_layers.models.GPT (the
+model of examples/train_gpt.py), and its recommendations against the rules of REFERENCE.md §5."""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel_layers import plan
+from parallel_layers.plan import GB, ClusterSpec, Layout, ModelSpec, TrainSpec, parse_size, recommend
+from tests.dist_harness import run_distributed
+
+
+def test_parse_size():
+    assert parse_size("80GB") == 80e9
+    assert parse_size("80 GiB") == 80 * 2**30
+    assert parse_size("7e9") == parse_size("7B") == 7e9
+    assert parse_size(1.5e9) == 1.5e9
+    with pytest.raises(ValueError, match="cannot parse size '80 parsecs'"):
+        parse_size("80 parsecs")
+
+
+def test_activations_are_megatrons_formula():
+    """bf16, dropout, eager attention, ffn 4h, tp 1: s*b*h*(34 + 5*a*s/h) bytes per layer,
+    plus the fp32 LayerNorm statistics (16 bytes per token) Megatron's formula leaves out."""
+    model = ModelSpec(7e9, 32, 4096, 4096, heads=32)
+    train = TrainSpec(dropout=True, flash_attention=False, precision="mixed")
+    s, b, h, a = 4096, 2, 4096, 32
+    got = plan.activation_bytes(model, train, tp=1, tokens=s * b, layers=1, head=False)
+    assert got == pytest.approx(s * b * h * (34 + 5 * a * s / h) + 16 * s * b, rel=1e-12)
+    # Sequence parallel divides everything but the LayerNorm statistics by tp.
+    sp = plan.activation_bytes(model, train, tp=8, tokens=s * b, layers=1, head=False)
+    assert sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / 8 + 16 * s * b, rel=1e-12)
+
+
+def test_model_states_follow_the_zero_paper():
+    """REFERENCE.md section 3: 7.5B params, N = 64, mixed precision Adam: DP 120 GB, ZeRO-1 31.4,
+    ZeRO-2 16.6, ZeRO-3 1.9. Ours adds DataParallel's gradient buckets (2 bytes/param), one
+    layer's full gradients in flight for stage 2 and two layers' gathered params for stage 3."""
+    model = ModelSpec(7.5e9, 128, 2048, 1024, vocab=1000)  # small layers: the in-flight terms stay small
+    cluster = ClusterSpec(64, 8, 80 * GB)
+    states = {}
+    for zero in range(4):
+        e = plan.estimate(model, cluster, TrainSpec(global_batch=64), Layout(64, 1, 1, zero, 1))
+        states[zero] = (e.params + e.grads + e.optimizer) / GB
+    psi, layer = 7.5e9 / GB, model.layer_params / GB
+    assert round(states[1], 1) == 31.4  # the paper's figure, to its rounding
+    assert states[0] == pytest.approx(16 * psi + 2 * psi, rel=1e-9)
+    assert states[1] == pytest.approx((4 + 12 / 64) * psi, rel=1e-9)
+    assert states[2] == pytest.approx((2 + 14 / 64) * psi + 2 * layer, rel=1e-9)
+    assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2) * layer, rel=1e-9)
+
+
+# ---- recommendations against REFERENCE.md section 5 ---------------------------------------
+CASES = {
+    # fits on one device: DDP/ZeRO only
+    "350M on 8 GPUs": (ModelSpec(350e6, 24, 1024, 2048, heads=16, vocab=50257), ClusterSpec(8, 8, 80 * GB),
+                       TrainSpec(global_batch=256)),
+    # the issue's example: 7B does not fit data-parallel alone (eager attention), TP within a node
+    "7B on 64 GPUs": (ModelSpec(7e9, 32, 4096, 4096), ClusterSpec(64, 8, 80 * GB), TrainSpec(global_batch=512)),
+    # GPT-3 175B on 1024 GPUs: TP in a node, PP across nodes, ZeRO <= 1 with PP, m >= 4p
+    "175B on 1024 GPUs": (ModelSpec(175e9, 96, 12288, 2048, heads=96, vocab=50257), ClusterSpec(1024, 8, 80 * GB),
+                          TrainSpec(global_batch=1536, flash_attention=True)),
+}
+
+
+def _assert_obeys_rules(best, model, cluster, train):
+    lay = best.layout
+    assert lay.dp * lay.tp * lay.pp == cluster.gpus
+    assert lay.tp <= cluster.gpus_per_node, "TP only within a node"
+    assert model.n_heads % lay.tp == 0 and model.layers % lay.pp == 0
+    assert train.global_batch % (lay.dp * lay.microbatches) == 0
+    assert best.memory <= cluster.gpu_mem_bytes
+    if lay.pp > 1:
+        assert lay.zero <= 1, "with PP keep ZeRO at stage 1"
+        assert lay.microbatches >= 4 * lay.pp, "m >= 4p preferred (and reachable in these cases)"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_recommendation_follows_the_rules(case):
+    model, cluster, train = CASES[case]
+    best, rejected = recommend(model, cluster, train)
+    assert best is not None
+    _assert_obeys_rules(best, model, cluster, train)
+    assert len(rejected) + 1 == len(plan.candidates(model, cluster, train))
+    structural = {"TP across nodes", "heads % tp", "layers % pp", "batch % dp"}  # checked before the ZeRO rule
+    for e in rejected:  # every loser says why, with numbers
+        assert e.reason and re.search(r"\d", e.reason), f"{e.layout}: {e.reason!r}"
+        if e.layout.tp > cluster.gpus_per_node:
+            assert "TP only within a node" in e.reason
+        elif e.layout.pp > 1 and e.layout.zero > 1 and plan.reason_kind(e.reason) not in structural:
+            assert "with PP keep ZeRO at stage 1" in e.reason, f"{e.layout}: {e.reason!r}"
+    lay = best.layout
+    pure_dp_fits = [e for e in rejected if e.layout.tp == e.layout.pp == 1 and "needs" not in e.reason]
+    if case == "350M on 8 GPUs":
+        assert (lay.tp, lay.pp, lay.dp) == (1, 1, 8), "fits on one device -> DDP or ZeRO"
+        assert lay.zero == 0, "plain DDP: the model states (5.6 GB) fit, ZeRO only adds traffic"
+        assert all("fits without TP/PP" in plan.reason_kind(e.reason) for e in rejected
+                   if (e.layout.tp > 1 or e.layout.pp > 1) and e.memory <= cluster.gpu_mem_bytes
+                   and plan.reason_kind(e.reason) not in ("TP across nodes", "ZeRO > 1 with PP", "layers % pp"))
+    if case == "7B on 64 GPUs":
+        assert not pure_dp_fits and lay.tp > 1 and lay.pp * lay.tp <= 8
+        dp_only = [e for e in rejected if e.layout.tp == e.layout.pp == 1]
+        assert dp_only and all(re.match(r"needs \d+\.\d GB per GPU > 80 GB", e.reason) for e in dp_only)
+    if case == "175B on 1024 GPUs":
+        assert lay.pp > 1 and lay.zero <= 1, "does not fit in a node's TP group: PP across nodes, ZeRO-1"
+        sharded_across = [e for e in rejected if e.layout.zero >= 2 and e.layout.pp == 1 and e.memory <= 80 * GB
+                          and e.layout.tp * e.layout.dp > 8 and plan.reason_kind(e.reason) != "TP across nodes"]
+        assert sharded_across and all("PP takes the slow links" in e.reason for e in sharded_across)
+        tp16 = [e for e in rejected if e.layout.tp == 16]
+        assert tp16 and all("TP only within a node" in e.reason for e in tp16)
+
+
+def test_nothing_fits_is_reported():
+    best, rejected = recommend(ModelSpec(175e9, 96, 12288, 2048, heads=96), ClusterSpec(8, 8, 80 * GB),
+                               TrainSpec(global_batch=64))
+    assert best is None and all(e.reason for e in rejected)
+
+
+def test_cli_prints_table_recommendation_and_reasons(capsys):
+    plan.main(["--params", "7e9", "--layers", "32", "--hidden", "4096", "--seq", "4096", "--gpus", "64",
+               "--gpus-per-node", "8", "--gpu-mem", "80GB"])
+    out = capsys.readouterr().out
+    best, _ = recommend(*CASES["7B on 64 GPUs"][:2], TrainSpec())
+    assert re.search(r"^\* " + re.escape(str(best.layout)), out, re.M), out
+    assert f"recommended: {best.layout}" in out
+    assert "TP only within a node" in out and "GB per GPU > 80 GB" in out
+
+
+def test_cli_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--params", "7e9", "--layers", "32", "--hidden", "4096", "--seq", "4096", "--gpus", "64",
+                   "--gpus-per-node", "8", "--gpu-mem", "eighty"])
+    assert "cannot parse size 'eighty'" in capsys.readouterr().err
+
+
+# ---- estimates against measured memory ----------------------------------------------------
+# the GPT of parallel_layers.models (examples/train_gpt.py's), float32, AdamW, one microbatch of B sequences per rank.
+SEQ, BATCH, HIDDEN, HEADS, LAYERS, VOCAB = 64, 4, 64, 4, 2, 256
+# The estimate must be within 15% of what a real run holds (the acceptance criterion).
+MEMORY_RTOL = 0.15
+
+
+def _gpt(tp_group):
+    from parallel_layers.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=HIDDEN, heads=HEADS, layers=LAYERS), tp_group)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _measure_layout(rank, world, dp, tp, zero):
+    """Per-rank bytes after one AdamW step: params, grads (at their peak, right after
+    backward), optimizer state, and the unique storages saved for backward in forward."""
+    from parallel_layers import DataParallel, ZeRO, init_parallel
+    from parallel_layers.models import Block
+
+    ctx = init_parallel(tp=tp, dp=dp, device="cpu")
+    torch.manual_seed(0)
+    model = _gpt(ctx.tp_group)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    if zero:
+        wrapped = ZeRO(model, adamw, stage=zero, group=ctx.dp_group, wrap=lambda m: isinstance(m, Block))
+    else:
+        wrapped = DataParallel(model, group=ctx.dp_group) if dp > 1 else model
+        opt = adamw(model.parameters())
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    g = torch.Generator().manual_seed(rank)
+    ids, targets = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(wrapped(ids), targets)
+    activations = sum(saved.values())
+    loss.backward()
+    if zero:
+        after_backward = wrapped.memory_bytes()
+        wrapped.step()
+        m = wrapped.memory_bytes()
+        grads = max(after_backward["grads"] + after_backward["shard_grads"], m["shard_grads"])
+        states = {"params": m["params"] + m["master_shards"], "grads": grads, "optimizer": m["optimizer_state"]}
+    else:
+        buckets = _bytes(b.buffer for b in wrapped.buckets) if dp > 1 else 0
+        grads = _bytes(p.grad for p in model.parameters()) + buckets
+        opt.step()
+        state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        states = {"params": _bytes(model.parameters()), "grads": grads, "optimizer": _bytes(state)}
+    full_params = sum(p.numel() for p in model.parameters())
+    dist.all_reduce(torch.tensor([0]))  # every rank measured before any tears down
+    return {**states, "activations": activations, "local_params": full_params}
+
+
+def _full_param_count() -> int:
+    return sum(p.numel() for p in _gpt(None).parameters())
+
+
+def _estimate(dp, tp, zero):
+    model = ModelSpec(_full_param_count(), LAYERS, HIDDEN, SEQ, heads=HEADS, vocab=VOCAB, ffn=4 * HIDDEN)
+    cluster = ClusterSpec(dp * tp, dp * tp, 1e12)
+    # The GPT's block: no dropout, no sequence parallelism; CPU scaled_dot_product_attention
+    # keeps only the output and log-sum-exp (flash-style), not the s x s scores.
+    train = TrainSpec(global_batch=BATCH * dp, precision="fp32", dropout=False, flash_attention=True,
+                      sequence_parallel=False)
+    return plan.estimate(model, cluster, train, Layout(dp, tp, 1, zero, 1))
+
+
+@pytest.mark.parametrize("dp, tp, zero", [(2, 1, 0), (2, 1, 1), (1, 2, 0), (2, 2, 1)],
+                         ids=["dp2-DataParallel", "dp2-ZeRO1", "tp2", "dp2xtp2-ZeRO1"])
+def test_memory_estimate_matches_a_real_run(dp, tp, zero):
+    est = _estimate(dp, tp, zero)
+    estimated = {"states": est.params + est.grads + est.optimizer, "activations": est.activations}
+    estimated["total"] = est.memory
+    for rank, m in enumerate(run_distributed(_measure_layout, dp * tp, args=(dp, tp, zero))):
+        measured = {"states": m["params"] + m["grads"] + m["optimizer"], "activations": m["activations"]}
+        measured["total"] = sum(measured.values())
+        for part in ("states", "activations", "total"):
+            assert estimated[part] == pytest.approx(measured[part], rel=MEMORY_RTOL), (
+                f"rank {rank} {part}: estimated {estimated[part]} B, measured {measured[part]} B ({m})")
