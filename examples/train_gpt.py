@@ -1,18 +1,21 @@
-"""The main job: train a small GPT with any mix of data, tensor and ZeRO parallelism, and
-check it against the same training in one process.
+"""The main job: train a small GPT with any mix of data, tensor, pipeline and ZeRO
+parallelism, and check it against the same training in one process.
 
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2 --zero 1
+    torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2 --microbatches 4
     torchrun --standalone --nproc-per-node 1 examples/train_gpt.py            # the reference
 
-The model uses the library's layers: a vocabulary-parallel embedding and tied head with
-vocabulary-parallel cross-entropy, attention with a fused column-parallel QKV and a
-row-parallel output projection, and a Column(GeLU) -> Row MLP. Data: byte-level tokens of a
-text generated from a fixed seed (nothing is downloaded), served by a DataLoader with a
-DistributedSampler keyed on the data-parallel rank, so the TP peers of one replica see the
-same batch. --zero 0 uses DataParallel over the dp axis, 1-3 the ZeRO stages. At the end rank
-0 replays the same global batches with the same model in one process (tp = dp = 1, same
-seed) and prints PASS if the losses agree. Pipeline parallelism (--pp) comes with the
-pipeline wrappers.
+The model (parallel_layers.models.GPT) uses the library's layers: a vocabulary-parallel
+embedding and tied head with vocabulary-parallel cross-entropy, attention with a fused
+column-parallel QKV and a row-parallel output projection, and a Column(GeLU) -> Row MLP.
+Data: byte-level tokens of a text generated from a fixed seed (nothing is downloaded),
+served by a DataLoader with a DistributedSampler keyed on the data-parallel rank, so the TP
+and PP peers of one replica see the same batch. Layout, applied in REFERENCE.md's order:
+pipeline stages (--pp, --schedule, --microbatches, --virtual), TP layers inside them (--tp),
+then DataParallel (--zero 0) or ZeRO (--zero 1-3; 1 is the default with a pipeline) over the
+dp axis. --dtype bfloat16 runs forward and backward under autocast (float32 master weights).
+At the end rank 0 replays the same global batches with the same model in one process (same
+seed, same dtype) and prints PASS if the losses agree.
 """
 
 from __future__ import annotations
@@ -24,21 +27,19 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from parallel_layers import ColumnParallelLinear, DataParallel, RowParallelLinear, ZeRO, init_parallel
-from parallel_layers.tensor_parallel import (
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_logits,
-)
+from parallel_layers import DataParallel, ZeRO, init_parallel
+from parallel_layers.models import GPT, Block, GPTConfig
+from parallel_layers.pipeline import SCHEDULES, PipelineParallel, PipelineStages
 
 # float32, same seed and batches: the parallel run differs from the single process only in
-# the order of sums (TP reductions, gradient averaging); over the demo's steps the final
-# losses agree to ~1e-6 relative. 1e-4 leaves margin and still catches a wrong gradient.
-PARITY_RTOL = 1e-4
+# the order of sums (TP reductions, gradient averaging, microbatches); over the demo's steps
+# the losses agree to ~1e-6 relative. 1e-4 leaves margin and still catches a wrong gradient.
+# bfloat16 autocast rounds every matmul to 8 bits of mantissa, in a different order per
+# layout: measured 0.7e-4 to 2.4e-4 over 30 steps (dp2 x tp2, pp2 interleaved); 3e-3 leaves
+# margin for longer runs and still catches a wrong gradient (~1e-2 and more within steps).
+PARITY_RTOL = {"float32": 1e-4, "bfloat16": 3e-3}
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -67,49 +68,12 @@ class Windows(torch.utils.data.Dataset):
         return chunk[:-1], chunk[1:]
 
 
-# ---- model --------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, tp_group):
-        super().__init__()
-        self.head_dim = d // heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv = ColumnParallelLinear(d, 3 * d, fused_sizes=(d, d, d), tp_group=tp_group)
-        self.proj = RowParallelLinear(d, d, tp_group=tp_group)
-        self.up = ColumnParallelLinear(d, 4 * d, activation="gelu_tanh", tp_group=tp_group)
-        self.down = RowParallelLinear(4 * d, d, tp_group=tp_group)
-
-    def forward(self, x):  # [seq, batch, d]
-        s, b, _ = x.shape
-        q, k, v = (t.reshape(s, b, -1, self.head_dim).permute(1, 2, 0, 3) for t in self.qkv(self.ln1(x)).chunk(3, -1))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
-        x = x + self.proj(attn)
-        return x + self.down(self.up(self.ln2(x)))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, seq_len: int, d: int, heads: int, layers: int, tp_group):
-        super().__init__()
-        self.embed = VocabParallelEmbedding(vocab, d, tp_group=tp_group)
-        self.pos = nn.Embedding(seq_len, d)
-        self.blocks = nn.ModuleList(Block(d, heads, tp_group) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        with torch.no_grad():  # GPT-2's 0.02 std; elementwise, so the same at every TP size
-            self.embed.weight.mul_(0.02)
-            self.pos.weight.mul_(0.02)
-
-    def forward(self, ids, targets):  # ids, targets [batch, seq]
-        x = (self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))).transpose(0, 1)
-        for block in self.blocks:
-            x = block(x)
-        logits = vocab_parallel_logits(self.ln_f(x), self.embed)  # [seq, batch, vocab / tp]
-        return vocab_parallel_cross_entropy(logits, targets.transpose(0, 1), self.embed)
-
-
 # ---- training -----------------------------------------------------------------------------
 class CollectiveTimer:
     """Wall time spent inside blocking collective calls (async ones count when waited)."""
 
-    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast", "all_gather_object")
+    NAMES = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single", "broadcast",
+             "all_gather_object", "recv")
 
     def __init__(self):
         self.seconds = 0.0
@@ -126,17 +90,38 @@ class CollectiveTimer:
             setattr(dist, name, timed)
 
 
-def build(args, tp_group, dp_group, zero_stage, dp):
+def build(args, ctx_groups, zero_stage: int, dp: int, pipelined: bool):
+    """The GPT in this layout; returns train_step(ids, targets) -> this replica's batch loss."""
+    tp_group, pp_group, dp_group = ctx_groups
     torch.manual_seed(args.seed)
-    model = GPT(256, args.seq_len, args.d_model, args.heads, args.layers, tp_group)
+    model = GPT(GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
+                          layers=args.layers), tp_group=tp_group)
+    net = PipelineStages(model.layers, group=pp_group, virtual=args.virtual) if pipelined else model
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0)  # noqa: E731
     if zero_stage:
-        wrapped = ZeRO(model, make_opt, stage=zero_stage, group=dp_group,
-                       wrap=lambda m: isinstance(m, Block))
-        return wrapped, wrapped.step, wrapped.zero_grad
-    wrapped = DataParallel(model, group=dp_group) if dp > 1 else model
-    opt = make_opt(model.parameters())
-    return wrapped, opt.step, lambda: opt.zero_grad(set_to_none=True)
+        wrapped = ZeRO(net, make_opt, stage=zero_stage, group=dp_group, wrap=lambda m: isinstance(m, Block))
+        step, zero_grad = wrapped.step, wrapped.zero_grad
+    else:
+        wrapped = DataParallel(net, group=dp_group) if dp > 1 else None
+        opt = make_opt(net.parameters())
+        step, zero_grad = opt.step, lambda: opt.zero_grad(set_to_none=True)
+    if pipelined:
+        pipe = PipelineParallel(net, schedule=args.schedule, microbatches=args.microbatches, loss_fn=model.loss,
+                                data_parallel=wrapped)
+        forward_backward = pipe.step
+    else:
+        def forward_backward(ids, targets):
+            loss = model.loss((wrapped or model)(ids), targets)
+            loss.backward()
+            return loss.detach()
+
+    def train_step(ids, targets):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+            loss = forward_backward(ids, targets)
+        step()
+        zero_grad()
+        return loss
+    return train_step
 
 
 def global_batches(dataset, args, dp: int):
@@ -154,7 +139,12 @@ def main():
     ap.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / (tp * pp))")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    ap.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                    help="0: DataParallel over dp; 1-3: ZeRO stage (default: 1 with --pp > 1, else 0)")
+    ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    ap.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 * pp with --pp > 1, else 1)")
+    ap.add_argument("--virtual", type=int, default=None, help="stages per rank (default: 2 for interleaved, else 1)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (sequences), split over dp")
     ap.add_argument("--seq-len", type=int, default=64)
@@ -166,17 +156,20 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.pp != 1:
-        raise SystemExit(f"--pp {args.pp}: pipeline parallelism is not available yet; use --pp 1")
+    args.zero = args.zero if args.zero is not None else (1 if args.pp > 1 else 0)
+    args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
+    args.virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
+    pipelined = args.pp > 1 or args.microbatches > 1
 
     ctx = init_parallel(tp=args.tp, pp=args.pp, dp=args.dp, device=args.device)
     rank, world, dp = dist.get_rank(), dist.get_world_size(), ctx.dims.dp
-    if args.batch_size % dp:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp = {dp}")
+    if args.batch_size % (dp * args.microbatches):
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp}) * microbatches "
+                         f"({args.microbatches}) = {dp * args.microbatches}")
     timer = CollectiveTimer()
     solo = [dist.new_group([r]) for r in range(world)][rank]  # a group of one, for the reference
     dataset = Windows(generated_text(200_000), args.seq_len)
-    model, step, zero_grad = build(args, ctx.tp_group, ctx.dp_group, args.zero, dp)
+    train_step = build(args, (ctx.tp_group, ctx.pp_group, ctx.dp_group), args.zero, dp, pipelined)
     dp_rank = ctx.coordinate("dp")
     loader = DataLoader(dataset, batch_size=args.batch_size // dp, drop_last=True, num_workers=args.num_workers,
                         sampler=DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,
@@ -184,11 +177,7 @@ def main():
     losses, start, batches = [], time.perf_counter(), iter(loader)
     for i in range(args.steps):
         ids, targets = next(batches)
-        loss = model(ids, targets)
-        loss.backward()
-        step()
-        zero_grad()
-        mean = loss.detach().clone()
+        mean = train_step(ids, targets).float().clone()
         dist.all_reduce(mean, group=ctx.dp_group)
         losses.append(mean.item() / dp)
         if rank == 0 and (i % max(1, args.steps // 10) == 0 or i == args.steps - 1):
@@ -203,30 +192,31 @@ def main():
 
     verdict = torch.zeros(1)
     if rank == 0:
-        ref, ref_step, ref_zero = build(args, solo, solo, 0, 1)
+        ref_step = build(args, (solo, solo, solo), 0, 1, pipelined=False)
         ref_losses = []
         for per_rank in global_batches(dataset, args, dp):
             ids = torch.cat([b[0] for b in per_rank])
             targets = torch.cat([b[1] for b in per_rank])
-            loss = ref(ids, targets)
-            loss.backward()
-            ref_step()
-            ref_zero()
-            ref_losses.append(loss.item())
+            ref_losses.append(ref_step(ids, targets).item())
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        ok = diff <= PARITY_RTOL
+        tolerance = PARITY_RTOL[args.dtype]
+        ok = diff <= tolerance
         verdict[0] = float(ok)
         print()
+        pipeline = (f", {args.schedule} schedule, {args.microbatches} microbatches"
+                    + (f", {args.virtual} stages per rank" if args.virtual > 1 else "") if pipelined else "")
         print(f"layout: dp={dp} x tp={args.tp} x pp={args.pp} on {world} process(es), "
-              f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}")
+              f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
+              f"{pipeline}, {args.dtype}")
         print(f"{'final loss':28s} {losses[-1]:.4f} (first {losses[0]:.4f})")
         print(f"{'throughput':28s} {args.steps * args.batch_size * args.seq_len / elapsed:.0f} tokens/s "
               f"({elapsed / args.steps * 1e3:.1f} ms/step)")
         print(f"{'peak memory per rank (MiB)':28s} " + ", ".join(f"{p.item():.0f}" for p in peaks))
-        print(f"{'time in collectives':28s} {comm:.2f} s of {elapsed:.2f} s on rank 0 "
-              f"({100 * comm / elapsed:.0f}%), compute and the rest {elapsed - comm:.2f} s")
+        print(f"{'time in communication':28s} {comm:.2f} s of {elapsed:.2f} s on rank 0 "
+              f"({100 * comm / elapsed:.0f}%; blocking collectives and receives, waiting for peers included), "
+              f"compute and the rest {elapsed - comm:.2f} s")
         print(f"parity vs single process: final loss {losses[-1]:.6f} vs {ref_losses[-1]:.6f}, max relative "
-              f"difference over {args.steps} steps {diff:.2e} (tolerance {PARITY_RTOL:g}): {'PASS' if ok else 'FAIL'}")
+              f"difference over {args.steps} steps {diff:.2e} (tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}")
     dist.broadcast(verdict, src=0)
     dist.destroy_process_group()
     if verdict.item() != 1.0:
