@@ -15,11 +15,15 @@ in_order=True)` checks for the schedule before it runs.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 _MAX_DIMS = 8
+_HEADER_WAIT_S = 10.0
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype index, dims
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
@@ -67,9 +71,8 @@ class Messenger:
         t = t.contiguous()
         self.pending.append((dist.isend(t, self._global(peer), group=self.group, tag=tag_), t))
 
-    def _recv(self, t: Tensor, peer: int, tag_: int) -> Tensor:
-        dist.recv(t, self._global(peer), group=self.group, tag=tag_)
-        return t
+    def _irecv(self, t: Tensor, peer: int, tag_: int):
+        return dist.irecv(t, self._global(peer), group=self.group, tag=tag_), t
 
     def send_activation(self, y: Tensor, stage: int, microbatch: int, peer: int) -> None:
         h = header(y)
@@ -77,24 +80,47 @@ class Messenger:
         expected = self.contract.setdefault(stage, got)
         self._isend(h.to(self.device), peer, tag(0, stage, microbatch, self.num_stages, 0))
         if got != expected:
+            # Let the header reach the receiver, which then raises the same error, before this
+            # rank raises (and perhaps exits, closing the connection under the message).
+            with contextlib.suppress(RuntimeError):
+                self.pending[-1][0].wait(datetime.timedelta(seconds=_HEADER_WAIT_S))
             raise ValueError(mismatch_message(stage, microbatch, got, expected))
         self._isend(y.detach(), peer, tag(0, stage, microbatch, self.num_stages, 1))
 
-    def recv_activation(self, stage: int, microbatch: int, peer: int) -> Tensor:
-        h = self._recv(torch.empty(_HEADER, dtype=torch.int64, device=self.device), peer,
-                       tag(0, stage, microbatch, self.num_stages, 0)).cpu()
-        got = describe(h)
-        expected = self.contract.setdefault(stage, got)
-        if got != expected:
-            raise ValueError(mismatch_message(stage, microbatch, got, expected))
-        return self._recv(torch.empty(got[0], dtype=got[1], device=self.device), peer,
-                          tag(0, stage, microbatch, self.num_stages, 1))
+    # A receive is posted early (`post_*`, while the rank still computes) and waited on when
+    # its data is needed (`wait`), so the message latency hides behind compute.
+    def post_activation(self, stage: int, microbatch: int, peer: int) -> dict:
+        """Post the header's receive, and the payload's when this boundary's contract is known."""
+        h = {"kind": 0, "stage": stage, "mb": microbatch, "peer": peer,
+             "header": self._irecv(torch.empty(_HEADER, dtype=torch.int64, device=self.device), peer,
+                                   tag(0, stage, microbatch, self.num_stages, 0))}
+        if stage in self.contract:
+            shape, dtype = self.contract[stage]
+            h["payload"] = self._irecv(torch.empty(shape, dtype=dtype, device=self.device), peer,
+                                       tag(0, stage, microbatch, self.num_stages, 1))
+        return h
+
+    def post_gradient(self, like: Tensor, stage: int, microbatch: int, peer: int) -> dict:
+        buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return {"kind": 1, "payload": self._irecv(buf, peer, tag(1, stage, microbatch, self.num_stages, 1))}
+
+    def wait(self, h: dict) -> Tensor:
+        if h["kind"] == 0:
+            work, buf = h["header"]
+            work.wait()
+            got = describe(buf.cpu())
+            expected = self.contract.setdefault(h["stage"], got)
+            if got != expected:
+                raise ValueError(mismatch_message(h["stage"], h["mb"], got, expected))
+            if "payload" not in h:
+                h["payload"] = self._irecv(torch.empty(got[0], dtype=got[1], device=self.device), h["peer"],
+                                           tag(0, h["stage"], h["mb"], self.num_stages, 1))
+        work, buf = h["payload"]
+        work.wait()
+        return buf
 
     def send_gradient(self, g: Tensor, stage: int, microbatch: int, peer: int) -> None:
         self._isend(g, peer, tag(1, stage, microbatch, self.num_stages, 1))
-
-    def recv_gradient(self, like: Tensor, stage: int, microbatch: int, peer: int) -> Tensor:
-        return self._recv(torch.empty(like.shape, dtype=like.dtype, device=like.device), peer, tag(1, stage, microbatch, self.num_stages, 1))
 
     def finish(self) -> None:
         """Wait for every send of the step (their buffers may be reused after)."""

@@ -20,12 +20,14 @@ schedule's actions run (Note [schedule construction] in schedule.py; shapes per 
 boundary contract] in _p2p.py), tied-parameter gradients are summed (Note [tied parameters]
 in stages.py), and the data-parallel wrapper reduces the gradients once, after the last
 microbatch (its `no_sync()` holds them until then). The step's loss comes back on every
-pipeline rank.
+pipeline rank; `last_step_times` says how long the schedule ran, and of that how long this
+rank computed (F and B) and waited on receives (the pipeline bubble, plus message latency).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from typing import Callable
 
@@ -110,60 +112,17 @@ class PipelineParallel:
         if y_mb is not None:
             scale = 1.0 / (sum(int(self.token_count(t)) for t in y_mb) if self.token_count else m)
         msg = Messenger(self.group, self.num_stages, self.device)
-        saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input, output or scaled loss)
-        local: dict[tuple, Tensor] = {}  # activations and gradients handed over within this rank
-        inbox: dict[tuple, Tensor] = {}
-        total = torch.zeros((), dtype=torch.float64)
         sync = self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
-        try:
-            with sync:
-                for a in self.actions[self.rank]:
-                    k, i = a.stage, a.microbatch
-                    if a.kind == RECV_F:
-                        inbox[("act", k, i)] = msg.recv_activation(k, i, a.peer)
-                    elif a.kind == RECV_B:
-                        inbox[("grad", k, i)] = msg.recv_gradient(saved[(k - 1, i)][1], k, i, a.peer)
-                    elif a.kind == FORWARD:
-                        x = x_mb[i] if k == 0 else inbox.pop(("act", k - 1, i), None)
-                        if x is None:
-                            x = local.pop(("act", k - 1, i))
-                        if k > 0 and x.is_floating_point():
-                            x = x.detach().requires_grad_(True)
-                        y = self.stages.chunk(k)(x)
-                        if not isinstance(y, Tensor):
-                            raise TypeError(f"pipeline stage {k} returned {type(y).__name__}; a stage must return one "
-                                            "tensor (its activations), as must every layer of the layer list")
-                        if k == self.num_stages - 1:
-                            y = self.loss_fn(y, y_mb[i]) * scale
-                            total += y.detach().double().cpu()
-                        elif self.stages.ranks == 1 or (k + 1) % self.ranks == self.rank:
-                            local[("act", k, i)] = y.detach()
-                        saved[(k, i)] = (x, y)
-                    elif a.kind == SEND_F:
-                        msg.send_activation(saved[(k, i)][1], k, i, a.peer)
-                    elif a.kind == BACKWARD:
-                        x, y = saved.pop((k, i))
-                        if k == self.num_stages - 1:
-                            grad = None
-                        else:
-                            grad = inbox.pop(("grad", k + 1, i), None)
-                            if grad is None:
-                                grad = local.pop(("grad", k + 1, i))
-                        if y.requires_grad:
-                            torch.autograd.backward(y, grad)
-                        if k > 0:
-                            dx = x.grad if x.grad is not None else torch.zeros_like(x)
-                            if (k - 1) % self.ranks == self.rank:
-                                local[("grad", k, i)] = dx
-                            else:
-                                saved[("dx", k, i)] = (None, dx)
-                    elif a.kind == SEND_B:
-                        msg.send_gradient(saved.pop(("dx", k, i))[1], k, i, a.peer)
-                self.stages.sync_tied_grads()
-            if self.data_parallel is not None:
-                self.data_parallel.reduce_gradients()
-        finally:
-            msg.finish()
+        start = time.perf_counter()
+        with sync:
+            run = _StepRun(self, msg, x_mb, y_mb, scale)
+            total = run.run()
+            self.stages.sync_tied_grads()
+        self.last_step_times = {"schedule_s": time.perf_counter() - start, "waiting_s": run.waiting_s,
+                                "compute_s": run.compute_s}
+        if self.data_parallel is not None:
+            self.data_parallel.reduce_gradients()
+        msg.finish()  # not on an error: a failed peer would make it wait for the timeout
         if self.ranks > 1:
             dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank) if self.group is not None
                            else self.last_rank, group=self.group)
@@ -174,3 +133,80 @@ class PipelineParallel:
         data-parallel shards; a tied parameter counts once. Call after `step()`."""
         return clip_grad_norm_(self.stages, max_norm, data_parallel=self.data_parallel, tp_group=tp_group,
                                pp_group=self.group)
+
+
+class _StepRun:
+    """One step's walk through this rank's actions, and what it holds meanwhile."""
+
+    def __init__(self, pipe: PipelineParallel, msg: Messenger, x_mb, y_mb, scale):
+        self.pipe, self.msg, self.x_mb, self.y_mb, self.scale = pipe, msg, x_mb, y_mb, scale
+        self.actions = pipe.actions[pipe.rank]
+        self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output or scaled loss)
+        self.inbox: dict[tuple, Tensor] = {}  # received or handed over within this rank: ("act"|"grad", stage, mb)
+        self.posted: dict[int, dict] = {}  # action index -> receive posted ahead of time
+        self.total = torch.zeros((), dtype=torch.float64, device=pipe.device)
+        self.waiting_s = self.compute_s = 0.0  # blocked on a receive (the bubble, and latency); in F and B
+
+    def run(self) -> Tensor:
+        for j, a in enumerate(self.actions):
+            start = time.perf_counter()
+            if a.kind in (RECV_F, RECV_B):
+                h = self.posted.pop(j, None) or self._post(j)
+                self.inbox[("act" if a.kind == RECV_F else "grad", a.stage, a.microbatch)] = self.msg.wait(h)
+                self.waiting_s += time.perf_counter() - start
+            elif a.kind == SEND_F:
+                self.msg.send_activation(self.saved[(a.stage, a.microbatch)][1], a.stage, a.microbatch, a.peer)
+            elif a.kind == SEND_B:
+                self.msg.send_gradient(self.saved.pop(("dx", a.stage, a.microbatch))[1], a.stage, a.microbatch,
+                                       a.peer)
+            else:
+                self._post_next_receives(j)
+                (self._forward if a.kind == FORWARD else self._backward)(a.stage, a.microbatch)
+                self.compute_s += time.perf_counter() - start
+        return self.total
+
+    # A receive is posted before the compute ahead of it, so its latency hides behind that compute.
+    def _post(self, j: int) -> dict | None:
+        a = self.actions[j]
+        if a.kind == RECV_F:
+            return self.msg.post_activation(a.stage, a.microbatch, a.peer)
+        out = self.saved.get((a.stage - 1, a.microbatch))  # the gradient has our output's shape
+        return self.msg.post_gradient(out[1], a.stage, a.microbatch, a.peer) if out is not None else None
+
+    def _post_next_receives(self, j: int) -> None:
+        for q in range(j + 1, len(self.actions)):
+            if self.actions[q].kind in (FORWARD, BACKWARD):
+                break
+            if self.actions[q].kind in (RECV_F, RECV_B) and q not in self.posted:
+                h = self._post(q)
+                if h is not None:
+                    self.posted[q] = h
+
+    def _forward(self, k: int, i: int) -> None:
+        pipe = self.pipe
+        x = self.x_mb[i] if k == 0 else self.inbox.pop(("act", k - 1, i))
+        if k > 0 and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        y = pipe.stages.chunk(k)(x)
+        if not isinstance(y, Tensor):
+            raise TypeError(f"pipeline stage {k} returned {type(y).__name__}; a stage must return one tensor (its "
+                            "activations), as must every layer of the layer list")
+        if k == pipe.num_stages - 1:
+            y = pipe.loss_fn(y, self.y_mb[i]) * self.scale
+            self.total += y.detach().double()
+        elif (k + 1) % pipe.ranks == pipe.rank:  # the next stage is ours too (p = 1)
+            self.inbox[("act", k, i)] = y.detach()
+        self.saved[(k, i)] = (x, y)
+
+    def _backward(self, k: int, i: int) -> None:
+        pipe = self.pipe
+        x, y = self.saved.pop((k, i))
+        grad = None if k == pipe.num_stages - 1 else self.inbox.pop(("grad", k + 1, i))
+        if y.requires_grad:
+            torch.autograd.backward(y, grad)
+        if k > 0:
+            dx = x.grad if x.grad is not None else torch.zeros_like(x)
+            if (k - 1) % pipe.ranks == pipe.rank:
+                self.inbox[("grad", k, i)] = dx
+            else:
+                self.saved[("dx", k, i)] = (None, dx)

@@ -6,16 +6,19 @@ interleaved assignment; with v = 1, stage k is rank k). F(k, i) is the forward o
 on microbatch i, B(k, i) its backward.
 
 Note [schedule construction]: the order of each rank's compute actions comes from one
-discrete-time simulation of the whole pipeline. At every tick each rank runs at most one
-F or B whose inputs were produced at an earlier tick, picking by the schedule's policy:
+discrete-time simulation of the whole pipeline, in which a forward takes one tick and a
+backward two. Whenever a rank is idle it starts one F or B whose inputs were finished at
+an earlier tick, picking by the schedule's policy:
   gpipe        every forward first (in microbatch order), then every backward
   1f1b         backward whenever one is ready, else a forward while fewer than the rank's
                in-flight limit (p - rank) are waiting for their backward
   interleaved  1f1b over v chunks per rank, in Megatron's order (forwards in groups of p
                microbatches per chunk, backwards from the last chunk), in-flight limit
-               2 (p - rank - 1) + (v - 1) p + 1
-If a tick passes with nothing runnable anywhere while work remains (possible only when a
-limit is too tight for odd m), the limits are lifted for that tick, so every schedule
+               2 (p - rank - 1) + (v - 1) p + 1. Used only where Megatron's own order
+               (`megatron_interleaved_order`, the better one) would deadlock: when the last
+               group has fewer than p microbatches, for some p, m, v.
+If at some tick every rank is idle with nothing runnable while work remains (possible only
+when a limit is too tight for odd m), the limits are lifted for that tick, so every schedule
 finishes for every p, v, m. Because each rank's order is a slice of one feasible global
 timeline, running it with non-blocking sends and blocking receives cannot deadlock.
 `validate` re-checks that independently on the final action lists.
@@ -30,6 +33,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 FORWARD, BACKWARD = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+_DURATION = {FORWARD: 1, BACKWARD: 2}  # ticks: a backward costs about two forwards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +99,14 @@ def compute_order(schedule: str, ranks: int, microbatches: int, virtual: int = 1
             deps = [(FORWARD, k, i)] + ([(BACKWARD, k + 1, i)] if k < stages - 1 else [])
         return all(done_at.get(d, tick) < tick for d in deps)
 
+    busy_until = [0] * ranks
     tick = 0
     while any(todo):
         ran = []
         for lift in (False, True):
             for r in range(ranks):
+                if busy_until[r] > tick:
+                    continue
                 limit = _in_flight_limit(schedule, r, ranks, microbatches, virtual)
                 candidates = []
                 for task in todo[r]:
@@ -116,13 +123,14 @@ def compute_order(schedule: str, ranks: int, microbatches: int, virtual: int = 1
                 task = min(candidates, key=lambda t: ((t[0] == FORWARD) if prefer_backward else 0,
                                                       _priority(*t, ranks, virtual, schedule)))
                 ran.append((r, task))
-            if ran:
+            if ran or any(b > tick for b in busy_until):
                 break
-        if not ran:
+        if not ran and not any(b > tick for b in busy_until):
             raise AssertionError(f"schedule construction stalled at tick {tick}: {todo}")
         for r, task in ran:
             todo[r].discard(task)
-            done_at[task] = tick
+            busy_until[r] = tick + _DURATION[task[0]]
+            done_at[task] = busy_until[r] - 1
             order[r].append(task)
             if task[0] == FORWARD:
                 in_flight[r] += 1
@@ -133,15 +141,28 @@ def compute_order(schedule: str, ranks: int, microbatches: int, virtual: int = 1
     return order
 
 
-def build_schedule(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
-    """Per rank, its full action list: each compute preceded by its receive and followed by its send.
+def megatron_interleaved_order(ranks: int, microbatches: int, virtual: int) -> list[list[tuple[str, int, int]]]:
+    """Megatron's interleaved 1F1B: forwards in groups of p microbatches per chunk, backwards
+    likewise from the last chunk; (p - rank - 1) * 2 + (v - 1) * p warm-up forwards, then one
+    forward and one backward in turn. Its bubble is (p - 1) / (v m) of the compute; with a
+    last group of fewer than p microbatches it can deadlock (build_schedule then falls back)."""
+    p, m, v = ranks, microbatches, virtual
+    groups = [list(range(start, min(start + p, m))) for start in range(0, m, p)]
+    order = []
+    for r in range(p):
+        fwd = [(FORWARD, c * p + r, i) for g in groups for c in range(v) for i in g]
+        bwd = [(BACKWARD, c * p + r, i) for g in groups for c in reversed(range(v)) for i in g]
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        steady = [t for j in range(m * v - warmup) for t in (fwd[warmup + j], bwd[j])]
+        order.append(fwd[:warmup] + steady + bwd[m * v - warmup:])
+    return order
 
-    A stage's neighbour on the same rank (p = 1, or never with v = 1) hands over in memory: no
-    send or receive is emitted for it.
-    """
-    stages = ranks * virtual
+
+def _with_messages(order: list[list[tuple[str, int, int]]], ranks: int, stages: int) -> list[list[Action]]:
+    """Each compute preceded by its receive and followed by its send. A stage's neighbour on
+    the same rank (only with p = 1) hands over in memory: no message for it."""
     lists: list[list[Action]] = []
-    for r, computes in enumerate(compute_order(schedule, ranks, microbatches, virtual)):
+    for r, computes in enumerate(order):
         actions: list[Action] = []
         for kind, k, i in computes:
             if kind == FORWARD:
@@ -159,8 +180,25 @@ def build_schedule(schedule: str, ranks: int, microbatches: int, virtual: int = 
                 if k > 0 and dst != r:
                     actions.append(Action(SEND_B, k, i, dst))
         lists.append(actions)
-    validate(lists, ranks, microbatches, virtual)
     return lists
+
+
+def build_schedule(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
+    """Per rank, its full action list, validated (see `validate`). The interleaved schedule
+    uses Megatron's order when that is valid for (p, m, v), else the simulated one."""
+    stages = ranks * virtual
+    candidates = [compute_order(schedule, ranks, microbatches, virtual)]
+    if schedule == "interleaved":
+        candidates.insert(0, megatron_interleaved_order(ranks, microbatches, virtual))
+    for n, order in enumerate(candidates):
+        lists = _with_messages(order, ranks, stages)
+        try:
+            validate(lists, ranks, microbatches, virtual)
+            return lists
+        except ScheduleError:
+            if n == len(candidates) - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 class ScheduleError(ValueError):
@@ -243,6 +281,35 @@ def _check_compute(a: Action, r: int, ranks: int, stages: int, have: set, done: 
             raise ScheduleError(f"rank {r} runs {a} without the gradient from stage {a.stage + 1}")
         have.add(("grad", a.stage, a.microbatch))
     done.add(key)
+
+
+def replay_makespan(lists: list[list[Action]], ranks: int, virtual: int = 1) -> float:
+    """Time the action lists take when each rank runs its computes in order, as soon as their
+    inputs exist, a forward costing 1 and a backward 2 (messages free): for bubble checks."""
+    stages = ranks * virtual
+    finished: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * ranks
+    todo = [[a for a in actions if a.kind in (FORWARD, BACKWARD)] for actions in lists]
+    pc = [0] * ranks
+    while any(pc[r] < len(todo[r]) for r in range(ranks)):
+        progressed = False
+        for r in range(ranks):
+            while pc[r] < len(todo[r]):
+                a = todo[r][pc[r]]
+                k, i = a.stage, a.microbatch
+                if a.kind == FORWARD:
+                    deps = [(FORWARD, k - 1, i)] if k > 0 else []
+                else:
+                    deps = [(FORWARD, k, i)] + ([(BACKWARD, k + 1, i)] if k < stages - 1 else [])
+                if any(d not in finished for d in deps):
+                    break
+                start = max([clock[r]] + [finished[d] for d in deps])
+                clock[r] = finished[(a.kind, k, i)] = start + _DURATION[a.kind]
+                pc[r] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("replay stalled: the lists deadlock")
+    return max(clock)
 
 
 def peak_in_flight(actions: list[Action]) -> int:

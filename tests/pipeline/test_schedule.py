@@ -6,7 +6,7 @@ import pytest
 import torch.nn as nn
 
 from parallel_layers.pipeline import Action, ScheduleError, balanced_split, build_schedule, validate
-from parallel_layers.pipeline.schedule import compute_order, peak_in_flight
+from parallel_layers.pipeline.schedule import compute_order, peak_in_flight, replay_makespan
 from parallel_layers.pipeline.stages import stage_bounds
 
 ALL = [(s, p, m, v) for s in ("gpipe", "1f1b", "interleaved") for p in range(1, 8) for m in range(1, 12)
@@ -51,11 +51,27 @@ def test_interleaved_runs_the_forwards_in_megatron_order():
 
 def test_nccl_order_check():
     # With p = 2 the two ranks are each other's previous and next stage: activations and
-    # gradients share a channel and may arrive in another order than they are received.
+    # gradients share a channel, and with an odd m (the simulated order, Megatron's would
+    # deadlock) they arrive in another order than they are received.
     with pytest.raises(ScheduleError, match="out of order"):
-        validate(build_schedule("interleaved", 2, 4, 2), 2, 4, 2, in_order=True)
-    for s, p, v in (("1f1b", 4, 1), ("gpipe", 3, 1), ("interleaved", 3, 2)):
-        validate(build_schedule(s, p, 5, v), p, 5, v, in_order=True)
+        validate(build_schedule("interleaved", 2, 5, 2), 2, 5, 2, in_order=True)
+    for s, p, m, v in (("1f1b", 4, 5, 1), ("gpipe", 3, 5, 1), ("interleaved", 3, 5, 2), ("interleaved", 2, 4, 2)):
+        validate(build_schedule(s, p, m, v), p, m, v, in_order=True)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 8, 2), (4, 8, 2), (4, 16, 2), (3, 6, 2), (4, 8, 3)])
+def test_interleaved_bubble_is_megatrons(p, m, v):
+    # Replay the action lists with a forward costing 1 and a backward 2 (per chunk) and no
+    # message latency: the idle fraction is (p - 1) / (v m + p - 1), Megatron's bubble.
+    lists = build_schedule("interleaved", p, m, v)
+    assert 1 - 3 * m * v / replay_makespan(lists, p, v) == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bubble_is_the_textbook_one(schedule):
+    for p, m in ((2, 4), (4, 8), (3, 7)):
+        lists = build_schedule(schedule, p, m)
+        assert 1 - 3 * m / replay_makespan(lists, p, 1) == pytest.approx((p - 1) / (m + p - 1))
 
 
 def _swap(actions, i, j):
