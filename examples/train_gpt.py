@@ -21,15 +21,18 @@ seed, same dtype) and prints PASS if the losses agree.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import resource
+import signal
 import time
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from parallel_layers import DataParallel, ZeRO, init_parallel
+from parallel_layers import DataParallel, ZeRO, checkpoint, init_parallel
+from parallel_layers.checkpoint import _io as checkpoint_io
 from parallel_layers.models import GPT, Block, GPTConfig
 from parallel_layers.pipeline import SCHEDULES, PipelineParallel, PipelineStages
 
@@ -68,6 +71,49 @@ class Windows(torch.utils.data.Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class StepSampler(DistributedSampler):
+    """A DistributedSampler that starts at a given step and runs on across epochs: the data
+    position is the step number alone, so a resumed run sees the batches it would have seen."""
+
+    def __init__(self, dataset, *, batch_size: int, start_step: int = 0, **kwargs):
+        super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
+        self.batch_size, self.start_step = batch_size, start_step
+        self.steps_per_epoch = self.num_samples // batch_size
+
+    def __iter__(self):
+        step = self.start_step
+        while True:
+            epoch, first = divmod(step, self.steps_per_epoch)
+            self.set_epoch(epoch)
+            indices = list(super().__iter__())
+            yield from indices[first * self.batch_size:self.steps_per_epoch * self.batch_size]
+            step = (epoch + 1) * self.steps_per_epoch
+
+
+def batches(dataset, args, dp: int, dp_rank: int, start_step: int = 0, num_workers: int = 0):
+    b = args.batch_size // dp
+    sampler = StepSampler(dataset, batch_size=b, start_step=start_step, num_replicas=dp, rank=dp_rank,
+                          seed=args.seed)
+    return iter(DataLoader(dataset, batch_size=b, sampler=sampler, num_workers=num_workers))
+
+
+# ---- faults, for the crash-and-resume tests ---------------------------------------------------
+# TRAIN_GPT_FAULT="<rank>:<step>:train" SIGKILLs that rank as it starts that step (1-based);
+# "<rank>:<step>:save" SIGKILLs it in the middle of that step's checkpoint save, right after
+# it wrote its own file (before the checkpoint is committed).
+def fault(rank: int, step: int, phase: str) -> None:
+    if os.environ.get("TRAIN_GPT_FAULT") != f"{rank}:{step}:{phase}":
+        return
+    if phase == "train":
+        os.kill(os.getpid(), signal.SIGKILL)
+    write = checkpoint_io.write_tensors
+
+    def write_then_die(*a):
+        write(*a)
+        os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint_io.write_tensors = write_then_die
+
+
 # ---- training -----------------------------------------------------------------------------
 class CollectiveTimer:
     """Wall time spent inside blocking collective calls (async ones count when waited)."""
@@ -91,7 +137,8 @@ class CollectiveTimer:
 
 
 def build(args, ctx_groups, zero_stage: int, dp: int, pipelined: bool):
-    """The GPT in this layout; returns train_step(ids, targets) -> this replica's batch loss."""
+    """The GPT in this layout: train_step(ids, targets) -> this replica's batch loss, and
+    what a checkpoint saves and loads (model as trained, optimizer, name prefix)."""
     tp_group, pp_group, dp_group = ctx_groups
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
@@ -100,7 +147,7 @@ def build(args, ctx_groups, zero_stage: int, dp: int, pipelined: bool):
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0)  # noqa: E731
     if zero_stage:
         wrapped = ZeRO(net, make_opt, stage=zero_stage, group=dp_group, wrap=lambda m: isinstance(m, Block))
-        step, zero_grad = wrapped.step, wrapped.zero_grad
+        step, zero_grad, opt = wrapped.step, wrapped.zero_grad, wrapped.optimizer
     else:
         wrapped = DataParallel(net, group=dp_group) if dp > 1 else None
         opt = make_opt(net.parameters())
@@ -121,15 +168,13 @@ def build(args, ctx_groups, zero_stage: int, dp: int, pipelined: bool):
         step()
         zero_grad()
         return loss
-    return train_step
+    # Checkpoints name tensors as the unparallelised GPT does ("layers.<i>..."), whatever the layout.
+    return train_step, (wrapped or net, opt, "layers." if pipelined else "")
 
 
 def global_batches(dataset, args, dp: int):
     """Per step, the batches of every dp rank, in rank order (what the ranks train on)."""
-    loaders = [iter(DataLoader(dataset, batch_size=args.batch_size // dp, drop_last=True,
-                               sampler=DistributedSampler(dataset, num_replicas=dp, rank=r, shuffle=True,
-                                                          seed=args.seed, drop_last=True)))
-               for r in range(dp)]
+    loaders = [batches(dataset, args, dp, r) for r in range(dp)]
     for _ in range(args.steps):
         yield [next(it) for it in loaders]
 
@@ -155,7 +200,14 @@ def main():
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (one per --checkpoint-every "
+                    "steps and one at the end)")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in "
+                    "--checkpoint-dir (saved at any layout); start from scratch if there is none")
     args = ap.parse_args()
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        raise SystemExit("--resume and --checkpoint-every need --checkpoint-dir")
     args.zero = args.zero if args.zero is not None else (1 if args.pp > 1 else 0)
     args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
     args.virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
@@ -169,19 +221,30 @@ def main():
     timer = CollectiveTimer()
     solo = [dist.new_group([r]) for r in range(world)][rank]  # a group of one, for the reference
     dataset = Windows(generated_text(200_000), args.seq_len)
-    train_step = build(args, (ctx.tp_group, ctx.pp_group, ctx.dp_group), args.zero, dp, pipelined)
-    dp_rank = ctx.coordinate("dp")
-    loader = DataLoader(dataset, batch_size=args.batch_size // dp, drop_last=True, num_workers=args.num_workers,
-                        sampler=DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,
-                                                   seed=args.seed, drop_last=True))
-    losses, start, batches = [], time.perf_counter(), iter(loader)
-    for i in range(args.steps):
-        ids, targets = next(batches)
+    train_step, (ckpt_model, ckpt_opt, prefix) = build(args, (ctx.tp_group, ctx.pp_group, ctx.dp_group), args.zero,
+                                                       dp, pipelined)
+    losses, first = [], 0
+    latest = checkpoint.latest_checkpoint(args.checkpoint_dir) if args.resume else None
+    if latest is not None:
+        extra = checkpoint.load(latest, ckpt_model, ckpt_opt, prefix=prefix)
+        losses, first = extra["losses"], extra["step"]
+        if rank == 0:
+            print(f"resumed from {latest} (step {first})")
+    data = batches(dataset, args, dp, ctx.coordinate("dp"), first, args.num_workers)
+    start = time.perf_counter()
+    for i in range(first, args.steps):
+        fault(rank, i + 1, "train")
+        ids, targets = next(data)
         mean = train_step(ids, targets).float().clone()
         dist.all_reduce(mean, group=ctx.dp_group)
         losses.append(mean.item() / dp)
+        if args.checkpoint_dir and ((args.checkpoint_every and (i + 1) % args.checkpoint_every == 0)
+                                    or i + 1 == args.steps):
+            fault(rank, i + 1, "save")
+            checkpoint.save(args.checkpoint_dir, i + 1, ckpt_model, ckpt_opt, prefix=prefix,
+                            extra={"step": i + 1, "losses": losses})
         if rank == 0 and (i % max(1, args.steps // 10) == 0 or i == args.steps - 1):
-            tok_s = (i + 1) * args.batch_size * args.seq_len / (time.perf_counter() - start)
+            tok_s = (i + 1 - first) * args.batch_size * args.seq_len / (time.perf_counter() - start)
             bar = "#" * ((i + 1) * 30 // args.steps)
             print(f"\r[{bar:<30}] step {i + 1:4d}/{args.steps}  loss {losses[-1]:.4f}  {tok_s:8.0f} tok/s", flush=True)
     elapsed = time.perf_counter() - start
@@ -192,7 +255,7 @@ def main():
 
     verdict = torch.zeros(1)
     if rank == 0:
-        ref_step = build(args, (solo, solo, solo), 0, 1, pipelined=False)
+        ref_step, _ = build(args, (solo, solo, solo), 0, 1, pipelined=False)
         ref_losses = []
         for per_rank in global_batches(dataset, args, dp):
             ids = torch.cat([b[0] for b in per_rank])
@@ -209,8 +272,9 @@ def main():
               f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
               f"{pipeline}, {args.dtype}")
         print(f"{'final loss':28s} {losses[-1]:.4f} (first {losses[0]:.4f})")
-        print(f"{'throughput':28s} {args.steps * args.batch_size * args.seq_len / elapsed:.0f} tokens/s "
-              f"({elapsed / args.steps * 1e3:.1f} ms/step)")
+        ran = max(1, args.steps - first)
+        print(f"{'throughput':28s} {ran * args.batch_size * args.seq_len / elapsed:.0f} tokens/s "
+              f"({elapsed / ran * 1e3:.1f} ms/step)")
         print(f"{'peak memory per rank (MiB)':28s} " + ", ".join(f"{p.item():.0f}" for p in peaks))
         print(f"{'time in communication':28s} {comm:.2f} s of {elapsed:.2f} s on rank 0 "
               f"({100 * comm / elapsed:.0f}%; blocking collectives and receives, waiting for peers included), "
