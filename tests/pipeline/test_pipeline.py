@@ -67,3 +67,44 @@ def test_matches_single_process(schedule, p, m):
     for loss_diff, param_diff in run_distributed(_pipeline_parity, p, args=(schedule, m, virtual)):
         assert loss_diff < 1e-6
         assert param_diff < 1e-6
+
+
+def _ignored_targets(batch):
+    """Targets with -100 (ignored) spread unevenly: microbatch 0 keeps one token, the rest all."""
+    out = []
+    for x, y in batches(batch):
+        y = y.clone()
+        y[1:batch // 2] = -100
+        out.append((x, y))
+    return out
+
+
+def _token_normalised(rank, world, use_count):
+    from parallel_layers.pipeline import PipelineParallel, PipelineStages
+
+    stages = PipelineStages(make_layers())
+    kwargs = dict(loss_fn=lambda out, t: F.cross_entropy(out, t, ignore_index=-100, reduction="sum"),
+                  token_count=lambda t: (t != -100).sum()) if use_count else dict(loss_fn=F.cross_entropy)
+    pipe = PipelineParallel(stages, schedule="1f1b", microbatches=2, **kwargs)
+    opt = torch.optim.SGD(stages.parameters(), lr=0.1)
+    losses = []
+    for x, y in _ignored_targets(8):
+        losses.append(pipe.step(x, y).item())
+        opt.step()
+        opt.zero_grad()
+    model = nn.Sequential(*make_layers())  # one process, one batch: the mean over kept tokens
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for x, y in _ignored_targets(8):
+        loss = F.cross_entropy(model(x), y, ignore_index=-100)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    return max(abs(a - b) for a, b in zip(losses, ref))
+
+
+def test_loss_normalised_once_by_the_global_token_count():
+    assert max(run_distributed(_token_normalised, 2, args=(True,))) < 1e-6
+    # A mean per microbatch weighs microbatch 0's single token like 4 tokens: a different loss.
+    assert min(run_distributed(_token_normalised, 2, args=(False,))) > 1e-2
