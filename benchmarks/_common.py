@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# BENCH_RESULTS_DIR redirects every script's output (run_all.py --out, the smoke test).
+RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2,
