@@ -68,13 +68,17 @@ def _describe_exit(code: int | None) -> str:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *, backend: str = "gloo",
-                    timeout_s: float = 120.0, collective_timeout_s: float = 60.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` processes; return the results by rank."""
+                    timeout_s: float = 120.0, collective_timeout_s: float = 60.0,
+                    may_die: tuple[int, ...] = ()) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` processes; return the results by rank.
+
+    Ranks in `may_die` are expected to kill themselves (fault tests): their death is not a
+    failure and their result is None."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     for attempt in range(_RENDEZVOUS_RETRIES + 1):
         try:
-            return _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s)
+            return _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s, may_die)
         except DistributedTestFailure as e:
             if _RENDEZVOUS_FLAKE not in str(e) or attempt == _RENDEZVOUS_RETRIES:
                 raise
@@ -83,7 +87,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
     raise AssertionError("unreachable")
 
 
-def _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s) -> list[Any]:
+def _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s, may_die) -> list[Any]:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         results = _ctx.Queue()
@@ -93,7 +97,7 @@ def _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s) ->
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, timeout_s)
+            return _collect(procs, results, timeout_s, may_die)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -102,7 +106,7 @@ def _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s) ->
                 p.join(timeout=10)
 
 
-def _collect(procs, results, timeout_s: float) -> list[Any]:
+def _collect(procs, results, timeout_s: float, may_die: tuple[int, ...] = ()) -> list[Any]:
     """Wait for every rank's result; on the first failure, gather the others' for a moment.
 
     A dead rank usually makes its peers raise too (gloo sees the reset connection), so the
@@ -134,7 +138,10 @@ def _collect(procs, results, timeout_s: float) -> list[Any]:
         for rank, p in enumerate(procs):
             # A dead process may still have a result in flight: only judge it on an empty queue.
             if rank not in done and rank not in errors and not p.is_alive() and results.empty():
-                errors[rank] = f"rank {rank} of {world_size} {_describe_exit(p.exitcode)}"
+                if rank in may_die:
+                    done[rank] = None
+                else:
+                    errors[rank] = f"rank {rank} of {world_size} {_describe_exit(p.exitcode)}"
         if errors and report_at is None:
             report_at = time.monotonic() + _GRACE_S
     if errors:

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel_layers import fault
+
 _MAX_DIMS = 8
 _HEADER_WAIT_S = 10.0
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype index, dims
@@ -92,6 +94,7 @@ class Messenger:
     def post_activation(self, stage: int, microbatch: int, peer: int) -> dict:
         """Post the header's receive, and the payload's when this boundary's contract is known."""
         h = {"kind": 0, "stage": stage, "mb": microbatch, "peer": peer,
+             "what": f"receive of stage {stage}'s activation (microbatch {microbatch}) from pipeline rank {peer}",
              "header": self._irecv(torch.empty(_HEADER, dtype=torch.int64, device=self.device), peer,
                                    tag(0, stage, microbatch, self.num_stages, 0))}
         if stage in self.contract:
@@ -102,12 +105,13 @@ class Messenger:
 
     def post_gradient(self, like: Tensor, stage: int, microbatch: int, peer: int) -> dict:
         buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return {"kind": 1, "payload": self._irecv(buf, peer, tag(1, stage, microbatch, self.num_stages, 1))}
+        return {"kind": 1, "payload": self._irecv(buf, peer, tag(1, stage, microbatch, self.num_stages, 1)),
+                "what": f"receive of stage {stage}'s gradient (microbatch {microbatch}) from pipeline rank {peer}"}
 
     def wait(self, h: dict) -> Tensor:
         if h["kind"] == 0:
             work, buf = h["header"]
-            work.wait()
+            fault.wait(work, f"receive of stage {h['stage']}'s activation header", self.group)
             got = describe(buf.cpu())
             expected = self.contract.setdefault(h["stage"], got)
             if got != expected:
@@ -116,7 +120,7 @@ class Messenger:
                 h["payload"] = self._irecv(torch.empty(got[0], dtype=got[1], device=self.device), h["peer"],
                                            tag(0, h["stage"], h["mb"], self.num_stages, 1))
         work, buf = h["payload"]
-        work.wait()
+        fault.wait(work, h["what"], self.group)
         return buf
 
     def send_gradient(self, g: Tensor, stage: int, microbatch: int, peer: int) -> None:
@@ -125,6 +129,6 @@ class Messenger:
     def finish(self) -> None:
         """Wait for every send of the step (their buffers may be reused after)."""
         for work, _ in self.pending:
-            work.wait()
+            fault.wait(work, "pipeline send", self.group)
         self.pending.clear()
         self.contract.clear()

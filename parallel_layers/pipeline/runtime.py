@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel_layers import fault
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import Messenger
 from parallel_layers.pipeline.schedule import (
@@ -89,7 +90,8 @@ class PipelineParallel:
                              targets.shape[0] if targets is not None else -1], dtype=torch.int64)
         sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
         if self.ranks > 1:
-            dist.all_gather(sizes, mine.to(self.device) if self.device.type == "cuda" else mine, group=self.group)
+            with fault.collective("pipeline batch-size check (all_gather)", self.group):
+                dist.all_gather(sizes, mine.to(self.device) if self.device.type == "cuda" else mine, group=self.group)
         else:
             sizes = [mine]
         n_in, n_tgt = int(sizes[0][0]), int(sizes[self.last_rank][1])
@@ -124,8 +126,9 @@ class PipelineParallel:
             self.data_parallel.reduce_gradients()
         msg.finish()  # not on an error: a failed peer would make it wait for the timeout
         if self.ranks > 1:
-            dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank) if self.group is not None
-                           else self.last_rank, group=self.group)
+            with fault.collective("pipeline loss broadcast", self.group):
+                dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank) if self.group is not None
+                               else self.last_rank, group=self.group)
         return total.float()
 
     def clip_grad_norm_(self, max_norm: float, *, tp_group: dist.ProcessGroup | None = None) -> Tensor:

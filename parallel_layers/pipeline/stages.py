@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel_layers import fault
 from parallel_layers.pipeline.schedule import check_arguments
 
 
@@ -145,7 +146,8 @@ class PipelineStages(nn.Module):
         for p, tie_group, _ in self._ties:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=tie_group)
+            with fault.collective("tied-parameter gradient all_reduce", tie_group):
+                dist.all_reduce(p.grad, group=tie_group)
 
     def counted_once(self, p: nn.Parameter) -> bool:
         """False for the copies of a tied parameter that are not on its lowest stage's rank."""

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel_layers import fault
+
 
 def _check_member(group: dist.ProcessGroup | None) -> None:
     if group is not None and dist.get_rank(group) < 0:
@@ -57,7 +59,8 @@ def check_agreement(op: str, x: Tensor, group) -> None:
         return
     mine = (op, tuple(x.shape), str(x.dtype))
     everyone: list = [None] * group_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    with fault.collective("debug agreement check", group):
+        dist.all_gather_object(everyone, mine, group=group)
     if any(f != mine for f in everyone):
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
         detail = "; ".join(f"rank {r}: {op_} {shape} {dtype}" for r, (op_, shape, dtype) in zip(ranks, everyone))
@@ -65,9 +68,11 @@ def check_agreement(op: str, x: Tensor, group) -> None:
 
 
 def all_reduce(x: Tensor, group, async_op: bool = False):
-    """Sum `x` in place over the group; returns the work handle when async_op."""
+    """Sum `x` in place over the group; returns the work handle when async_op (wait for it
+    with fault.wait, so a failure names the ranks)."""
     check_agreement("all_reduce", x, group)
-    return dist.all_reduce(x, group=group, async_op=async_op)
+    with fault.collective("all_reduce", group):
+        return dist.all_reduce(x, group=group, async_op=async_op)
 
 
 def all_gather(x: Tensor, dim: int, group) -> Tensor:
@@ -78,7 +83,8 @@ def all_gather(x: Tensor, dim: int, group) -> Tensor:
     check_agreement(f"all_gather(dim={dim})", x, group)
     x = x.contiguous()
     out = x.new_empty((ws * x.shape[0], *x.shape[1:]))  # rank-major along dim 0
-    dist.all_gather_single(out, x, group=group)
+    with fault.collective("all_gather", group):
+        dist.all_gather_single(out, x, group=group)
     return out if dim == 0 else torch.cat(out.chunk(ws, 0), dim=dim)
 
 
@@ -92,7 +98,8 @@ def reduce_scatter(x: Tensor, group, async_op: bool = False):
     check_agreement("reduce_scatter", x, group)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // ws, *x.shape[1:]))
-    handle = dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+    with fault.collective("reduce_scatter", group):
+        handle = dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
     return out, handle
 
 
