@@ -70,11 +70,12 @@ class DataParallel(LocalAccumulation, nn.Module):
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
         super().__init__()
+        if not (bucket_mb > 0 and first_bucket_mb > 0):
+            raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb}, "
+                             f"first_bucket_mb={first_bucket_mb}")
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed to be initialised (init_parallel or "
                                "init_process_group)")
-        if bucket_mb <= 0 or first_bucket_mb <= 0:
-            raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
         self.module, self.group = module, group
         self.world = dist.get_world_size(group)
         self._bucket_bytes, self._first_bytes = int(bucket_mb * 2**20), int(first_bucket_mb * 2**20)

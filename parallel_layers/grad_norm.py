@@ -49,8 +49,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, data_parallel=None, tp
     `model`: this rank's part of the model (for pipelines, its PipelineStages); `data_parallel`:
     the ZeRO or DataParallel wrapper around it, if any (called after gradients are reduced).
     """
-    if max_norm <= 0:
-        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    try:
+        positive = bool(max_norm > 0)  # False for nan, which would silently never clip
+    except TypeError:
+        positive = False
+    if not positive:
+        raise ValueError(f"max_norm must be positive (a number; float('inf') never clips), got {max_norm!r}")
     counted, all_grads = grads_to_count(model, data_parallel, tp_group)
     device = all_grads[0].device if all_grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)

@@ -62,6 +62,11 @@ class ParallelDims:
         return (self.pp, self.dp, self.tp)
 
 
+def _check_axis(axis: str) -> None:
+    if axis not in MESH_AXES:
+        raise ValueError(f"axis must be one of {MESH_AXES}, got {axis!r}")
+
+
 @dataclasses.dataclass
 class ParallelContext:
     """What `init_parallel` built: the layout, the mesh, and one process group per axis."""
@@ -71,8 +76,7 @@ class ParallelContext:
     device: torch.device
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        if axis not in MESH_AXES:
-            raise ValueError(f"axis must be one of {MESH_AXES}, got {axis!r}")
+        _check_axis(axis)
         return self.mesh.get_group(axis)
 
     @property
@@ -89,6 +93,7 @@ class ParallelContext:
 
     def coordinate(self, axis: str) -> int:
         """This rank's index along `axis`."""
+        _check_axis(axis)
         return self.mesh.get_local_rank(axis)
 
 

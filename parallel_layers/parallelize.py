@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Mapping
 
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -70,8 +72,12 @@ def _fused_sizes(fused, out_features: int, name: str):
     if isinstance(fused, int):
         if fused < 1 or out_features % fused:
             raise ValueError(f"parallelize: {name} has out_features {out_features}, which cannot be fused={fused} "
-                             "equal sub-matrices")
+                             f"equal sub-matrices; valid values of fused are {divisors(out_features, 64)}, or a "
+                             "tuple of block sizes summing to out_features")
         return (out_features // fused,) * fused
+    if sum(fused) != out_features:
+        raise ValueError(f"parallelize: {name} has out_features {out_features}, but fused={tuple(fused)} sums to "
+                         f"{sum(fused)}; the block sizes must sum to {out_features}")
     return tuple(fused)
 
 
@@ -99,6 +105,9 @@ def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int,
 
 def parallelize(model: nn.Module, plan: dict, tp_group: dist.ProcessGroup | None = None) -> nn.Module:
     """Replace the modules named by `plan` with tensor-parallel layers (see the module doc)."""
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize: plan must be a dict of module-name pattern -> style (e.g. "
+                        f"{{'layers.*.fc1': 'column'}}), got {type(plan).__name__}")
     tp = comm.group_size(tp_group)
     modules = dict(model.named_modules())
     targets: dict[str, Column | Row] = {}

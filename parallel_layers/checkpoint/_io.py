@@ -127,6 +127,9 @@ def latest_checkpoint(root: str) -> str | None:
 
 def read_metadata(path: str) -> dict:
     """The metadata of the complete checkpoint at `path`; a clear error for anything else."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"checkpoint path must be a str or os.PathLike (a step_<N> directory), got {path!r}; note "
+                        "that latest_checkpoint(root) returns None when root holds no complete checkpoint")
     if not is_complete(path):
         parent = os.path.dirname(os.path.normpath(path)) or "."
         found = [os.path.basename(p) for p in complete_checkpoints(parent)] + (

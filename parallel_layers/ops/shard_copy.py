@@ -17,6 +17,7 @@ Inputs of one call share one dtype; the buffer may have another (the cast is fus
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -28,8 +29,14 @@ def shard_numel(numel: int, world_size: int) -> int:
     return -(-numel // world_size)
 
 
+def _check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+
+
 def all_gather_copy_in(shards: Sequence[Tensor], world_size: int, rank: int, dtype: torch.dtype) -> Tensor:
     """[W, S] buffer with this rank's shards in row `rank` (other rows: filled by the all-gather)."""
+    _check_world_size(world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, {world_size}) (world_size {world_size})")
     device = shards[0].device if shards else None
@@ -46,6 +53,7 @@ def all_gather_copy_out(gathered: Tensor, outs: Sequence[Tensor]) -> None:
 def reduce_scatter_copy_in(grads: Sequence[Tensor], world_size: int, dtype: torch.dtype,
                            pre_scale: float = 1.0) -> Tensor:
     """[W, S] reduce-scatter input: gradients padded, interleaved by rank, scaled, cast."""
+    _check_world_size(world_size)
     device = grads[0].device if grads else None
     total = sum(shard_numel(g.numel(), world_size) for g in grads)
     out = torch.empty(world_size, total, dtype=dtype, device=device)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers.tensor_parallel import comm
-from parallel_layers.tensor_parallel.sharding import TPShard, check_divisible, gather_full, shard
+from parallel_layers.tensor_parallel.sharding import TPShard, check_divisible, check_size, gather_full, shard
 
 _ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
 
@@ -195,6 +195,8 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True with sequence_parallel=True is not supported: under sequence "
                              "parallelism the column output feeds a RowParallelLinear")
+        check_size(in_features, "ColumnParallelLinear in_features")
+        check_size(out_features, "ColumnParallelLinear out_features")
         tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
         for size in fused_sizes or (out_features,):
             check_divisible(size, tp, "ColumnParallelLinear out_features" if fused_sizes is None
@@ -233,6 +235,8 @@ class RowParallelLinear(_LinearConversions, nn.Module):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True requires input_is_parallel=True (the input comes from a "
                              "ColumnParallelLinear)")
+        check_size(in_features, "RowParallelLinear in_features")
+        check_size(out_features, "RowParallelLinear out_features")
         tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
         check_divisible(in_features, tp, "RowParallelLinear in_features")
         self.in_features, self.out_features = in_features, out_features

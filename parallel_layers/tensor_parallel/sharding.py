@@ -9,6 +9,7 @@ split on its own (so rank r holds [q_r; k_r; v_r], never a slice that straddles 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,12 @@ class TPShard:
     @property
     def blocks(self) -> tuple[int, ...]:
         return self.fused if self.fused is not None else (self.full_shape[self.dim],)
+
+
+def check_size(size, what: str) -> None:
+    """Raise unless `size` (a layer's feature or row count) is a non-negative integer."""
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {size!r}")
 
 
 def check_divisible(size: int, parts: int, what: str) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.layers import _sharded_param
+from parallel_layers.tensor_parallel.sharding import check_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,6 +36,8 @@ class VocabParallelEmbedding(nn.Module):
                  _full: Tensor | None = None):
         super().__init__()
         tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        check_size(num_embeddings, "VocabParallelEmbedding num_embeddings")
+        check_size(embedding_dim, "VocabParallelEmbedding embedding_dim")
         if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
             raise ValueError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx}")
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
@@ -55,7 +58,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"VocabParallelEmbedding expects integer ids, got {ids.dtype}")
+            raise TypeError(f"VocabParallelEmbedding expects integer ids (torch.int64 or torch.int32), got "
+                            f"{ids.dtype}")
         if ids.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got values in "
                              f"[{ids.min().item()}, {ids.max().item()}]")
@@ -143,9 +147,24 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding
     emb = embedding_or_vocab
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not all(hasattr(emb, a) for a in ("rows_per_rank", "num_embeddings", "vocab_start", "tp_group")):
+        raise TypeError(f"vocab_parallel_cross_entropy needs the VocabParallelEmbedding whose weight produced the "
+                        f"logits (for its vocabulary split), got {type(emb).__name__}")
     if local_logits.shape[:-1] != target.shape or local_logits.shape[-1] != emb.rows_per_rank:
         raise ValueError(f"local logits {tuple(local_logits.shape)} and target {tuple(target.shape)} do not match: "
                          f"expected logits [*target.shape, {emb.rows_per_rank}]")
+    if target.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"vocab_parallel_cross_entropy expects integer targets (torch.int64 or torch.int32), got "
+                        f"{target.dtype}")
+    # A target outside the vocabulary would match no rank's rows and count as logit 0, silently;
+    # checked on the CPU only, like the embedding's ids (on a GPU it would cost a sync). The
+    # targets are replicated over the TP group, so every rank of it raises together.
+    if target.device.type == "cpu":
+        counted = target[target != ignore_index]
+        if counted.numel() and (counted.min() < 0 or counted.max() >= emb.num_embeddings):
+            raise IndexError(f"vocab_parallel_cross_entropy: targets must be in [0, {emb.num_embeddings}) or "
+                             f"ignore_index ({ignore_index}), got values in [{counted.min().item()}, "
+                             f"{counted.max().item()}]")
     loss = _VocabParallelCrossEntropy.apply(local_logits, target, emb.num_embeddings, emb.vocab_start,
                                             ignore_index, emb.tp_group)
     if reduction == "none":

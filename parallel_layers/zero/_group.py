@@ -19,6 +19,18 @@ from torch import Tensor
 from parallel_layers.ops import shard_copy
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the shard-copy kernels take
+
+
+def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> None:
+    """Raise unless the gather (param) and reduce dtypes are ones the shard-copy kernels take."""
+    if param_dtype is not None and param_dtype not in _DTYPES:
+        raise ValueError(f"param_dtype must be None (keep the parameters' dtype) or one of {list(_DTYPES)}, got "
+                         f"{param_dtype!r}")
+    if reduce_dtype not in _DTYPES:
+        raise ValueError(f"reduce_dtype must be one of {list(_DTYPES)}, got {reduce_dtype!r}")
+
+
 class ParamGroup:
     def __init__(self, name: str, params: list[nn.Parameter], group: dist.ProcessGroup | None,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, alias_full: bool,

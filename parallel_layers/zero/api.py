@@ -35,7 +35,7 @@ import torch.utils._pytree
 
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
-from parallel_layers.zero._group import ParamGroup
+from parallel_layers.zero._group import ParamGroup, check_dtypes
 
 
 def _default_wrap(model: nn.Module):
@@ -51,6 +51,12 @@ class ZeRO(LocalAccumulation, nn.Module):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        if not callable(optimizer_factory):
+            raise TypeError(f"optimizer_factory must be a callable that builds the optimizer from the shards it is "
+                            f"given (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
+                            f"{type(optimizer_factory).__name__}: ZeRO's optimizer steps this rank's shards, not the "
+                            "model's parameters")
+        check_dtypes(param_dtype, reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
         self.module, self.stage, self.group = model, stage, group
@@ -231,19 +237,41 @@ class ZeRO(LocalAccumulation, nn.Module):
         return {"world_size": self.groups[0].world if self.groups else 1, "rank": self.groups[0].rank
                 if self.groups else 0, "shards": shards, "optimizer": self.optimizer.state_dict()}
 
-    def load_sharded_state_dict(self, state: dict) -> None:
+    def _sharded_state_problem(self, state) -> str | None:
+        """Why `state` cannot be loaded on this rank, or None."""
+        keys = ("world_size", "rank", "shards", "optimizer")
+        if not isinstance(state, dict) or any(k not in state for k in keys):
+            found = list(state)[:10] if isinstance(state, dict) else type(state).__name__
+            return (f"load_sharded_state_dict expects the dict sharded_state_dict() returns, with keys {list(keys)}; "
+                    f"got {found}")
         world = self.groups[0].world if self.groups else 1
         if state["world_size"] != world:
-            raise ValueError(f"sharded state dict was saved at world size {state['world_size']}, this ZeRO runs at "
-                             f"{world}; load the full state dict instead to change the world size")
+            return (f"sharded state dict was saved at world size {state['world_size']}, this ZeRO runs at {world}; "
+                    "load the full state dict instead to change the world size")
         for g in self.groups:
             for i, s in enumerate(g.shards):
                 key = f"{g.name}/{i}"
                 if key not in state["shards"] or state["shards"][key].shape != s.shape:
-                    raise ValueError(f"sharded state dict has no shard {key!r} of shape {tuple(s.shape)}; was it saved "
-                                     "with another model or wrap policy?")
+                    return (f"sharded state dict has no shard {key!r} of shape {tuple(s.shape)}; was it saved with "
+                            "another model or wrap policy?")
+        return None
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        # Each rank reads its own file, so a bad one may be on one rank only: agree first, so
+        # that every rank raises instead of the others waiting in the all-gather below.
+        problem = self._sharded_state_problem(state)
+        problems = [problem]
+        if self.groups and self.groups[0].world > 1:
+            problems = [None] * self.groups[0].world
+            dist.all_gather_object(problems, problem, group=self.group)
+        failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if failed:
+            raise ValueError(problem if problem is not None else
+                             "load_sharded_state_dict failed on rank(s) " + "; ".join(f"{r}: {p}" for r, p in failed))
+        for g in self.groups:
+            for i, s in enumerate(g.shards):
                 with torch.no_grad():
-                    s.copy_(state["shards"][key])
+                    s.copy_(state["shards"][f"{g.name}/{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
         for g in self.groups:
             g.drop_prefetch()

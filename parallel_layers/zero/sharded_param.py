@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers.zero._group import ParamGroup
+from parallel_layers.zero._group import ParamGroup, check_dtypes
 
 
 class UnshardHandle:
@@ -37,6 +37,7 @@ class UnshardHandle:
 class ShardedParam:
     def __init__(self, param: nn.Parameter, group: dist.ProcessGroup | None = None, *,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32):
+        check_dtypes(param_dtype, reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("ShardedParam needs torch.distributed to be initialised")
         self._group = ParamGroup("param", [param], group, param_dtype, reduce_dtype, alias_full=False)

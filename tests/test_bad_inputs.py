@@ -1,0 +1,298 @@
+"""Bad inputs across the public API: every error names the offending value and what is valid.
+
+docs/errors.md lists every bad input counted for issue 8 with the test that checks its message;
+this file holds those no other test covers. CASES is the single-process table (one row per bad
+input: the call, the exception type, the key part of its message); the `*_on_every_rank` tests
+run on 2 gloo processes, where an error must reach every rank instead of leaving one waiting.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel_layers import (Column, ColumnParallelLinear, DataParallel, ParallelDims, PipelineParallel,
+                             PipelineStages, RowParallelLinear, ZeRO, checkpoint, clip_grad_norm_, init_parallel, ops,
+                             parallelize)
+from parallel_layers.ops import shard_copy
+from parallel_layers.pipeline.schedule import build_schedule
+from parallel_layers.plan import ClusterSpec, ModelSpec, TrainSpec
+from parallel_layers.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from parallel_layers.zero.sharded_param import ShardedParam
+from tests.dist_harness import run_distributed
+
+_ops = torch.ops.parallel_layers
+_CONTIGUOUS_BUFFER = "buffer ([world_size, sum of shard sizes]), got shape"
+
+
+def _ce(target, **kwargs):
+    return vocab_parallel_cross_entropy(torch.randn(*target.shape, 10), target, VocabParallelEmbedding(10, 4),
+                                        **kwargs)
+
+
+def _pipe(**kwargs):
+    kwargs = {"microbatches": 2, "loss_fn": nn.functional.mse_loss, **kwargs}
+    return PipelineParallel(PipelineStages([nn.Linear(2, 2)]), **kwargs)
+
+
+CASES = [
+    # ---- ops (C++ TORCH_CHECK messages, csrc/) ------------------------------------------------------------------
+    pytest.param(lambda: ops.linear_gelu(torch.ones(2, 3, dtype=torch.int32), torch.ones(4, 3, dtype=torch.int32)),
+                 RuntimeError, "x must be float32, float64, float16 or bfloat16, got Int", id="linear_gelu-int-dtype"),
+    pytest.param(lambda: ops.linear_gelu(torch.tensor(1.0), torch.randn(4, 3)),
+                 RuntimeError, "x must have at least 1 dimension, got shape []", id="linear_gelu-0d-x"),
+    pytest.param(lambda: ops.linear_gelu(torch.randn(2, 3), torch.randn(4, 3), torch.randn(4, dtype=torch.float64)),
+                 RuntimeError, "x has dtype Float but bias has dtype Double; they must match",
+                 id="linear_gelu-bias-dtype"),
+    pytest.param(lambda: _ops.bias_gelu_backward(torch.tensor(1.0), torch.tensor(1.0), "none"),
+                 RuntimeError, "preact must have at least 1 dimension, got shape []", id="bias_gelu_backward-0d"),
+    pytest.param(lambda: _ops.bias_gelu_backward(torch.randn(2, 3), torch.randn(2, 3), "erf"),
+                 RuntimeError, "approximate must be 'none' or 'tanh', got 'erf'", id="bias_gelu_backward-approximate"),
+    pytest.param(lambda: _ops.all_gather_copy_in([torch.randn(2)], torch.empty(2, 4)[:, :2], 0),
+                 RuntimeError, f"out must be a contiguous [2, 2] {_CONTIGUOUS_BUFFER} [2, 2] strides [4, 1]",
+                 id="all_gather_copy_in-strided-out"),
+    pytest.param(lambda: shard_copy.all_gather_copy_in([torch.ones(2, dtype=torch.int64)], 2, 0, torch.float32),
+                 RuntimeError, "shards must be float32, float64, float16 or bfloat16, got Long",
+                 id="all_gather_copy_in-int-shards"),
+    pytest.param(lambda: shard_copy.all_gather_copy_in([torch.randn(2)], 0, 0, torch.float32),
+                 ValueError, "world_size must be a positive integer, got 0", id="all_gather_copy_in-world-0"),
+    pytest.param(lambda: shard_copy.all_gather_copy_out(torch.empty(4), [torch.empty(2)]),
+                 RuntimeError, "gathered must be [world_size, sum of shard sizes], got shape [4]",
+                 id="all_gather_copy_out-1d"),
+    pytest.param(lambda: shard_copy.all_gather_copy_out(torch.empty(2, 3), [torch.empty(2)]),
+                 RuntimeError, f"gathered must be a contiguous [2, 1] {_CONTIGUOUS_BUFFER} [2, 3]",
+                 id="all_gather_copy_out-wrong-size"),
+    pytest.param(lambda: _ops.reduce_scatter_copy_in([torch.randn(4)], torch.empty(2, 3), 1.0),
+                 RuntimeError, f"out must be a contiguous [2, 2] {_CONTIGUOUS_BUFFER} [2, 3]",
+                 id="reduce_scatter_copy_in-out-shape"),
+    pytest.param(lambda: shard_copy.reduce_scatter_copy_in([torch.randn(4), torch.randn(4, dtype=torch.float64)], 2,
+                                                           torch.float32),
+                 RuntimeError, "all grads must have one dtype: grads[0] is Float but grads[1] is Double",
+                 id="reduce_scatter_copy_in-mixed-dtypes"),
+    pytest.param(lambda: shard_copy.reduce_scatter_copy_in([torch.randn(4)], 0, torch.float32),
+                 ValueError, "world_size must be a positive integer, got 0", id="reduce_scatter_copy_in-world-0"),
+    pytest.param(lambda: shard_copy.reduce_scatter_copy_out(torch.empty(3), [torch.empty(3, dtype=torch.float64),
+                                                                             torch.empty(0)]),
+                 RuntimeError, "all shard_grads must have one dtype: shard_grads[0] is Double but shard_grads[1] is "
+                 "Float", id="reduce_scatter_copy_out-mixed-dtypes"),
+    # ---- ParallelDims ----------------------------------------------------------------------------------------------
+    pytest.param(lambda: ParallelDims(dp=1, tp=1, pp=1, world_size=0),
+                 ValueError, "world_size must be a positive integer, got 0", id="ParallelDims-world-0"),
+    pytest.param(lambda: ParallelDims(dp="2", tp=1, pp=1, world_size=2),
+                 ValueError, "dp must be a positive integer, got '2'", id="ParallelDims-dp-str"),
+    pytest.param(lambda: ParallelDims.infer(8, tp=0),
+                 ValueError, "tp(0) * pp(1) = 0 does not divide world_size 8; valid values for tp * pp are "
+                 "[1, 2, 4, 8]", id="ParallelDims.infer-tp-0"),
+    # ---- tensor-parallel layers ------------------------------------------------------------------------------------
+    pytest.param(lambda: ColumnParallelLinear(-1, 4),
+                 ValueError, "ColumnParallelLinear in_features must be a non-negative integer, got -1",
+                 id="ColumnParallelLinear-negative-in"),
+    pytest.param(lambda: RowParallelLinear(4, -2),
+                 ValueError, "RowParallelLinear out_features must be a non-negative integer, got -2",
+                 id="RowParallelLinear-negative-out"),
+    pytest.param(lambda: ColumnParallelLinear(4, 4, gather_output=True, sequence_parallel=True),
+                 ValueError, "gather_output=True with sequence_parallel=True is not supported",
+                 id="ColumnParallelLinear-gather-with-sp"),
+    pytest.param(lambda: ColumnParallelLinear(4, 4)(torch.tensor(1.0)),
+                 ValueError, "ColumnParallelLinear: input of shape () has last dim None, expected in_features = 4",
+                 id="ColumnParallelLinear-0d-input"),
+    pytest.param(lambda: RowParallelLinear(4, 2)(torch.randn(2, 3)),
+                 ValueError, "RowParallelLinear: input of shape (2, 3) has last dim 3, expected in_features / tp = "
+                 "4 / 1 = 4", id="RowParallelLinear-parallel-input-width"),
+    pytest.param(lambda: RowParallelLinear(4, 2, input_is_parallel=False)(torch.randn(2, 3)),
+                 ValueError, "RowParallelLinear: input of shape (2, 3) has last dim 3, expected in_features = 4",
+                 id="RowParallelLinear-full-input-width"),
+    pytest.param(lambda: VocabParallelEmbedding(-3, 4),
+                 ValueError, "VocabParallelEmbedding num_embeddings must be a non-negative integer, got -3",
+                 id="VocabParallelEmbedding-negative-vocab"),
+    pytest.param(lambda: VocabParallelEmbedding(10, 4, padding_idx=-1),
+                 ValueError, "padding_idx must be in [0, 10), got -1", id="VocabParallelEmbedding-negative-padding"),
+    pytest.param(lambda: VocabParallelEmbedding(10, 4)(torch.tensor([1.0])),
+                 TypeError, "VocabParallelEmbedding expects integer ids (torch.int64 or torch.int32), got "
+                 "torch.float32", id="VocabParallelEmbedding-float-ids"),
+    pytest.param(lambda: VocabParallelEmbedding(10, 4)(torch.tensor([-1, 1])),
+                 IndexError, "ids must be in [0, 10), got values in [-1, 1]", id="VocabParallelEmbedding-negative-id"),
+    pytest.param(lambda: _ce(torch.tensor([1.0, 2.0])),
+                 TypeError, "vocab_parallel_cross_entropy expects integer targets (torch.int64 or torch.int32), got "
+                 "torch.float32", id="vocab_parallel_cross_entropy-float-target"),
+    pytest.param(lambda: _ce(torch.tensor([1, 2, 12])),
+                 IndexError, "targets must be in [0, 10) or ignore_index (-100), got values in [1, 12]",
+                 id="vocab_parallel_cross_entropy-target-too-large"),
+    pytest.param(lambda: _ce(torch.tensor([1, -100, 2]), ignore_index=-1),
+                 IndexError, "targets must be in [0, 10) or ignore_index (-1), got values in [-100, 2]",
+                 id="vocab_parallel_cross_entropy-wrong-ignore-index"),
+    pytest.param(lambda: vocab_parallel_cross_entropy(torch.randn(3, 10), torch.tensor([1, 2, 3]), 10),
+                 TypeError, "vocab_parallel_cross_entropy needs the VocabParallelEmbedding whose weight produced the "
+                 "logits (for its vocabulary split), got int", id="vocab_parallel_cross_entropy-vocab-size"),
+    # ---- parallelize ----------------------------------------------------------------------------------------------
+    pytest.param(lambda: parallelize(nn.Sequential(nn.Linear(2, 6)), {"0": Column(fused=4)}),
+                 ValueError, "0 has out_features 6, which cannot be fused=4 equal sub-matrices; valid values of fused "
+                 "are [1, 2, 3, 6]", id="parallelize-fused-count"),
+    pytest.param(lambda: parallelize(nn.Sequential(nn.Linear(2, 6)), {"0": Column(fused=(2, 3))}),
+                 ValueError, "0 has out_features 6, but fused=(2, 3) sums to 5; the block sizes must sum to 6",
+                 id="parallelize-fused-sizes"),
+    pytest.param(lambda: parallelize(nn.Sequential(nn.Linear(2, 6)), [("0", "column")]),
+                 TypeError, "plan must be a dict of module-name pattern -> style (e.g. {'layers.*.fc1': 'column'}), "
+                 "got list", id="parallelize-plan-list"),
+    pytest.param(lambda: parallelize(nn.Sequential(nn.Linear(2, 6)), {"0": Column(activation="relu")}),
+                 ValueError, "activation must be one of [None, 'gelu', 'gelu_tanh'], got 'relu'",
+                 id="parallelize-Column-activation"),
+    # ---- ZeRO, ShardedParam, DataParallel, clip_grad_norm_ ---------------------------------------------------------
+    pytest.param(lambda: ZeRO(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)),
+                 TypeError, "optimizer_factory must be a callable that builds the optimizer from the shards it is "
+                 "given (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got SGD",
+                 id="ZeRO-optimizer-instance"),
+    pytest.param(lambda: ZeRO(nn.Linear(2, 2), torch.optim.SGD, param_dtype=torch.int8),
+                 ValueError, "param_dtype must be None (keep the parameters' dtype) or one of [torch.float32, "
+                 "torch.bfloat16, torch.float16, torch.float64], got torch.int8", id="ZeRO-param-dtype"),
+    pytest.param(lambda: ZeRO(nn.Linear(2, 2), torch.optim.SGD, reduce_dtype="bf16"),
+                 ValueError, "reduce_dtype must be one of [torch.float32, torch.bfloat16, torch.float16, "
+                 "torch.float64], got 'bf16'", id="ZeRO-reduce-dtype-str"),
+    pytest.param(lambda: ZeRO(nn.Linear(2, 2), torch.optim.SGD),
+                 RuntimeError, "ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)",
+                 id="ZeRO-no-process-group"),
+    pytest.param(lambda: ShardedParam(nn.Parameter(torch.randn(2)), param_dtype=torch.int32),
+                 ValueError, "param_dtype must be None (keep the parameters' dtype) or one of [torch.float32, "
+                 "torch.bfloat16, torch.float16, torch.float64], got torch.int32", id="ShardedParam-dtype"),
+    pytest.param(lambda: ShardedParam(nn.Parameter(torch.randn(2))),
+                 RuntimeError, "ShardedParam needs torch.distributed to be initialised",
+                 id="ShardedParam-no-process-group"),
+    pytest.param(lambda: DataParallel(nn.Linear(2, 2)),
+                 RuntimeError, "DataParallel needs torch.distributed to be initialised (init_parallel or "
+                 "init_process_group)", id="DataParallel-no-process-group"),
+    pytest.param(lambda: DataParallel(nn.Linear(2, 2), bucket_mb=0),
+                 ValueError, "bucket sizes must be positive, got bucket_mb=0, first_bucket_mb=1.0",
+                 id="DataParallel-bucket-0"),
+    pytest.param(lambda: clip_grad_norm_(nn.Linear(2, 2), 0),
+                 ValueError, "max_norm must be positive (a number; float('inf') never clips), got 0",
+                 id="clip_grad_norm_-zero"),
+    pytest.param(lambda: clip_grad_norm_(nn.Linear(2, 2), float("nan")),
+                 ValueError, "max_norm must be positive (a number; float('inf') never clips), got nan",
+                 id="clip_grad_norm_-nan"),
+    # ---- pipeline ---------------------------------------------------------------------------------------------------
+    pytest.param(lambda: build_schedule("1f1b", 0, 4),
+                 ValueError, "pipeline size must be a positive integer, got 0", id="build_schedule-ranks-0"),
+    pytest.param(lambda: build_schedule("interleaved", 2, 4, 0),
+                 ValueError, "virtual stages must be a positive integer, got 0", id="build_schedule-virtual-0"),
+    pytest.param(lambda: PipelineStages([nn.Linear(2, 2)], virtual=0),
+                 ValueError, "virtual stages must be a positive integer, got 0", id="PipelineStages-virtual-0"),
+    pytest.param(lambda: PipelineParallel([nn.Linear(2, 2)], microbatches=2, loss_fn=nn.functional.mse_loss),
+                 TypeError, "stages must be a PipelineStages (this rank's chunks of the model), got <class 'list'>",
+                 id="PipelineParallel-stages-list"),
+    pytest.param(lambda: _pipe(schedule="zb"),
+                 ValueError, "schedule must be one of ('gpipe', '1f1b', 'interleaved'), got 'zb'",
+                 id="PipelineParallel-schedule"),
+    pytest.param(lambda: _pipe(microbatches=0),
+                 ValueError, "microbatches must be a positive integer, got 0", id="PipelineParallel-microbatches-0"),
+    pytest.param(lambda: _pipe(data_parallel=object()),
+                 TypeError, "data_parallel must be a DataParallel or ZeRO wrapper (with no_sync() and "
+                 "reduce_gradients()), got <class 'object'>", id="PipelineParallel-data-parallel"),
+    # ---- checkpoint -------------------------------------------------------------------------------------------------
+    pytest.param(lambda: checkpoint.save("/nonexistent/ckpt", 1.5, nn.Linear(2, 2)),
+                 ValueError, "step must be a non-negative int, got 1.5", id="checkpoint.save-step-float"),
+    pytest.param(lambda: checkpoint.save("/nonexistent/ckpt", 1, nn.Linear(2, 2), extra=[1]),
+                 TypeError, "extra must be a dict (e.g. {'step': 100, 'samples_seen': 6400}), got list",
+                 id="checkpoint.save-extra-list"),
+    pytest.param(lambda: checkpoint.load(None, nn.Linear(2, 2)),
+                 TypeError, "checkpoint path must be a str or os.PathLike (a step_<N> directory), got None; note that "
+                 "latest_checkpoint(root) returns None", id="checkpoint.load-None"),
+    pytest.param(lambda: checkpoint.export_state_dict("/nonexistent/step_3"),
+                 FileNotFoundError, "checkpoint '/nonexistent/step_3' does not exist; complete checkpoints found next "
+                 "to or under it: none", id="checkpoint.export_state_dict-missing"),
+    # ---- plan -------------------------------------------------------------------------------------------------------
+    pytest.param(lambda: ModelSpec(7e9, 0, 4096, 4096),
+                 ValueError, "ModelSpec.layers must be positive, got 0", id="ModelSpec-layers-0"),
+    pytest.param(lambda: ModelSpec(1e6, 2, 4096, 4096),
+                 ValueError, "params 1e+06 <= the embedding alone (vocab 32000 * hidden 4096 = 1.31e+08)",
+                 id="ModelSpec-params-below-embedding"),
+    pytest.param(lambda: ClusterSpec(12, 8, 80e9),
+                 ValueError, "gpus (12) must be a positive multiple of gpus_per_node (8) or fewer than it",
+                 id="ClusterSpec-partial-node"),
+    pytest.param(lambda: TrainSpec(precision="fp16"),
+                 ValueError, "precision must be one of ['mixed', 'fp32'], got 'fp16'", id="TrainSpec-precision"),
+    pytest.param(lambda: TrainSpec(global_batch=0),
+                 ValueError, "global_batch must be positive, got 0", id="TrainSpec-global-batch-0"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", CASES)
+def test_bad_input_message(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+def _error(fn):
+    """`type: message` of what fn raises, or 'no error'."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type is part of what is compared
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _layout_errors(rank, ws):
+    messages = [_error(lambda: init_parallel(tp=3, device="cpu"))]
+    ctx = init_parallel(tp=2, device="cpu")
+    messages += [_error(lambda: ctx.group("sp")), _error(lambda: ctx.coordinate("sp"))]
+    return messages
+
+
+def test_layout_errors_on_every_rank():
+    expected = ["ValueError: tp(3) * pp(1) = 3 does not divide world_size 2; valid values for tp * pp are [1, 2]",
+                "ValueError: axis must be one of ('pp', 'dp', 'tp'), got 'sp'",
+                "ValueError: axis must be one of ('pp', 'dp', 'tp'), got 'sp'"]
+    assert run_distributed(_layout_errors, 2) == [expected, expected]
+
+
+def _vocab_errors(rank, ws):
+    emb = VocabParallelEmbedding(10, 4, tp_group=dist.group.WORLD)  # 5 rows per rank
+    return [_error(lambda: vocab_parallel_cross_entropy(torch.randn(3, 5), torch.tensor([1, 2, 12]), emb)),
+            _error(lambda: emb(torch.tensor([3, 10])))]
+
+
+def test_out_of_vocabulary_ids_and_targets_raise_on_every_tp_rank():
+    expected = ["IndexError: vocab_parallel_cross_entropy: targets must be in [0, 10) or ignore_index (-100), got "
+                "values in [1, 12]",
+                "IndexError: VocabParallelEmbedding: ids must be in [0, 10), got values in [3, 10]"]
+    assert run_distributed(_vocab_errors, 2) == [expected, expected]
+
+
+def _zero_errors(rank, ws):
+    torch.manual_seed(0)
+    zero = ZeRO(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=1)
+    saved = zero.sharded_state_dict()
+    moved = {**saved, "world_size": 3}
+    one_rank_bad = {**saved, "shards": {k: v for k, v in saved["shards"].items() if rank == 0 or k != "1/0"}}
+    return [_error(lambda: zero.load_sharded_state_dict(moved)),
+            _error(lambda: zero.load_sharded_state_dict(zero.full_state_dict())),
+            _error(lambda: zero.load_sharded_state_dict(one_rank_bad)),
+            _error(lambda: zero.clip_grad_norm_(float("nan")))]
+
+
+def test_zero_state_and_clip_errors_on_every_rank():
+    rank0, rank1 = run_distributed(_zero_errors, 2)
+    world = ("ValueError: sharded state dict was saved at world size 3, this ZeRO runs at 2; load the full state dict "
+             "instead to change the world size")
+    keys = ("ValueError: load_sharded_state_dict expects the dict sharded_state_dict() returns, with keys "
+            "['world_size', 'rank', 'shards', 'optimizer']; got ['0.weight', '0.bias', '1.weight', '1.bias']")
+    missing = "sharded state dict has no shard '1/0' of shape (4,); was it saved with another model or wrap policy?"
+    clip = "ValueError: max_norm must be positive (a number; float('inf') never clips), got nan"
+    assert rank1 == [world, keys, f"ValueError: {missing}", clip]
+    # Rank 0's own state is fine, but it must not go on into the all-gather rank 1 skips.
+    assert rank0 == [world, keys, f"ValueError: load_sharded_state_dict failed on rank(s) 1: {missing}", clip]
+
+
+def _save_with_bad_extra_on_rank_1(rank, ws, root):
+    extra = {"loader": object()} if rank == 1 else {"samples_seen": 64}
+    return _error(lambda: checkpoint.save(root, 1, nn.Linear(2, 2), extra=extra))
+
+
+def test_checkpoint_argument_error_on_one_rank_raises_on_every_rank(tmp_path):
+    rank0, rank1 = run_distributed(_save_with_bad_extra_on_rank_1, 2, args=(str(tmp_path),))
+    assert rank1.startswith("TypeError: extra must hold only JSON values (numbers, strings, lists, dicts)")
+    assert rank0.startswith("RuntimeError: checkpoint save failed on 1 rank(s): rank 1: TypeError: extra must hold "
+                            "only JSON values")
+    assert os.listdir(tmp_path) == []  # refused before anything was written
