@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel_layers import fault
 from parallel_layers._accumulation import LocalAccumulation
 
 
@@ -41,8 +42,8 @@ class _Bucket:
         self.buffer.div_(world)
         self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
 
-    def finish(self) -> None:
-        self.work.wait()
+    def finish(self, group) -> None:
+        fault.wait(self.work, "DataParallel gradient all_reduce", group)
         self.work = None
         offset = 0
         for p in self.params:
@@ -83,7 +84,8 @@ class DataParallel(LocalAccumulation, nn.Module):
         self._names = {id(p): n for n, p in module.named_parameters()}
         with torch.no_grad():
             for p in module.parameters():
-                dist.broadcast(p, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+                with fault.collective("DataParallel parameter broadcast", group):
+                    dist.broadcast(p, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self._set_buckets(list(reversed(self._params)))
         self._arrival: list[nn.Parameter] | None = []  # observed gradient order, first backward only
         self._seen: set[int] = set()
@@ -130,7 +132,7 @@ class DataParallel(LocalAccumulation, nn.Module):
         if missing:
             for b in self.buckets:  # do not leave collectives half-issued
                 if b.work is not None:
-                    b.work.wait()
+                    fault.wait(b.work, "DataParallel gradient all_reduce", self.group)
                     b.work = None
                 b.ready = 0
             raise RuntimeError(
@@ -141,7 +143,7 @@ class DataParallel(LocalAccumulation, nn.Module):
             if b.work is None:  # some of its gradients came from backwards under no_sync()
                 b.launch(self.group, self.world)
         for b in self.buckets:
-            b.finish()
+            b.finish(self.group)
         if self._arrival is not None:
             # Rebuild once, in the order gradients arrived, so buckets fill as backward runs.
             order = list(dict.fromkeys(self._arrival))

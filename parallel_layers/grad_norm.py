@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from parallel_layers import fault
 
 def _tp_rank(tp_group) -> int:
     return dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
@@ -66,7 +67,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, data_parallel=None, tp
     if dist.is_initialized():
         for group in axes:
             if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(sq, group=group)
+                with fault.collective("gradient-norm all_reduce", group):
+                    dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
     scale = max_norm / (norm.item() + eps)
     if scale < 1.0:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from parallel_layers import fault
+
 
 def rank_world(group) -> tuple[int, int]:
     if not dist.is_initialized():
@@ -24,7 +26,8 @@ def all_gather(obj, group) -> list:
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj, group=group)
+    with fault.collective("checkpoint all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -34,7 +37,8 @@ def broadcast(obj, group):
     if world == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    with fault.collective("checkpoint broadcast_object_list", group):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]
 
 

@@ -138,7 +138,8 @@ class PipelineStages(nn.Module):
                         ties.append((p, tie_group, mine == 0))
         with torch.no_grad():
             for p, tie_group, _ in ties:
-                dist.broadcast(p.data, src=dist.get_global_rank(tie_group, 0), group=tie_group)
+                with fault.collective("tied-parameter broadcast", tie_group):
+                    dist.broadcast(p.data, src=dist.get_global_rank(tie_group, 0), group=tie_group)
         return ties
 
     def sync_tied_grads(self) -> None:

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from parallel_layers import fault
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import TPShard, check_divisible, check_size, gather_full, shard
 
@@ -117,8 +118,8 @@ class _ColumnLinear(torch.autograd.Function):
                     handle = comm.all_reduce(dx, ctx.group, async_op=True)
         dw = dz2.t() @ x_full.reshape(-1, k) if ctx.needs_input_grad[1] else None
         db = db if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if handle is not None:
-            handle.wait()
+        fault.wait(handle, "ColumnParallelLinear backward " + ("reduce_scatter" if ctx.sequence_parallel else
+                                                                  "all_reduce"), ctx.group)
         return dx, dw, db, None, None, None
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel_layers import fault
 from parallel_layers.parallel_dims import divisors
 
 
@@ -70,5 +71,6 @@ def gather_full(param: Tensor, group: dist.ProcessGroup | None, spec: TPShard | 
     if spec is None or spec.parts == 1:
         return param.detach().clone()
     parts_list = [torch.empty_like(param) for _ in range(spec.parts)]
-    dist.all_gather(parts_list, param.detach().contiguous(), group=group)
+    with fault.collective("gather of a tensor-parallel parameter", group):
+        dist.all_gather(parts_list, param.detach().contiguous(), group=group)
     return unshard(parts_list, spec)

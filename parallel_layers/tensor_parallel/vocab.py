@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from parallel_layers import fault
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.layers import _sharded_param
 from parallel_layers.tensor_parallel.sharding import check_size
@@ -113,7 +114,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         max_logit = logits.max(dim=-1).values
         if comm.group_size(group) > 1:
             comm.check_agreement("all_reduce(max)", max_logit, group)
-            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+            with fault.collective("vocab-parallel cross-entropy all_reduce(max)", group):
+                dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - max_logit.unsqueeze(-1)
         exp = shifted.exp()
         local_t = target - vocab_start

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from parallel_layers import fault
 from parallel_layers.ops import shard_copy
 
 
@@ -90,8 +91,7 @@ class ParamGroup:
         """Discard a prefetched all-gather (its data predates an optimizer step)."""
         if self._inflight is not None:
             _, work = self._inflight
-            if work is not None:
-                work.wait()
+            fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
             self._inflight = None
 
     def unshard(self) -> None:
@@ -101,8 +101,7 @@ class ParamGroup:
         self.start_unshard()
         buf, work = self._inflight
         self._inflight = None
-        if work is not None:
-            work.wait()
+        fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
         for p in self.params:
             storage = p.untyped_storage()
             if storage.size() == 0:
@@ -132,7 +131,8 @@ class ParamGroup:
         buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world)
         if self.world > 1:
             out = buf.new_empty(self.total)
-            dist.reduce_scatter_single(out, buf.view(-1), group=self.group)
+            with fault.collective(f"ZeRO reduce_scatter of {self.name}", self.group):
+                dist.reduce_scatter_single(out, buf.view(-1), group=self.group)
         else:
             out = buf[0]
         for s in self.shards:
