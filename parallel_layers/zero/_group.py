@@ -11,6 +11,8 @@ reduce-scatter turns the group's full gradients into shard gradients.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -30,6 +32,28 @@ def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> 
                          f"{param_dtype!r}")
     if reduce_dtype not in _DTYPES:
         raise ValueError(f"reduce_dtype must be one of {list(_DTYPES)}, got {reduce_dtype!r}")
+
+
+# Note [ZeRO streams]: on CUDA every group's copy-in and all-gather run on one side stream
+# per device, so a prefetch overlaps the compute stream's current layer. Each launch first
+# makes the side stream wait for everything the compute stream has queued (the optimizer's
+# shard updates, earlier copy-outs); `unshard` then waits for the all-gather on the compute
+# stream (work.wait()) and copies out there. The gather buffer is allocated on the side
+# stream and last used by a copy-out on the compute stream; no record_stream is needed:
+# when Python frees it, the allocator may give the block to the side stream again, and all
+# side-stream work is queued after a wait on the compute stream, so after that copy-out.
+_SIDE_STREAMS: dict = {}
+
+
+def _all_gather_stream(device: torch.device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    stream.wait_stream(torch.cuda.current_stream(index))
+    return torch.cuda.stream(stream)
 
 
 class ParamGroup:
@@ -78,13 +102,14 @@ class ParamGroup:
             return
         dtype = self.param_dtype or self.params[0].dtype
         device = self.params[0].device
-        shards = [s.detach().to(device, non_blocking=True) for s in self.shards]  # no-op unless offloaded
-        buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype)
-        work = None
-        if self.world > 1:
-            # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
-            mine = buf[self.rank].clone() if self._gloo else buf[self.rank]
-            work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
+        with _all_gather_stream(device):
+            shards = [s.detach().to(device, non_blocking=True) for s in self.shards]  # no-op unless offloaded
+            buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype)
+            work = None
+            if self.world > 1:
+                # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
+                mine = buf[self.rank].clone() if self._gloo else buf[self.rank]
+                work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
         self._inflight = (buf, work)
 
     def drop_prefetch(self) -> None:
