@@ -71,3 +71,12 @@ def test_sigkill_in_training_and_in_a_save_then_resume(tmp_path):
     worst = max(((other[k] - reference[k]).abs().max() / reference[k].abs().max().clamp_min(1e-12)).item()
                 for k in reference)
     assert worst < 1e-4
+
+
+def test_pipeline_checkpoint_resumes_at_a_tensor_parallel_layout(tmp_path):
+    # Saved by dp=2 x pp=2 (ZeRO-1 over the stages), continued by tp=2: the parity line checks
+    # every step (before and after the switch) against the single process.
+    first = train(tmp_path, nproc=4, layout=("--dp", "2", "--pp", "2"))
+    assert first.returncode == 0 and ": PASS" in first.stdout, first.stdout[-2000:] + first.stderr[-2000:]
+    more = train(tmp_path, "--resume", "--steps", str(STEPS + 4), layout=("--tp", "2"))  # the last --steps wins
+    assert f"(step {STEPS})" in more.stdout and ": PASS" in more.stdout, more.stdout[-2000:] + more.stderr[-2000:]
