@@ -136,13 +136,13 @@ class CollectiveTimer:
             setattr(dist, name, timed)
 
 
-def build(args, ctx_groups, zero_stage: int, dp: int, pipelined: bool):
+def build(args, ctx_groups, zero_stage: int, dp: int, pipelined: bool, device: torch.device):
     """The GPT in this layout: train_step(ids, targets) -> this replica's batch loss, and
     what a checkpoint saves and loads (model as trained, optimizer, name prefix)."""
     tp_group, pp_group, dp_group = ctx_groups
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
-                          layers=args.layers), tp_group=tp_group)
+                          layers=args.layers), tp_group=tp_group).to(device)  # initialised on the CPU: same weights
     net = PipelineStages(model.layers, group=pp_group, virtual=args.virtual) if pipelined else model
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0)  # noqa: E731
     if zero_stage:
@@ -222,7 +222,7 @@ def main():
     solo = [dist.new_group([r]) for r in range(world)][rank]  # a group of one, for the reference
     dataset = Windows(generated_text(200_000), args.seq_len)
     train_step, (ckpt_model, ckpt_opt, prefix) = build(args, (ctx.tp_group, ctx.pp_group, ctx.dp_group), args.zero,
-                                                       dp, pipelined)
+                                                       dp, pipelined, ctx.device)
     losses, first = [], 0
     latest = checkpoint.latest_checkpoint(args.checkpoint_dir) if args.resume else None
     if latest is not None:
@@ -234,7 +234,7 @@ def main():
     start = time.perf_counter()
     for i in range(first, args.steps):
         fault(rank, i + 1, "train")
-        ids, targets = next(data)
+        ids, targets = (t.to(ctx.device) for t in next(data))
         mean = train_step(ids, targets).float().clone()
         dist.all_reduce(mean, group=ctx.dp_group)
         losses.append(mean.item() / dp)
@@ -249,17 +249,19 @@ def main():
             print(f"\r[{bar:<30}] step {i + 1:4d}/{args.steps}  loss {losses[-1]:.4f}  {tok_s:8.0f} tok/s", flush=True)
     elapsed = time.perf_counter() - start
     comm = timer.seconds
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
-    peaks = [torch.zeros(1) for _ in range(world)]
+    # Peak memory: the process's resident set on the CPU, the allocator's peak on a GPU.
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20 if ctx.device.type == "cuda"
+                         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], device=ctx.device)
+    peaks = [torch.zeros(1, device=ctx.device) for _ in range(world)]
     dist.all_gather(peaks, peak)
 
-    verdict = torch.zeros(1)
+    verdict = torch.zeros(1, device=ctx.device)
     if rank == 0:
-        ref_step, _ = build(args, (solo, solo, solo), 0, 1, pipelined=False)
+        ref_step, _ = build(args, (solo, solo, solo), 0, 1, pipelined=False, device=ctx.device)
         ref_losses = []
         for per_rank in global_batches(dataset, args, dp):
-            ids = torch.cat([b[0] for b in per_rank])
-            targets = torch.cat([b[1] for b in per_rank])
+            ids = torch.cat([b[0] for b in per_rank]).to(ctx.device)
+            targets = torch.cat([b[1] for b in per_rank]).to(ctx.device)
             ref_losses.append(ref_step(ids, targets).item())
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         tolerance = PARITY_RTOL[args.dtype]
