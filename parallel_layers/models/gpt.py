@@ -36,6 +36,7 @@ class GPTConfig:
     d_model: int = 64
     heads: int = 4
     layers: int = 2
+    qkv_bias: bool = True  # False for exact parity checks under Adam: see Block
 
 
 class Embed(nn.Module):
@@ -52,11 +53,13 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, tp_group):
+    def __init__(self, d: int, heads: int, tp_group, qkv_bias: bool = True):
         super().__init__()
         self.head_dim = d // heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv = ColumnParallelLinear(d, 3 * d, fused_sizes=(d, d, d), tp_group=tp_group)
+        # The key bias's true gradient is zero (softmax ignores a per-query constant): its
+        # rounding noise, normalised by Adam, differs by layout. qkv_bias=False drops it.
+        self.qkv = ColumnParallelLinear(d, 3 * d, bias=qkv_bias, fused_sizes=(d, d, d), tp_group=tp_group)
         self.proj = RowParallelLinear(d, d, tp_group=tp_group)
         self.up = ColumnParallelLinear(d, 4 * d, activation="gelu_tanh", tp_group=tp_group)
         self.down = RowParallelLinear(4 * d, d, tp_group=tp_group)
@@ -89,7 +92,8 @@ class GPT(nn.Module):
             raise ValueError(f"d_model ({cfg.d_model}) must be divisible by heads ({cfg.heads})")
         self.cfg = cfg
         embed = Embed(cfg, tp_group)
-        self.layers = nn.ModuleList([embed] + [Block(cfg.d_model, cfg.heads, tp_group) for _ in range(cfg.layers)]
+        self.layers = nn.ModuleList([embed] + [Block(cfg.d_model, cfg.heads, tp_group, cfg.qkv_bias)
+                                               for _ in range(cfg.layers)]
                                     + [Head(cfg.d_model, embed.tokens)])
 
     def forward(self, ids: Tensor) -> Tensor:

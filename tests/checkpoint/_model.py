@@ -1,4 +1,4 @@
-"""A tiny GPT from the library's layers (as in examples/train_gpt.py, written as a list of layers
+"""A tiny parallel_layers.models.GPT (the model of examples/train_gpt.py, a list of layers
 so it can be pipelined) and the layouts the checkpoint tests train it at.
 
 Sizes are chosen to hit the awkward cases: vocab 37 is padded to 38 at tp=2; d_model 10 makes
@@ -13,69 +13,24 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from parallel_layers import ColumnParallelLinear, DataParallel, RowParallelLinear, ZeRO, init_parallel
-from parallel_layers.tensor_parallel import VocabParallelEmbedding, gather_full, vocab_parallel_cross_entropy
-from parallel_layers.tensor_parallel import vocab_parallel_logits
+from parallel_layers import DataParallel, ZeRO, init_parallel
+from parallel_layers.models import GPT, Block, GPTConfig
+from parallel_layers.tensor_parallel import gather_full, vocab_parallel_cross_entropy
 
 VOCAB, SEQ, D, HEADS, LAYERS, BATCH = 37, 6, 10, 2, 2, 8
 
 
-class Embed(nn.Module):
-    def __init__(self, tp_group):
-        super().__init__()
-        self.tokens = VocabParallelEmbedding(VOCAB, D, tp_group=tp_group)
-        self.pos = nn.Embedding(SEQ, D)
-        with torch.no_grad():
-            self.tokens.weight.mul_(0.02)
-            self.pos.weight.mul_(0.02)
+class TinyGPT(GPT):
+    """parallel_layers.models.GPT at these sizes, without QKV bias (its key bias's zero gradient
+    makes Adam amplify rounding noise differently per layout), returning per-token losses."""
 
-    def forward(self, ids):  # [batch, seq] -> [seq, batch, D]
-        return (self.tokens(ids) + self.pos(torch.arange(ids.shape[1]))).transpose(0, 1)
-
-
-class Block(nn.Module):
-    def __init__(self, tp_group):
-        super().__init__()
-        self.head_dim = D // HEADS
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        # No QKV bias: the key bias's true gradient is zero (softmax ignores a per-query
-        # constant), so its rounding noise, normalised by Adam, would differ by layout.
-        self.qkv = ColumnParallelLinear(D, 3 * D, bias=False, fused_sizes=(D, D, D), tp_group=tp_group)
-        self.proj = RowParallelLinear(D, D, tp_group=tp_group)
-        self.up = ColumnParallelLinear(D, 4 * D, activation="gelu_tanh", tp_group=tp_group)
-        self.down = RowParallelLinear(4 * D, D, tp_group=tp_group)
-
-    def forward(self, x):  # [seq, batch, D]
-        s, b, _ = x.shape
-        q, k, v = (t.reshape(s, b, -1, self.head_dim).permute(1, 2, 0, 3) for t in self.qkv(self.ln1(x)).chunk(3, -1))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
-        x = x + self.proj(attn)
-        return x + self.down(self.up(self.ln2(x)))
-
-
-class Head(nn.Module):
-    def __init__(self, tokens: VocabParallelEmbedding):
-        super().__init__()
-        self.ln_f = nn.LayerNorm(D)
-        self.tokens = tokens  # tied to the embedding
-
-    def forward(self, x):  # -> local logits [seq, batch, vocab / tp]
-        return vocab_parallel_logits(self.ln_f(x), self.tokens)
-
-
-class TinyGPT(nn.Module):
     def __init__(self, tp_group=None):
-        super().__init__()
-        embed = Embed(tp_group)
-        self.layers = nn.ModuleList([embed] + [Block(tp_group) for _ in range(LAYERS)] + [Head(embed.tokens)])
+        super().__init__(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=D, heads=HEADS, layers=LAYERS, qkv_bias=False),
+                         tp_group)
 
     def forward(self, ids, targets):  # -> per-token losses [seq, batch]
-        x = ids
-        for layer in self.layers:
-            x = layer(x)
-        return token_losses(x, targets, self.layers[-1].tokens)
+        return token_losses(super().forward(ids), targets, self.layers[-1].tokens)
 
 
 def token_losses(logits, targets, tokens):
