@@ -40,6 +40,7 @@ class _Bucket:
             self.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
             offset += p.numel()
         self.buffer.div_(world)
+        fault.check_agreement("DataParallel gradient all_reduce", self.buffer, group)
         self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
 
     def finish(self, group) -> None:
@@ -84,6 +85,7 @@ class DataParallel(LocalAccumulation, nn.Module):
         self._names = {id(p): n for n, p in module.named_parameters()}
         with torch.no_grad():
             for p in module.parameters():
+                fault.check_agreement("DataParallel parameter broadcast", p, group)
                 with fault.collective("DataParallel parameter broadcast", group):
                     dist.broadcast(p, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self._set_buckets(list(reversed(self._params)))

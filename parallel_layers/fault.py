@@ -15,6 +15,9 @@ apart, and raises a CollectiveError that names, for each peer: stopped (no new h
 dead or frozen), alive outside any collective (busy or hung in its own code), alive in
 another collective (the ranks disagree on the order: a desync), or in this same collective.
 The record costs a few attribute writes per collective; nothing is sent per collective.
+With PARALLEL_LAYERS_DEBUG=1, `check_agreement` runs before each of the library's
+collectives: one small all-gather of (op, shape, dtype) that turns a mismatch into an error
+on every rank of the group before it can hang or corrupt data.
 """
 
 from __future__ import annotations
@@ -151,6 +154,26 @@ def collective(name: str, group=None):
                               f"Cause: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     finally:
         _local.current = outer
+
+
+def check_agreement(op: str, x, group) -> None:
+    """With PARALLEL_LAYERS_DEBUG=1: all ranks of `group` must be about to run the same
+    collective on the same shape and dtype; raise on every rank if not.
+
+    A mismatch (a rank that skipped a layer, a shape that differs) otherwise hangs or
+    corrupts data. The check costs one small collective per collective, so it is opt-in.
+    """
+    if os.environ.get("PARALLEL_LAYERS_DEBUG") != "1" or not dist.is_initialized() or \
+            dist.get_world_size(group) == 1:
+        return
+    mine = (op, tuple(x.shape), str(x.dtype))
+    everyone: list = [None] * dist.get_world_size(group)
+    with collective("debug agreement check", group):
+        dist.all_gather_object(everyone, mine, group=group)
+    if any(f != mine for f in everyone):
+        ranks = _ranks(group)
+        detail = "; ".join(f"rank {r}: {op_} {shape} {dtype}" for r, (op_, shape, dtype) in zip(ranks, everyone))
+        raise RuntimeError(f"PARALLEL_LAYERS_DEBUG: ranks disagree on the next collective of group {ranks}: {detail}")
 
 
 def wait(work, name: str, group=None) -> None:

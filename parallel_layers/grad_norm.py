@@ -67,6 +67,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, data_parallel=None, tp
     if dist.is_initialized():
         for group in axes:
             if group is not None and dist.get_world_size(group) > 1:
+                fault.check_agreement("gradient-norm all_reduce", sq, group)
                 with fault.collective("gradient-norm all_reduce", group):
                     dist.all_reduce(sq, group=group)
     norm = sq.sqrt()

@@ -73,3 +73,24 @@ def test_ranks_in_different_collectives_are_reported():
     assert "the ranks disagree on the order of collectives" in message
     # Rank 1 fails too; whether it still sees rank 0 alive depends on who gives up first.
     assert peer_message.startswith("all_gather #2 of group [0, 1] failed on rank 1") and "rank 0" in peer_message
+
+
+def _mismatched_replicas(rank, world):
+    import torch.nn as nn
+
+    from parallel_layers import DataParallel
+
+    os.environ["PARALLEL_LAYERS_DEBUG"] = "1"
+    model = nn.Linear(4, 3 if rank == 0 else 5)  # the replicas are not the same model
+    try:
+        DataParallel(model)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_debug_mode_checks_the_wrappers_collectives_too():
+    expected = ("PARALLEL_LAYERS_DEBUG: ranks disagree on the next collective of group [0, 1]: rank 0: DataParallel "
+                "parameter broadcast (3, 4) torch.float32; rank 1: DataParallel parameter broadcast (5, 4) "
+                "torch.float32")
+    assert run_distributed(_mismatched_replicas, 2, collective_timeout_s=20) == [expected, expected]

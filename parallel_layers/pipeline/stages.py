@@ -147,6 +147,7 @@ class PipelineStages(nn.Module):
         for p, tie_group, _ in self._ties:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            fault.check_agreement("tied-parameter gradient all_reduce", p.grad, tie_group)
             with fault.collective("tied-parameter gradient all_reduce", tie_group):
                 dist.all_reduce(p.grad, group=tie_group)
 

@@ -18,13 +18,13 @@ own autograd Functions call, with `async_op=True` where backward overlaps commun
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from parallel_layers import fault
+from parallel_layers.fault import check_agreement
 
 
 def _check_member(group: dist.ProcessGroup | None) -> None:
@@ -46,25 +46,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
         return 0
     _check_member(group)
     return dist.get_rank(group)
-
-
-def check_agreement(op: str, x: Tensor, group) -> None:
-    """With PARALLEL_LAYERS_DEBUG=1: all ranks of `group` must be about to run the same
-    collective on the same shape and dtype; raise on every rank if not.
-
-    A mismatch (a rank that skipped a layer, a shape that differs) otherwise hangs or
-    corrupts data. The check costs one small collective per collective, so it is opt-in.
-    """
-    if os.environ.get("PARALLEL_LAYERS_DEBUG") != "1" or group_size(group) == 1:
-        return
-    mine = (op, tuple(x.shape), str(x.dtype))
-    everyone: list = [None] * group_size(group)
-    with fault.collective("debug agreement check", group):
-        dist.all_gather_object(everyone, mine, group=group)
-    if any(f != mine for f in everyone):
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
-        detail = "; ".join(f"rank {r}: {op_} {shape} {dtype}" for r, (op_, shape, dtype) in zip(ranks, everyone))
-        raise RuntimeError(f"PARALLEL_LAYERS_DEBUG: ranks disagree on the next collective of group {ranks}: {detail}")
 
 
 def all_reduce(x: Tensor, group, async_op: bool = False):

@@ -109,6 +109,7 @@ class ParamGroup:
             if self.world > 1:
                 # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
                 mine = buf[self.rank].clone() if self._gloo else buf[self.rank]
+                fault.check_agreement(f"ZeRO all_gather of {self.name}", mine, self.group)
                 work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
         self._inflight = (buf, work)
 
@@ -156,6 +157,7 @@ class ParamGroup:
         buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world)
         if self.world > 1:
             out = buf.new_empty(self.total)
+            fault.check_agreement(f"ZeRO reduce_scatter of {self.name}", buf, self.group)
             with fault.collective(f"ZeRO reduce_scatter of {self.name}", self.group):
                 dist.reduce_scatter_single(out, buf.view(-1), group=self.group)
         else:
