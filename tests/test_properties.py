@@ -144,3 +144,20 @@ def test_checkpoint_pieces_cover_every_element_once(cut, zero_world, crop, seed)
                 hits += torch.bincount(piece_of(index, slot.piece).reshape(-1), minlength=hits.numel())
     assert (hits == 1).all()
     assert torch.equal(rebuilt, full.narrow(0, 0, logical[0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 60), k=st.integers(1, 90), n=st.integers(1, 70), bias=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), approximate=st.sampled_from(APPROX),
+       seed=st.integers(0, 10**6))
+def test_linear_gelu_16bit_no_worse_than_twice_eager(m, k, n, bias, dtype, approximate, seed):
+    # The acceptance bound for 16-bit outputs; it caught a version that added the bias after
+    # rounding the GEMM to 16 bits (two roundings: up to 7x eager's error).
+    x, w = _randn((m, k), seed).to(dtype), (_randn((n, k), seed + 1) / k ** 0.5).to(dtype)
+    b = _randn((n,), seed + 2).to(dtype) if bias else None
+    with torch.no_grad():
+        ours = linear_gelu(x, w, b, approximate=approximate)
+        eager = F.gelu(F.linear(x, w, b), approximate=approximate)
+    ref = F.gelu(F.linear(x.double(), w.double(), b.double() if bias else None), approximate=approximate)
+    err = lambda t: (t.double() - ref).abs().max().item()  # noqa: E731
+    assert err(ours) <= 2 * err(eager) + 1e-12
