@@ -51,6 +51,9 @@ def bench_case(m, k, n, dtype, device, reps):
     b = torch.randn(n, generator=g).to(device, dtype)
     dy = torch.randn(m, n, generator=g).to(device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    # A fresh dynamo cache per case: the recompile limit (8) counts every (shape, dtype, grad
+    # mode) of `eager`, and past it torch.compile silently runs eager - timing the wrong thing.
+    torch._dynamo.reset()
     compiled = torch.compile(eager)
 
     fwd = {

@@ -3,6 +3,7 @@
     python benchmarks/run_all.py            # the full suite (~10 minutes on 2 cores)
     python benchmarks/run_all.py --quick    # small sizes, a smoke run of the whole pipeline
     python benchmarks/run_all.py --out DIR  # results and report under DIR
+    python benchmarks/run_all.py --report-only   # rebuild the report from the results there
 
 Each benchmark is its own script (run here one after the other, in a fresh process, with
 its JSON under the results directory); the report gathers their numbers into tables of
@@ -159,7 +160,9 @@ def write_report(out: Path, runs: list[dict]) -> Path:
               f"- versions: torch {torch.__version__}, Python {platform.python_version()}",
               "- every ratio compares variants measured in the same run, interleaved round-robin", "",
               "| benchmark | status | seconds |", "|---|---|---|"]
-    lines += [f"| {r['name']} | {'ok' if r['ok'] else 'FAILED'} | {r['seconds']:.0f} |" for r in runs]
+    lines += [f"| {r['name']} | {'ok' if r['ok'] else 'FAILED'} | "
+              f"{r['seconds']:.0f} |" if r["seconds"] == r["seconds"] else f"| {r['name']} | from an earlier run | - |"
+              for r in runs]
     lines.append("")
     sections = {
         "bench_linear_gelu": lambda d: section_linear_gelu(d),
@@ -192,9 +195,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every script and the report")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--only", nargs="+", help="run these benchmarks only (names without .py)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: rebuild the report from the JSON results already in --out")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = run_suite(args.out.resolve(), args.quick, args.only)
+    if args.report_only:
+        runs = [{"name": name, "ok": (args.out / f"{name}.json").exists(), "seconds": float("nan"), "stdout": "",
+                 "stderr": "no result file"} for name, _, _ in SUITE]
+    else:
+        runs = run_suite(args.out.resolve(), args.quick, args.only)
     path = write_report(args.out, runs)
     print(f"wrote {path}")
     return 0 if all(r["ok"] for r in runs) else 1

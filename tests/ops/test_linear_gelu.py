@@ -239,3 +239,16 @@ def test_bad_input_messages(args, message):
 def test_bad_approximate_message():
     with pytest.raises(RuntimeError, match="approximate must be 'none' or 'tanh', got 'erf'"):
         linear_gelu(torch.randn(2, 3), torch.randn(4, 3), None, "erf")
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bfloat16")
+@pytest.mark.parametrize("approximate", APPROX)
+def test_bfloat16_inference_uses_the_onednn_post_op(approximate):
+    # Note [bfloat16 inference through oneDNN] in csrc/linear_gelu.cpp: bit-equal to oneDNN's
+    # fused op when nothing is kept for backward; training keeps its own path (and z).
+    x, w, b = _inputs((33, 40), 24, torch.bfloat16, "cpu")
+    y, z = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, False)
+    assert z.numel() == 0
+    assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], approximate))
+    y_train, z_train = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, True)
+    assert torch.equal(z_train, F.linear(x, w, b))
