@@ -87,13 +87,12 @@ class PipelineParallel:
     def _check_batch(self, inputs: Tensor | None, targets: Tensor | None) -> None:
         """Every pipeline rank learns both batch sizes and raises the same error on a bad one."""
         mine = torch.tensor([inputs.shape[0] if inputs is not None else -1,
-                             targets.shape[0] if targets is not None else -1], dtype=torch.int64)
-        sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
+                             targets.shape[0] if targets is not None else -1], dtype=torch.int64, device=self.device)
+        sizes = [mine]
         if self.ranks > 1:
+            sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
             with fault.collective("pipeline batch-size check (all_gather)", self.group):
-                dist.all_gather(sizes, mine.to(self.device) if self.device.type == "cuda" else mine, group=self.group)
-        else:
-            sizes = [mine]
+                dist.all_gather(sizes, mine, group=self.group)
         n_in, n_tgt = int(sizes[0][0]), int(sizes[self.last_rank][1])
         m = self.microbatches
         if n_in < 0 or n_tgt < 0:
