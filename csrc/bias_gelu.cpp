@@ -2,19 +2,17 @@
 // backward (dgelu and the bias gradient in one pass over the data).
 //
 // Shapes: x, y, z, dy, dz are [rows, n] (leading dims flattened); bias, dbias are [n].
-// Rows are split into chunks (parallel_layers/row_chunks.h, shared with the CUDA kernels);
-// each task runs the vectorised GeLU epilogue (parallel_layers/cpu/gelu_epilogue.h) on its
-// chunk, and in backward adds its chunk's column sums into its own row of `partials`, so the
-// summation order does not depend on the thread count.
+// Each task runs the vectorised GeLU epilogue (parallel_layers/cpu/gelu_epilogue.h) on a
+// chunk of rows; in backward, dgelu_parallel sums the bias gradient per chunk (chunks from
+// parallel_layers/row_chunks.h, shared with the CUDA kernels), so the summation order does
+// not depend on the thread count.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "parallel_layers/checks.h"
 #include "parallel_layers/cpu/gelu_epilogue.h"
 #include "parallel_layers/ops.h"
-#include "parallel_layers/row_chunks.h"
 
 namespace parallel_layers::cpu {
 namespace {
@@ -48,16 +46,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out
   const at::Tensor dy = grad_out.contiguous().view({leading_rows(preact), n});
   const at::Tensor z = preact.contiguous().view({leading_rows(preact), n});
   at::Tensor dz = at::empty_like(z);
-  const RowChunks chunks = make_row_chunks(z.size(0), /*max_chunks=*/4 * at::get_num_threads(),
-                                           min_rows_per_task(n));
-  at::Tensor partials = at::zeros({chunks.num_chunks(), n}, z.options().dtype(at::toOpMathType(z.scalar_type())));
-  at::parallel_for(0, chunks.num_chunks(), 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      const int64_t r0 = chunks.begin(c), r1 = chunks.end(c);
-      dgelu_epilogue(dy.slice(0, r0, r1), z.slice(0, r0, r1), dz.slice(0, r0, r1), partials[c], approx);
-    }
-  });
-  at::Tensor dbias = partials.sum(0).to(z.scalar_type());
+  at::Tensor dbias = dgelu_parallel(dy, z, dz, at::Tensor(), /*want_dbias=*/true, approx);
   return {dz.view(preact.sizes()), dbias};
 }
 

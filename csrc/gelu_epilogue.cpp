@@ -7,12 +7,18 @@
 // runs the scalar templates.
 #include "parallel_layers/cpu/gelu_epilogue.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include "parallel_layers/row_chunks.h"
 
 namespace parallel_layers::cpu {
 namespace {
@@ -190,48 +196,83 @@ void gelu_epilogue(const at::Tensor& in, const std::optional<at::Tensor>& bias, 
   });
 }
 
-void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz,
+void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
                     const at::Tensor& partial, GeluApprox approx) {
   check_block(dy, "dy", z);
-  check_block(dz, "dz", z);
+  TORCH_CHECK(dz.defined() || dz_t.defined(), "dgelu epilogue: neither dz nor dz_t to write");
+  if (dz.defined()) check_block(dz, "dz", z);
+  if (dz_t.defined()) check_block(dz_t, "dz_t", z.t());
   const int64_t rows = z.size(0), cols = z.size(1);
   if (rows == 0 || cols == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "dgelu_epilogue", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      double* acc = ptr_or_null<double>(partial);
-      dispatch_gelu_approx(approx, [&](auto a) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const double* g = row<double>(dy, r);
-          const double* zr = row<double>(z, r);
-          double* out = row<double>(dz, r);
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    acc_t* acc = ptr_or_null<acc_t>(partial);
+    // float32 row buffers for 16-bit rows (widen, compute, narrow once).
+    constexpr bool kNarrow = !std::is_same_v<scalar_t, double> && !std::is_same_v<scalar_t, float>;
+    std::vector<float> dy32(kNarrow ? cols : 0), z32(kNarrow ? cols : 0), dz32(kNarrow ? cols : 0);
+    // out = dy * gelu'(z) for one row; the bias gradient sums the rounded values, as eager does.
+    auto dgelu_row = [&](const auto* g, const auto* zr, auto* out) {  // generic: if constexpr prunes
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        dispatch_gelu_approx(approx, [&](auto a) {
           for (int64_t c = 0; c < cols; ++c) {
             out[c] = g[c] * gelu_derivative<decltype(a)::value>(zr[c]);
             if (acc) acc[c] += out[c];
           }
-        }
-      });
-    } else if constexpr (std::is_same_v<scalar_t, float>) {
-      float* acc = ptr_or_null<float>(partial);
-      for (int64_t r = 0; r < rows; ++r) {
-        backward_f32(row<float>(dy, r), row<float>(z, r), row<float>(dz, r), acc, cols, approx);
-      }
-    } else {
-      // The bias gradient sums the gradient as returned (rounded), like eager autograd.
-      float* acc = ptr_or_null<float>(partial);
-      std::vector<float> dy32(cols), z32(cols), dz32(cols);
-      for (int64_t r = 0; r < rows; ++r) {
-        widen(row<scalar_t>(dy, r), dy32.data(), cols);
-        widen(row<scalar_t>(z, r), z32.data(), cols);
+        });
+      } else if constexpr (std::is_same_v<scalar_t, float>) {
+        backward_f32(g, zr, out, acc, cols, approx);
+      } else {
+        widen(g, dy32.data(), cols);
+        widen(zr, z32.data(), cols);
         backward_f32(dy32.data(), z32.data(), dz32.data(), nullptr, cols, approx);
-        scalar_t* out = row<scalar_t>(dz, r);
         narrow(dz32.data(), out, cols);
         if (acc) {
           widen(out, dz32.data(), cols);
           for (int64_t c = 0; c < cols; ++c) acc[c] += dz32[c];
         }
       }
+    };
+    // With dz_t, rows go into a tile of kTileRows rows first; the tile is then written
+    // transposed, each column of it as kTileRows consecutive elements of a dz_t row (whole
+    // cache lines for 16-bit types) while the tile is still in L2.
+    constexpr int64_t kTileRows = 32;
+    std::vector<scalar_t> tile(dz_t.defined() ? kTileRows * cols : 0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int64_t r1 = std::min(rows, r0 + kTileRows);
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* out = dz_t.defined() ? tile.data() + (r - r0) * cols : row<scalar_t>(dz, r);
+        dgelu_row(row<scalar_t>(dy, r), row<scalar_t>(z, r), out);
+        if (dz_t.defined() && dz.defined()) std::copy(out, out + cols, row<scalar_t>(dz, r));
+      }
+      if (dz_t.defined()) {
+        scalar_t* dst = dz_t.data_ptr<scalar_t>() + r0;
+        const int64_t ld = dz_t.stride(0);
+        for (int64_t c = 0; c < cols; ++c) {
+          for (int64_t t = 0; t < r1 - r0; ++t) dst[c * ld + t] = tile[t * cols + c];
+        }
+      }
     }
   });
+}
+
+at::Tensor dgelu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
+                          bool want_dbias, GeluApprox approx) {
+  const int64_t rows = z.size(0), cols = z.size(1);
+  // Chunks of ~64K elements at least: enough work to amortise scheduling, small enough for L2.
+  const int64_t min_rows = std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1));
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), min_rows);
+  const at::Tensor partials =
+      want_dbias ? at::zeros({chunks.num_chunks(), cols}, z.options().dtype(at::toOpMathType(z.scalar_type())))
+                 : at::Tensor();
+  at::parallel_for(0, chunks.num_chunks(), 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t r0 = chunks.begin(c), r1 = chunks.end(c);
+      dgelu_epilogue(dy.slice(0, r0, r1), z.slice(0, r0, r1), dz.defined() ? dz.slice(0, r0, r1) : at::Tensor(),
+                     dz_t.defined() ? dz_t.slice(1, r0, r1) : at::Tensor(),
+                     want_dbias ? partials[c] : at::Tensor(), approx);
+    }
+  });
+  return want_dbias ? partials.sum(0).to(z.scalar_type()) : at::Tensor();
 }
 
 }  // namespace parallel_layers::cpu

@@ -42,6 +42,11 @@ TORCH_LIBRARY(parallel_layers, m) {
   // y = gelu(x @ weight^T + bias); preact = x @ weight^T + bias when save_preact, else an
   // empty [0] (inference skips writing it). x [..., k], weight [n, k], bias [n].
   m.def("linear_gelu(Tensor x, Tensor weight, Tensor? bias, str approximate, bool save_preact) -> (Tensor y, Tensor preact)");
+  // Its backward from the saved pre-activation: dz = grad_y * gelu'(preact) and dbias = sum(dz)
+  // in one pass, then dx = dz @ weight and dweight = dz^T @ x; output_mask = which of
+  // (dx, dweight, dbias) to compute, the others are returned as empty [0] tensors.
+  m.def("linear_gelu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor preact, str approximate, "
+        "bool[3] output_mask) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   // Shard copies (layout in parallel_layers/shard_layout.h; buffers are [world_size, S]):
   // this rank's shards -> its row of the all-gather buffer (cast to out's dtype);
   m.def("all_gather_copy_in(Tensor[] shards, Tensor(a!) out, int rank) -> ()");

@@ -11,6 +11,7 @@
 // shapes - including the out_features == 1 case reported to fault inside cuBLASLt elsewhere)
 // takes the fallback: cuBLAS GEMM via ATen, then our fused bias + GeLU + pre-activation
 // kernel (csrc/cuda/bias_gelu.cu). Every cuBLASLt status is checked.
+#include <array>
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -155,8 +156,32 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
   return {y.view(out_shape), save_preact ? z.view(out_shape) : at::empty({0}, x.options())};
 }
 
+// Backward: our fused dgelu + bias-gradient kernel (csrc/cuda/bias_gelu.cu), then the two
+// GEMMs that are needed (cuBLAS reads dz transposed natively, so no dz^T is written as on
+// CPU). cuBLASLt's DGELU_BGRAD epilogue fuses dgelu into the GEMM that produces grad_y - the
+// next layer's input-gradient GEMM - so it does not apply inside this op, which is handed a
+// ready grad_y.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                    const at::Tensor& weight,
+                                                                    const at::Tensor& preact,
+                                                                    std::string_view approximate,
+                                                                    std::array<bool, 3> output_mask) {
+  parse_gelu_approx(approximate);
+  const auto [M, K, N] = check_linear_gelu_backward_args(grad_y, x, weight, preact, at::kCUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto [need_dx, need_dw, need_db] = output_mask;
+  // Unasked gradients: distinct empty tensors (outputs must not alias).
+  const auto empty = [&] { return at::empty({0}, x.options()); };
+  if (!need_dx && !need_dw && !need_db) return {empty(), empty(), empty()};
+  auto [dz, db] = bias_gelu_backward(grad_y.reshape({M, N}), preact.reshape({M, N}), approximate);
+  at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
+  at::Tensor dw = need_dw ? at::mm(dz.t(), x.reshape({M, K})) : empty();
+  return {dx, dw, need_db ? db : empty()};
+}
+
 }  // namespace parallel_layers::cuda
 
 TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
   m.impl("linear_gelu", &parallel_layers::cuda::linear_gelu);
+  m.impl("linear_gelu_backward", &parallel_layers::cuda::linear_gelu_backward);
 }

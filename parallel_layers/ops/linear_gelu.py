@@ -3,9 +3,10 @@
 Shapes: x [..., K], weight [N, K], bias [N] or None -> y [..., N]. Dtypes: float32, float64,
 bfloat16, float16 (all alike). Unlike `torch._addmm_activation`, the forward keeps the
 pre-activation `x @ weight.T + bias` for backward, and skips writing it when no gradient
-is needed. Backward runs the fused dgelu + bias-gradient kernel (`bias_gelu_backward`), then
+is needed. Backward (`linear_gelu_backward`) runs the fused dgelu + bias-gradient pass, then
 only the GEMMs whose gradients are needed (`dx = dz @ W`, `dW = dz.T @ x`; 16-bit GEMMs
-accumulate in float32 in the BLAS).
+accumulate in float32 in the BLAS; on CPU the 16-bit pass also writes dz transposed, see
+Note [transposed dz for 16-bit weight gradients] in csrc/linear_gelu.cpp).
 """
 
 from __future__ import annotations
@@ -45,27 +46,45 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
+@torch.library.register_fake("parallel_layers::linear_gelu_backward")
+def _linear_gelu_backward_fake(grad_y: Tensor, x: Tensor, weight: Tensor, preact: Tensor, approximate: str,
+                               output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    check_approximate(approximate)
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    torch._check(tuple(grad_y.shape) == out_shape and tuple(preact.shape) == out_shape,
+                 lambda: f"linear_gelu_backward: grad_y {tuple(grad_y.shape)} and preact {tuple(preact.shape)} "
+                         f"must both have the forward output's shape {out_shape}")
+    need_dx, need_dw, need_db = output_mask
+    return (x.new_empty(x.shape if need_dx else (0,)),
+            x.new_empty(weight.shape if need_dw else (0,)),
+            x.new_empty((weight.shape[0],) if need_db else (0,)))
+
+
 def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
     x, weight, bias, preact = ctx.saved_tensors
+    n = weight.shape[0]
     if preact.numel() == 0 and x.numel() != 0 and weight.numel() != 0:
         # Called directly with save_preact=False under autograd: recompute what was not kept.
         preact = torch.nn.functional.linear(x, weight, bias)
     else:
-        preact = preact.view(*x.shape[:-1], weight.shape[0])
-    n = weight.shape[0]
+        preact = preact.view(*x.shape[:-1], n)
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = bias is not None and ctx.needs_input_grad[2]
+    if grad_preact is None or grad_preact.numel() == 0:
+        if grad_y is None:
+            return None, None, None, None, None
+        dx, dw, db = torch.ops.parallel_layers.linear_gelu_backward(
+            grad_y, x, weight, preact, ctx.approximate, [need_dx, need_dw, need_db])
+        return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None
+    # The pre-activation output was used itself (only by callers of the raw op): its
+    # gradient adds to dz, so dz is formed here and the GEMMs run on the sum.
+    dz = grad_preact
     if grad_y is not None:
-        dz, db = torch.ops.parallel_layers.bias_gelu_backward(grad_y, preact, ctx.approximate)
-    else:
-        dz, db = None, None
-    if grad_preact is not None and grad_preact.numel() != 0:  # the pre-activation was used itself
-        dz = grad_preact if dz is None else dz + grad_preact
-        db = dz.reshape(-1, n).sum(0)
-    if dz is None:
-        return None, None, None, None, None
+        dz = dz + torch.ops.parallel_layers.bias_gelu_backward(grad_y, preact, ctx.approximate)[0]
     dz2 = dz.reshape(-1, n)
-    dx = (dz2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-    dw = dz2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-    db = db if bias is not None and ctx.needs_input_grad[2] else None
+    dx = (dz2 @ weight).view(x.shape) if need_dx else None
+    dw = dz2.t() @ x.reshape(-1, x.shape[-1]) if need_dw else None
+    db = dz2.sum(0) if need_db else None
     return dx, dw, db, None, None
 
 

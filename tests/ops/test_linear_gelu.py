@@ -186,6 +186,42 @@ def test_opcheck(x_shape, n, dtype, device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_shape, n", [((0, 4), 3), ((5, 4), 3), ((2, 3, 8), 16), ((70, 9), 33)])
+def test_backward_op_opcheck(x_shape, n, dtype, device):
+    x, w, _ = _inputs(x_shape, n, dtype, device)
+    g = torch.Generator().manual_seed(3)
+    dy, z = (torch.randn(*x_shape[:-1], n, generator=g).to(device, dtype) for _ in range(2))
+    for approximate in APPROX:
+        for mask in ([True, True, True], [False, True, False], [True, False, True], [False, False, False]):
+            torch.library.opcheck(torch.ops.parallel_layers.linear_gelu_backward.default,
+                                  (dy, x, w, z, approximate, mask))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backward_op_mask_selects_without_changing_values(dtype, device):
+    """Each gradient is the same bits whichever others are asked for (16-bit CPU dweight comes
+    from the transposed dz, written with or without the plain dz), and unasked ones are empty.
+    70 rows: two full 32-row tiles of the transposed write and a partial one."""
+    x, w, _ = _inputs((70, 24), 40, dtype, device)
+    g = torch.Generator().manual_seed(4)
+    dy, z = (torch.randn(70, 40, generator=g).to(device, dtype) for _ in range(2))
+    op = torch.ops.parallel_layers.linear_gelu_backward
+    full = op(dy, x, w, z, "tanh", [True, True, True])
+    ref_dz = dy.double() * torch.ops.aten.gelu_backward(torch.ones_like(z, dtype=torch.float64), z.double(),
+                                                        approximate="tanh")
+    torch.testing.assert_close(full[1].double(), ref_dz.t() @ x.double(), rtol=0.05, atol=0.05)
+    for mask in ([True, False, False], [False, True, False], [False, False, True], [False, True, True]):
+        got = op(dy, x, w, z, "tanh", mask)
+        for need, value, expected in zip(mask, got, full):
+            if need:
+                assert torch.equal(value, expected)
+            else:
+                assert value.numel() == 0
+
+
+@pytest.mark.parametrize("device", devices())
 def test_torch_compile_fullgraph(device):
     def mlp(x, w1, b1, w2):
         return F.linear(linear_gelu(x, w1, b1), w2).square().mean()

@@ -3,6 +3,7 @@
 
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -96,6 +97,23 @@ inline LinearShape check_linear_gelu_args(const at::Tensor& x, const at::Tensor&
                 "] (out_features of weight ", weight.sizes(), "), got ", bias->sizes());
   }
   return LinearShape{leading_rows(x), x.size(-1), weight.size(0)};
+}
+
+// linear_gelu_backward(grad_y [..., n], x [..., k], weight [n, k], preact [..., n]): the
+// forward's shapes, and grad_y shaped like its output.
+inline LinearShape check_linear_gelu_backward_args(const at::Tensor& grad_y, const at::Tensor& x,
+                                                   const at::Tensor& weight, const at::Tensor& preact,
+                                                   at::DeviceType expected) {
+  const LinearShape s = check_linear_gelu_args(x, weight, std::nullopt, expected);
+  check_same_device_dtype(x, "x", grad_y, "grad_y");
+  check_same_device_dtype(x, "x", preact, "preact");
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = s.n;
+  TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(out_shape) && preact.sizes() == at::IntArrayRef(out_shape),
+              "linear_gelu_backward: grad_y ", grad_y.sizes(), " and preact ", preact.sizes(),
+              " must both have the forward output's shape ", at::IntArrayRef(out_shape), " (x ", x.sizes(),
+              ", weight ", weight.sizes(), ")");
+  return s;
 }
 
 }  // namespace parallel_layers

@@ -3,6 +3,7 @@
 // (tests/cpp) call the CPU ones directly.
 #pragma once
 
+#include <array>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -24,6 +25,13 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                std::string_view approximate, bool save_preact);
+// grad_y, preact [..., n], x [..., k], weight [n, k] -> (dx like x, dweight [n, k], dbias [n]);
+// output_mask says which are needed; the others come back as empty [0] tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                    const at::Tensor& weight,
+                                                                    const at::Tensor& preact,
+                                                                    std::string_view approximate,
+                                                                    std::array<bool, 3> output_mask);
 }  // namespace cpu
 
 namespace cuda {
@@ -35,6 +43,11 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                std::string_view approximate, bool save_preact);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                    const at::Tensor& weight,
+                                                                    const at::Tensor& preact,
+                                                                    std::string_view approximate,
+                                                                    std::array<bool, 3> output_mask);
 }  // namespace cuda
 
 }  // namespace parallel_layers

@@ -22,7 +22,17 @@ void gelu_epilogue(const at::Tensor& in, const std::optional<at::Tensor>& bias, 
 
 // dz = dy * gelu'(z), and partial[c] += sum over rows of dz[:, c] when partial is defined
 // (partial: [cols], float32 for 16-bit and float32 blocks, float64 for float64 blocks).
-void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz,
+// dz_t, when defined, is a [cols, rows] block (e.g. a column range of a [cols, M] matrix)
+// that receives dz transposed, written from a cache-resident tile of rows; dz itself may then
+// be undefined. At least one of dz and dz_t is defined.
+void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
                     const at::Tensor& partial, GeluApprox approx);
+
+// dgelu_epilogue over a whole [rows, cols] matrix, in parallel over chunks of rows
+// (parallel_layers/row_chunks.h); each chunk sums its bias gradient into its own row of
+// float partials, which are then added in chunk order, so dbias does not depend on the
+// thread count. Returns dbias [cols] in z's dtype when want_dbias, else an undefined tensor.
+at::Tensor dgelu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
+                          bool want_dbias, GeluApprox approx);
 
 }  // namespace parallel_layers::cpu
