@@ -1,9 +1,11 @@
 """Tensor-parallel MLP step time: ours vs PyTorch DTensor TP vs the single-process MLP.
 
-    python benchmarks/bench_tp_mlp.py [--tokens 1024] [--d-model 1024] [--reps 15]
+    python benchmarks/bench_tp_mlp.py [--seq 256 --batch 4 --d-model 1024 --hidden 4096] [--reps 15]
+                                      [--dtypes float32 bfloat16]
 
-Two processes on gloo (tp=2), one thread each. Per step (forward + backward of
-Column(gelu) -> Row on [seq, batch, d_model] activations, interleaved, median of --reps):
+Two processes on gloo (tp=2), one thread each. Per training step (grads set to None, then
+forward + backward of Column(gelu) -> Row on [seq, batch, d_model] activations that need
+their gradient, as inside a model), interleaved, median of --reps, for each of --dtypes:
   ours:      parallel_layers ColumnParallelLinear(activation="gelu_tanh") + RowParallelLinear
   dtensor:   torch.distributed.tensor.parallel ColwiseParallel / RowwiseParallel on
              nn.Linear + nn.GELU(approximate="tanh") + nn.Linear
@@ -29,23 +31,29 @@ def _mlp(d_model: int, hidden: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d_model))
 
 
-def _rank(rank, ws, seq, batch, d_model, hidden, reps):
+def _rank(rank, ws, seq, batch, d_model, hidden, reps, dtype_name):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from parallel_layers import ColumnParallelLinear, RowParallelLinear
 
     torch.manual_seed(0)
-    ref = _mlp(d_model, hidden)
+    dtype = getattr(torch, dtype_name)
+    ref = _mlp(d_model, hidden).to(dtype)
     group = dist.group.WORLD
     ours = nn.Sequential(ColumnParallelLinear.from_linear(ref[0], activation="gelu_tanh", tp_group=group),
                          RowParallelLinear.from_linear(ref[2], tp_group=group))
     mesh = init_device_mesh("cpu", (ws,))
-    dtensor = parallelize_module(_mlp(d_model, hidden), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x = torch.randn(seq, batch, d_model)
+    dtensor = parallelize_module(_mlp(d_model, hidden).to(dtype), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    # The input needs its gradient, as an MLP's does anywhere but at the very bottom of a
+    # model: backward then has the grad-input all-reduce (ours overlaps it with the weight
+    # gradient GEMM; DTensor runs it after).
+    x = torch.randn(seq, batch, d_model, dtype=dtype, requires_grad=True)
 
     def step(model):
-        def run():
+        def run():  # a training step's gradient work: grads start as None (zero_grad's default)
+            model.zero_grad(set_to_none=True)
+            x.grad = None
             model(x).sum().backward()
         return run
 
@@ -66,19 +74,25 @@ def main(argv=None):
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
+                    help="parameters, activations and gradients (bfloat16: a pure-bf16 step, no autocast)")
     ap.add_argument("--name", default="bench_tp_mlp", help="result file name under benchmarks/results/")
     args = ap.parse_args(argv)
-    results = spawn(_rank, 2, (args.seq, args.batch, args.d_model, args.hidden, args.reps))
-    t = results[0]
-    ratios = {"ours_over_dtensor": t["ours"] / t["dtensor"], "ours_over_single": t["ours"] / t["single"],
-              "dtensor_over_single": t["dtensor"] / t["single"]}
-    print(f"tp=2 MLP [{args.seq}x{args.batch}x{args.d_model}] -> {args.hidden}, fwd+bwd per step (rank 0):")
-    for name in ("ours", "dtensor", "single"):
-        print(f"  {name:8s} {t[name] * 1e3:8.2f} ms")
-    print(f"  ours / dtensor = {ratios['ours_over_dtensor']:.2f} (target <= 0.8), "
-          f"ours / single = {ratios['ours_over_single']:.2f}, dtensor / single = {ratios['dtensor_over_single']:.2f}")
+    seconds, ratios = {}, {}
+    for dtype in args.dtypes:
+        t = spawn(_rank, 2, (args.seq, args.batch, args.d_model, args.hidden, args.reps, dtype))[0]
+        seconds[dtype] = t
+        ratios.update({f"ours_over_dtensor_{dtype}": t["ours"] / t["dtensor"],
+                       f"ours_over_single_{dtype}": t["ours"] / t["single"],
+                       f"dtensor_over_single_{dtype}": t["dtensor"] / t["single"]})
+        print(f"tp=2 MLP [{args.seq}x{args.batch}x{args.d_model}] -> {args.hidden} {dtype}, "
+              "fwd+bwd per step (rank 0):")
+        for name in ("ours", "dtensor", "single"):
+            print(f"  {name:8s} {t[name] * 1e3:8.2f} ms")
+        print(f"  ours / dtensor = {t['ours'] / t['dtensor']:.2f} (target <= 0.8), "
+              f"ours / single = {t['ours'] / t['single']:.2f}, dtensor / single = {t['dtensor'] / t['single']:.2f}")
     path = write_json(args.name, {"benchmark": "tp_mlp", "machine": machine(), "args": vars(args),
-                                       "seconds_per_step": t, "ratios": ratios})
+                                  "seconds_per_step": seconds, "ratios": ratios})
     print(f"wrote {path}")
 
 

@@ -168,8 +168,9 @@ def write_report(out: Path, runs: list[dict]) -> Path:
         "bench_linear_gelu": lambda d: section_linear_gelu(d),
         "bench_shard_copy": lambda d: section_shard_copy(d),
         "bench_tp_mlp": lambda d: section_ratio("Tensor-parallel MLP vs DTensor (tp=2)", d, [
-            ("ours_over_dtensor", "ours / DTensor step time (target <= 0.8)"),
-            ("ours_over_single", "ours / one process")]),
+            (f"{k}_{dtype}", f"{label}, {dtype}") for dtype in d["args"].get("dtypes", [])
+            for k, label in (("ours_over_dtensor", "ours / DTensor step time (target <= 0.8)"),
+                             ("ours_over_single", "ours / one process"))]),
         "bench_zero": lambda d: section_ratio("ZeRO-3 vs FSDP2 vs DDP", d, [
             ("zero3_over_fsdp2_time", "ZeRO-3 / FSDP2 step time"),
             ("zero3_over_fsdp2_memory", "ZeRO-3 / FSDP2 peak memory"),
