@@ -1,10 +1,13 @@
 // CPU GeLU epilogue (see parallel_layers/cpu/gelu_epilogue.h).
 //
 // The float32 and bfloat16 inner loops are compiled several times for different x86
-// instruction sets (target_clones: AVX-512, AVX2, baseline) and picked at load time, so one
-// binary is fast on this machine and still runs on any x86-64. Math is float32 throughout;
-// 16-bit rows are widened into float32 row buffers and narrowed once at the end; float64
-// runs the scalar templates.
+// instruction sets (target_clones: x86-64-v4 = AVX-512 F/BW/DQ/VL, AVX2, baseline) and picked
+// at load time, so one binary is fast on this machine and still runs on any x86-64. Math is
+// float32 throughout. bfloat16 is converted inside the same loop as the math; that needs
+// AVX-512BW for 16-bit lanes (with AVX-512F alone GCC fell back to 256-bit code and the
+// fused bfloat16 loop ran slower than widening rows into float32 buffers first: 1024 x 2048
+// dgelu, one thread, 1.8 ms fused on x86-64-v4 vs 2.4 buffered vs 4.0 fused on avx512f).
+// float16 goes through float32 row buffers; float64 runs the scalar templates.
 #include "parallel_layers/cpu/gelu_epilogue.h"
 
 #include <algorithm>
@@ -18,13 +21,17 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "parallel_layers/row_chunks.h"
 
 namespace parallel_layers::cpu {
 namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PL_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define PL_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define PL_SIMD_CLONES
 #endif
@@ -38,48 +45,75 @@ namespace {
 #define PL_ALWAYS_INLINE inline
 #endif
 
-// y = gelu(x + b); z = x + b if z. b may be null; y may alias x.
-template <GeluApprox kA>
-PL_ALWAYS_INLINE void forward_loop(const float* x, const float* b, float* z, float* y, int64_t n) {
+// Storage <-> float32 inside the SIMD loops, so a 16-bit row is converted in the same pass
+// that does the math (no widened row buffers). bfloat16 travels as its raw bits (c10's scalar
+// conversions do not vectorise). Narrowing rounds to nearest even and maps NaN to the
+// canonical quiet NaN: the same bits as c10::BFloat16(float).
+PL_ALWAYS_INLINE float widen(float v) { return v; }
+PL_ALWAYS_INLINE float widen(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+template <typename S>
+PL_ALWAYS_INLINE S narrow(float v) {
+  if constexpr (std::is_same_v<S, float>) {
+    return v;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  }
+}
+
+// y = gelu(x + b); z = x + b if z. b may be null; y may alias x. S: float, or uint16_t for
+// bfloat16 (math in float32; z and y each rounded once from the float32 values).
+template <GeluApprox kA, typename S>
+PL_ALWAYS_INLINE void forward_loop(const S* x, const S* b, S* z, S* y, int64_t n) {
   if (b != nullptr && z != nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      const float pre = x[i] + b[i];
-      z[i] = pre;
-      y[i] = gelu_forward<kA>(pre);
+      const float pre = widen(x[i]) + widen(b[i]);
+      z[i] = narrow<S>(pre);
+      y[i] = narrow<S>(gelu_forward<kA>(pre));
     }
   } else if (b != nullptr) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) y[i] = gelu_forward<kA>(x[i] + b[i]);
+    for (int64_t i = 0; i < n; ++i) y[i] = narrow<S>(gelu_forward<kA>(widen(x[i]) + widen(b[i])));
   } else if (z != nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      z[i] = x[i];
-      y[i] = gelu_forward<kA>(x[i]);
+      const S v = x[i];
+      z[i] = v;
+      y[i] = narrow<S>(gelu_forward<kA>(widen(v)));
     }
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) y[i] = gelu_forward<kA>(x[i]);
+    for (int64_t i = 0; i < n; ++i) y[i] = narrow<S>(gelu_forward<kA>(widen(x[i])));
   }
 }
 
-// dz = dy * gelu'(z); acc += dz if acc.
-template <GeluApprox kA>
-PL_ALWAYS_INLINE void backward_loop(const float* dy, const float* z, float* dz, float* acc, int64_t n) {
+// dz = dy * gelu'(z); acc += dz (as rounded to S, the value eager's bias gradient sums) if acc.
+template <GeluApprox kA, typename S>
+PL_ALWAYS_INLINE void backward_loop(const S* dy, const S* z, S* dz, float* acc, int64_t n) {
   if (acc != nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      const float g = dy[i] * gelu_derivative<kA>(z[i]);
+      const S g = narrow<S>(widen(dy[i]) * gelu_derivative<kA>(widen(z[i])));
       dz[i] = g;
-      acc[i] += g;
+      acc[i] += widen(g);
     }
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dz[i] = dy[i] * gelu_derivative<kA>(z[i]);
+    for (int64_t i = 0; i < n; ++i) dz[i] = narrow<S>(widen(dy[i]) * gelu_derivative<kA>(widen(z[i])));
   }
 }
 
-PL_SIMD_CLONES void forward_f32(const float* x, const float* b, float* z, float* y, int64_t n, GeluApprox a) {
+template <typename S>
+PL_ALWAYS_INLINE void forward_any(const S* x, const S* b, S* z, S* y, int64_t n, GeluApprox a) {
   if (a == GeluApprox::kNone) {
     forward_loop<GeluApprox::kNone>(x, b, z, y, n);
   } else {
@@ -87,8 +121,8 @@ PL_SIMD_CLONES void forward_f32(const float* x, const float* b, float* z, float*
   }
 }
 
-PL_SIMD_CLONES void backward_f32(const float* dy, const float* z, float* dz, float* acc, int64_t n,
-                                 GeluApprox a) {
+template <typename S>
+PL_ALWAYS_INLINE void backward_any(const S* dy, const S* z, S* dz, float* acc, int64_t n, GeluApprox a) {
   if (a == GeluApprox::kNone) {
     backward_loop<GeluApprox::kNone>(dy, z, dz, acc, n);
   } else {
@@ -96,44 +130,42 @@ PL_SIMD_CLONES void backward_f32(const float* dy, const float* z, float* dz, flo
   }
 }
 
-// bfloat16 <-> float32 on raw bits, in loops the compiler vectorises (c10::BFloat16's scalar
-// conversions are not). Narrowing rounds to nearest even and maps NaN to the canonical quiet
-// NaN: the same bits as c10::BFloat16(float).
-PL_SIMD_CLONES void widen_bf16(const uint16_t* in, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
-    std::memcpy(&out[i], &bits, sizeof(float));
-  }
+PL_SIMD_CLONES void forward_f32(const float* x, const float* b, float* z, float* y, int64_t n, GeluApprox a) {
+  forward_any(x, b, z, y, n, a);
+}
+PL_SIMD_CLONES void forward_bf16(const uint16_t* x, const uint16_t* b, uint16_t* z, uint16_t* y, int64_t n,
+                                 GeluApprox a) {
+  forward_any(x, b, z, y, n, a);
+}
+PL_SIMD_CLONES void backward_f32(const float* dy, const float* z, float* dz, float* acc, int64_t n,
+                                 GeluApprox a) {
+  backward_any(dy, z, dz, acc, n, a);
+}
+PL_SIMD_CLONES void backward_bf16(const uint16_t* dy, const uint16_t* z, uint16_t* dz, float* acc, int64_t n,
+                                  GeluApprox a) {
+  backward_any(dy, z, dz, acc, n, a);
 }
 
-PL_SIMD_CLONES void narrow_bf16(const float* in, uint16_t* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &in[i], sizeof(bits));
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    out[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  }
-}
-
-// 16-bit rows go through float32 row buffers: widen, run the float32 loop, narrow once.
+// The pointer the SIMD loops take: bfloat16 storage as its raw bits, float32 as is.
 template <typename scalar_t>
-void widen(const scalar_t* in, float* out, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    widen_bf16(reinterpret_cast<const uint16_t*>(in), out, n);
+auto simd_ptr(scalar_t* p) {
+  if constexpr (std::is_same_v<std::remove_const_t<scalar_t>, at::BFloat16>) {
+    using U = std::conditional_t<std::is_const_v<scalar_t>, const uint16_t, uint16_t>;
+    return reinterpret_cast<U*>(p);
   } else {
-    std::copy(in, in + n, out);
+    return p;
   }
 }
 
+// float16 rows <-> float32 row buffers (c10::Half's conversions).
 template <typename scalar_t>
-void narrow(const float* in, scalar_t* out, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    narrow_bf16(in, reinterpret_cast<uint16_t*>(out), n);
-  } else {
-    std::copy(in, in + n, out);
-  }
+void widen_row(const scalar_t* in, float* out, int64_t n) {
+  std::copy(in, in + n, out);
+}
+
+template <typename scalar_t>
+void narrow_row(const float* in, scalar_t* out, int64_t n) {
+  std::copy(in, in + n, out);
 }
 
 template <typename T>
@@ -153,6 +185,100 @@ T* row(const at::Tensor& t, int64_t r) {
   return t.defined() && t.numel() > 0 ? t.data_ptr<T>() + r * t.stride(0) : nullptr;
 }
 
+// y = gelu(in + bias) (and z) over one block, for one dtype: a template, so that if constexpr
+// discards the other dtypes' branches.
+template <typename scalar_t>
+void forward_block(const at::Tensor& in, const std::optional<at::Tensor>& bias, const at::Tensor& z,
+                   const at::Tensor& y, GeluApprox approx) {
+  const int64_t rows = in.size(0), cols = in.size(1);
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    const double* b = bias ? bias->data_ptr<double>() : nullptr;
+    dispatch_gelu_approx(approx, [&](auto a) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const double* x = row<double>(in, r);
+        double* zr = row<double>(z, r);
+        double* yr = row<double>(y, r);
+        for (int64_t c = 0; c < cols; ++c) {
+          const double pre = x[c] + (b ? b[c] : 0.0);
+          if (zr) zr[c] = pre;
+          yr[c] = gelu_forward<decltype(a)::value>(pre);
+        }
+      }
+    });
+  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {  // through float32 row buffers
+    std::vector<float> b32(bias ? cols : 0), x32(cols), z32(z.defined() ? cols : 0), y32(cols);
+    if (bias) widen_row(bias->data_ptr<scalar_t>(), b32.data(), cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      widen_row(row<scalar_t>(in, r), x32.data(), cols);
+      forward_f32(x32.data(), bias ? b32.data() : nullptr, z.defined() ? z32.data() : nullptr, y32.data(),
+                  cols, approx);
+      narrow_row(y32.data(), row<scalar_t>(y, r), cols);
+      if (z.defined()) narrow_row(z32.data(), row<scalar_t>(z, r), cols);
+    }
+  } else {  // float32, bfloat16: converted inside the SIMD loop
+    const auto* b = bias ? simd_ptr(bias->const_data_ptr<scalar_t>()) : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto* x = simd_ptr(static_cast<const scalar_t*>(row<scalar_t>(in, r)));
+      auto* zr = simd_ptr(row<scalar_t>(z, r));
+      auto* yr = simd_ptr(row<scalar_t>(y, r));
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        forward_f32(x, b, zr, yr, cols, approx);
+      } else {
+        forward_bf16(x, b, zr, yr, cols, approx);
+      }
+    }
+  }
+}
+
+#if defined(__SSE2__)
+// One 8 x 8 block of 16-bit values: 8 row loads, three rounds of interleaves (16-, 32-, then
+// 64-bit), 8 row stores. SSE2, so every x86-64 has it.
+PL_ALWAYS_INLINE void transpose_8x8_u16(const uint16_t* src, int64_t ld_src, uint16_t* dst, int64_t ld_dst) {
+  __m128i r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+  for (int i = 0; i < 4; ++i) {  // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved, columns 0-3 / 4-7
+    t[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+  }
+  // r[...]: 4 rows interleaved; rows 0-3 in r[0..3], rows 4-7 in r[4..7], two columns each.
+  for (int h = 0; h < 2; ++h) {
+    r[4 * h + 0] = _mm_unpacklo_epi32(t[4 * h + 0], t[4 * h + 2]);  // columns 0, 1
+    r[4 * h + 1] = _mm_unpackhi_epi32(t[4 * h + 0], t[4 * h + 2]);  // columns 2, 3
+    r[4 * h + 2] = _mm_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);  // columns 4, 5
+    r[4 * h + 3] = _mm_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);  // columns 6, 7
+  }
+  for (int j = 0; j < 4; ++j) {  // column 2j and 2j+1: rows 0-3 from r[j], rows 4-7 from r[4 + j]
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j) * ld_dst), _mm_unpacklo_epi64(r[j], r[4 + j]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j + 1) * ld_dst), _mm_unpackhi_epi64(r[j], r[4 + j]));
+  }
+}
+#endif
+
+// dst[c * ld_dst + t] = src[t * ld_src + c] for t < nt, c < nc. 16-bit types go in 8 x 8
+// register blocks (SSE2): element-wise, the transposed write of 1024 x 2048 bfloat16 took
+// ~2.4 ms on one thread, as much as the dgelu math itself; the tails and other types go
+// element by element.
+template <typename T>
+void transpose_tile(const T* src, int64_t ld_src, int64_t nt, int64_t nc, T* dst, int64_t ld_dst) {
+  int64_t nt_done = 0, nc_done = 0;
+#if defined(__SSE2__)
+  if constexpr (sizeof(T) == 2) {
+    nt_done = nt - nt % 8;
+    nc_done = nc - nc % 8;
+    const auto* s = reinterpret_cast<const uint16_t*>(src);
+    auto* d = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t c0 = 0; c0 < nc_done; c0 += 8) {
+      for (int64_t t0 = 0; t0 < nt_done; t0 += 8) {
+        transpose_8x8_u16(s + t0 * ld_src + c0, ld_src, d + c0 * ld_dst + t0, ld_dst);
+      }
+    }
+  }
+#endif
+  for (int64_t c = 0; c < nc; ++c) {  // what the blocks left: the tail rows, then the tail columns
+    for (int64_t t = c < nc_done ? nt_done : 0; t < nt; ++t) dst[c * ld_dst + t] = src[t * ld_src + c];
+  }
+}
+
 }  // namespace
 
 void gelu_epilogue(const at::Tensor& in, const std::optional<at::Tensor>& bias, const at::Tensor& z,
@@ -162,38 +288,8 @@ void gelu_epilogue(const at::Tensor& in, const std::optional<at::Tensor>& bias, 
   if (z.defined()) check_block(z, "z", in);
   const int64_t rows = in.size(0), cols = in.size(1);
   if (rows == 0 || cols == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.scalar_type(), "gelu_epilogue", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      const double* b = bias ? bias->data_ptr<double>() : nullptr;
-      dispatch_gelu_approx(approx, [&](auto a) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const double* x = row<double>(in, r);
-          double* zr = row<double>(z, r);
-          double* yr = row<double>(y, r);
-          for (int64_t c = 0; c < cols; ++c) {
-            const double pre = x[c] + (b ? b[c] : 0.0);
-            if (zr) zr[c] = pre;
-            yr[c] = gelu_forward<decltype(a)::value>(pre);
-          }
-        }
-      });
-    } else if constexpr (std::is_same_v<scalar_t, float>) {
-      const float* b = bias ? bias->data_ptr<float>() : nullptr;
-      for (int64_t r = 0; r < rows; ++r) {
-        forward_f32(row<float>(in, r), b, row<float>(z, r), row<float>(y, r), cols, approx);
-      }
-    } else {
-      std::vector<float> b32(bias ? cols : 0), x32(cols), z32(z.defined() ? cols : 0), y32(cols);
-      if (bias) widen(bias->data_ptr<scalar_t>(), b32.data(), cols);
-      for (int64_t r = 0; r < rows; ++r) {
-        widen(row<scalar_t>(in, r), x32.data(), cols);
-        forward_f32(x32.data(), bias ? b32.data() : nullptr, z.defined() ? z32.data() : nullptr, y32.data(),
-                    cols, approx);
-        narrow(y32.data(), row<scalar_t>(y, r), cols);
-        if (z.defined()) narrow(z32.data(), row<scalar_t>(z, r), cols);
-      }
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.scalar_type(), "gelu_epilogue",
+                                  [&] { forward_block<scalar_t>(in, bias, z, y, approx); });
 }
 
 void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
@@ -207,9 +303,9 @@ void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "dgelu_epilogue", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     acc_t* acc = ptr_or_null<acc_t>(partial);
-    // float32 row buffers for 16-bit rows (widen, compute, narrow once).
-    constexpr bool kNarrow = !std::is_same_v<scalar_t, double> && !std::is_same_v<scalar_t, float>;
-    std::vector<float> dy32(kNarrow ? cols : 0), z32(kNarrow ? cols : 0), dz32(kNarrow ? cols : 0);
+    // float32 row buffers for float16 rows (widen, compute, narrow once).
+    constexpr bool kBuffered = std::is_same_v<scalar_t, at::Half>;
+    std::vector<float> dy32(kBuffered ? cols : 0), z32(kBuffered ? cols : 0), dz32(kBuffered ? cols : 0);
     // out = dy * gelu'(z) for one row; the bias gradient sums the rounded values, as eager does.
     auto dgelu_row = [&](const auto* g, const auto* zr, auto* out) {  // generic: if constexpr prunes
       if constexpr (std::is_same_v<scalar_t, double>) {
@@ -221,35 +317,38 @@ void dgelu_epilogue(const at::Tensor& dy, const at::Tensor& z, const at::Tensor&
         });
       } else if constexpr (std::is_same_v<scalar_t, float>) {
         backward_f32(g, zr, out, acc, cols, approx);
+      } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        backward_bf16(simd_ptr(g), simd_ptr(zr), simd_ptr(out), acc, cols, approx);
       } else {
-        widen(g, dy32.data(), cols);
-        widen(zr, z32.data(), cols);
+        widen_row(g, dy32.data(), cols);
+        widen_row(zr, z32.data(), cols);
         backward_f32(dy32.data(), z32.data(), dz32.data(), nullptr, cols, approx);
-        narrow(dz32.data(), out, cols);
+        narrow_row(dz32.data(), out, cols);
         if (acc) {
-          widen(out, dz32.data(), cols);
+          widen_row(out, dz32.data(), cols);
           for (int64_t c = 0; c < cols; ++c) acc[c] += dz32[c];
         }
       }
     };
-    // With dz_t, rows go into a tile of kTileRows rows first; the tile is then written
-    // transposed, each column of it as kTileRows consecutive elements of a dz_t row (whole
-    // cache lines for 16-bit types) while the tile is still in L2.
+    // With dz_t, rows go into a tile of kTileRows rows first, which is then written
+    // transposed (transpose_tile) while it is still in L1/L2: each dz_t row receives
+    // kTileRows consecutive elements, a whole cache line for 16-bit types. The tile's rows are
+    // one cache line longer than cols, so that for power-of-two cols they do not all map to
+    // the same L1 set (the blocks read 8 tile rows at a time).
     constexpr int64_t kTileRows = 32;
-    std::vector<scalar_t> tile(dz_t.defined() ? kTileRows * cols : 0);
+    const int64_t tile_ld = cols + 64 / static_cast<int64_t>(sizeof(scalar_t));
+    std::vector<scalar_t> tile(dz_t.defined() ? kTileRows * tile_ld : 0);
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int64_t r1 = std::min(rows, r0 + kTileRows);
       for (int64_t r = r0; r < r1; ++r) {
-        scalar_t* out = dz_t.defined() ? tile.data() + (r - r0) * cols : row<scalar_t>(dz, r);
+        scalar_t* out = dz_t.defined() ? tile.data() + (r - r0) * tile_ld : row<scalar_t>(dz, r);
         dgelu_row(row<scalar_t>(dy, r), row<scalar_t>(z, r), out);
         if (dz_t.defined() && dz.defined()) std::copy(out, out + cols, row<scalar_t>(dz, r));
       }
       if (dz_t.defined()) {
         scalar_t* dst = dz_t.data_ptr<scalar_t>() + r0;
         const int64_t ld = dz_t.stride(0);
-        for (int64_t c = 0; c < cols; ++c) {
-          for (int64_t t = 0; t < r1 - r0; ++t) dst[c * ld + t] = tile[t * cols + c];
-        }
+        transpose_tile(tile.data(), tile_ld, r1 - r0, cols, dst, ld);
       }
     }
   });

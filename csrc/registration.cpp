@@ -39,6 +39,9 @@ TORCH_LIBRARY(parallel_layers, m) {
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> (Tensor y, Tensor z)");
   // dz = grad_out * gelu'(preact), dbias = dz summed over all leading dims.
   m.def("bias_gelu_backward(Tensor grad_out, Tensor preact, str approximate) -> (Tensor dz, Tensor dbias)");
+  // The same, plus dz_t = dz as [rows, n] transposed, contiguous [n, rows]: the row-major
+  // operand a weight gradient dz^T @ x wants from ATen's 16-bit CPU GEMM.
+  m.def("bias_gelu_backward_t(Tensor grad_out, Tensor preact, str approximate) -> (Tensor dz, Tensor dz_t, Tensor dbias)");
   // y = gelu(x @ weight^T + bias); preact = x @ weight^T + bias when save_preact, else an
   // empty [0] (inference skips writing it). x [..., k], weight [n, k], bias [n].
   m.def("linear_gelu(Tensor x, Tensor weight, Tensor? bias, str approximate, bool save_preact) -> (Tensor y, Tensor preact)");

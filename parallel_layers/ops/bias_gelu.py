@@ -7,6 +7,8 @@ bias alike); math in float32 (float64 for float64 inputs). Backward is one fused
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -44,6 +46,13 @@ def _bias_gelu_backward_fake(grad_out: Tensor, preact: Tensor, approximate: str)
     torch._check(grad_out.shape == preact.shape,
                  lambda: f"grad_out has shape {tuple(grad_out.shape)} but preact has {tuple(preact.shape)}")
     return preact.new_empty(preact.shape), preact.new_empty(preact.shape[-1:])
+
+
+@torch.library.register_fake("parallel_layers::bias_gelu_backward_t")
+def _bias_gelu_backward_t_fake(grad_out: Tensor, preact: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor]:
+    dz, dbias = _bias_gelu_backward_fake(grad_out, preact, approximate)
+    rows = math.prod(preact.shape[:-1])
+    return dz, preact.new_empty((preact.shape[-1], rows)), dbias
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -3,6 +3,10 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "check.h"
 #include "parallel_layers/gelu.h"
@@ -130,5 +134,29 @@ PL_TEST(bad_inputs_raise_with_the_values) {
   expect_error([] { pl::cpu::bias_gelu_backward(at::randn({3, 4}), at::randn({4, 3}), "none"); },
                "grad_out has shape [3, 4] but preact has shape [4, 3]");
 }
+
+#if defined(__x86_64__)
+// Note [no subnormals in the GeLU math] (parallel_layers/gelu.h): no SIMD instruction of the
+// float32 / bfloat16 GeLU passes may read or produce a subnormal from normal inputs, not even
+// in lanes a blend later discards (x86 runs each such instruction ~100x slower). MXCSR's
+// sticky DE (subnormal operand) and UE (underflow) flags record any that did.
+PL_TEST(gelu_passes_touch_no_subnormals) {
+  at::set_num_threads(1);  // MXCSR is per thread: keep the work on this one
+  const auto mags = at::logspace(-3, 4, 1024, 10.0, at::kDouble);
+  const auto z64 = at::cat({mags, -mags}).reshape({64, 32});  // both tails, 32 elements per row
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const auto z = z64.to(dtype), dy = at::ones_like(z), bias = at::zeros({32}, z.options());
+    for (const char* approx : {"none", "tanh"}) {
+      _mm_setcsr(_mm_getcsr() & ~0x3Fu);  // clear the exception flags
+      pl::cpu::bias_gelu(z, bias, approx);
+      pl::cpu::bias_gelu_backward(dy, z, approx);
+      pl::cpu::bias_gelu_backward_t(dy, z, approx);
+      const unsigned flags = _mm_getcsr();
+      PL_CHECK((flags & 0x12u) == 0) << approx << " " << dtype << ": MXCSR flags " << std::hex << (flags & 0x3Fu)
+                                     << " (0x2 = subnormal operand, 0x10 = underflow)";
+    }
+  }
+}
+#endif
 
 int main() { return pl_test::run_all(); }

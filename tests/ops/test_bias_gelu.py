@@ -1,5 +1,7 @@
 """bias_gelu / bias_gelu_backward against a float64 reference, opcheck, gradcheck, torch.compile."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,6 +126,44 @@ def test_opcheck(shape, dtype, device):
         dy = torch.randn(shape, dtype=dtype, device=device)
         z = (x + b).detach()
         torch.library.opcheck(torch.ops.parallel_layers.bias_gelu_backward.default, (dy, z, approximate))
+        torch.library.opcheck(torch.ops.parallel_layers.bias_gelu_backward_t.default, (dy, z, approximate))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + HALF_DTYPES)
+@pytest.mark.parametrize("approximate", APPROX)
+# Rows and columns on and off the 32-row tiles and 8 x 8 transpose blocks; 3-D; empty.
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (1, 1), (70, 13), (3, 11, 40), (257, 1031)])
+def test_backward_t_is_backward_plus_exact_transpose(shape, approximate, dtype, device):
+    x, b = _inputs(shape, dtype, device)
+    z = x + b
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    dz, dz_t, dbias = torch.ops.parallel_layers.bias_gelu_backward_t(dy, z, approximate)
+    ref_dz, ref_dbias = torch.ops.parallel_layers.bias_gelu_backward(dy, z, approximate)
+    n, rows = shape[-1], math.prod(shape[:-1])
+    assert dz_t.shape == (n, rows) and dz_t.is_contiguous()
+    assert torch.equal(dz, ref_dz) and torch.equal(dbias, ref_dbias)
+    assert torch.equal(dz_t, dz.reshape(rows, n).t())
+
+
+# Note [no subnormals in the GeLU math] (csrc/include/parallel_layers/gelu.h): from normal
+# inputs the kernels produce normal numbers or exact zeros, never subnormals (x86 runs every
+# SIMD instruction that touches one ~100x slower). The inputs reach far into both tails.
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("approximate", APPROX)
+def test_no_subnormal_results(approximate, dtype, device):
+    mags = torch.logspace(-3, 4, 400, dtype=torch.float64)
+    z = torch.cat([mags, -mags]).to(device=device, dtype=dtype).reshape(8, 100)
+    y, _ = torch.ops.parallel_layers.bias_gelu(z, torch.zeros(100, dtype=dtype, device=device), approximate)
+    dz, _ = torch.ops.parallel_layers.bias_gelu_backward(torch.ones_like(z), z, approximate)
+    tiny = torch.finfo(dtype).tiny
+    for name, r in (("gelu", y), ("gelu'", dz)):
+        sub = (r != 0) & (r.abs() < tiny)
+        assert not sub.any(), f"{name} is subnormal at z = {z[sub][:5].tolist()}: {r[sub][:5].tolist()}"
+    # ... and still GeLU: within rounding of float64 (tails included; see test_forward_matches_float64).
+    ref = F.gelu(z.double(), approximate=approximate)
+    assert_within_rounding(y, ref, z, ulps=8, what=f"gelu {approximate} {dtype} over 7 decades")
 
 
 @pytest.mark.parametrize("device", devices())
@@ -186,5 +226,6 @@ def test_bad_input_messages(make, message):
 
 
 def test_backward_bad_input_messages():
-    with pytest.raises(RuntimeError, match=r"grad_out has shape \[3, 4\] but preact has shape \[3, 5\]"):
-        torch.ops.parallel_layers.bias_gelu_backward(torch.randn(3, 4), torch.randn(3, 5), "none")
+    for op in (torch.ops.parallel_layers.bias_gelu_backward, torch.ops.parallel_layers.bias_gelu_backward_t):
+        with pytest.raises(RuntimeError, match=r"grad_out has shape \[3, 4\] but preact has shape \[3, 5\]"):
+            op(torch.randn(3, 4), torch.randn(3, 5), "none")

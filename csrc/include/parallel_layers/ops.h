@@ -20,6 +20,10 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
                                                       const at::Tensor& preact,
                                                       std::string_view approximate);
+// The same plus dz^T: (dz, dz as [rows, n] transposed into a contiguous [n, rows], dbias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Tensor& grad_out,
+                                                                    const at::Tensor& preact,
+                                                                    std::string_view approximate);
 // x [..., k], weight [n, k], bias [n] -> (gelu(x @ weight^T + bias) [..., n], the pre-activation
 // [..., n] if save_preact else an empty [0]).
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
@@ -40,6 +44,9 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
                                                       const at::Tensor& preact,
                                                       std::string_view approximate);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Tensor& grad_out,
+                                                                    const at::Tensor& preact,
+                                                                    std::string_view approximate);
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                std::string_view approximate, bool save_preact);
