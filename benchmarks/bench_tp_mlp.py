@@ -5,7 +5,7 @@
 
 Two processes on gloo (tp=2), one thread each. Per training step (grads set to None, then
 forward + backward of Column(gelu) -> Row on [seq, batch, d_model] activations that need
-their gradient, as inside a model), interleaved, median of --reps, for each of --dtypes:
+their gradient, with a dense output gradient, as inside a model), interleaved, median of --reps, for each of --dtypes:
   ours:      parallel_layers ColumnParallelLinear(activation="gelu_tanh") + RowParallelLinear
   dtensor:   torch.distributed.tensor.parallel ColwiseParallel / RowwiseParallel on
              nn.Linear + nn.GELU(approximate="tanh") + nn.Linear
@@ -48,13 +48,16 @@ def _rank(rank, ws, seq, batch, d_model, hidden, reps, dtype_name):
     # The input needs its gradient, as an MLP's does anywhere but at the very bottom of a
     # model: backward then has the grad-input all-reduce (ours overlaps it with the weight
     # gradient GEMM; DTensor runs it after).
+    # The output's gradient is a dense tensor from the layer above (not a loss's sum, whose
+    # gradient is a stride-0 expand that the GEMMs would first have to materialise).
     x = torch.randn(seq, batch, d_model, dtype=dtype, requires_grad=True)
+    dy = torch.randn(seq, batch, d_model, dtype=dtype)
 
     def step(model):
         def run():  # a training step's gradient work: grads start as None (zero_grad's default)
             model.zero_grad(set_to_none=True)
             x.grad = None
-            model(x).sum().backward()
+            model(x).backward(dy)
         return run
 
     times = time_interleaved({"ours": step(ours), "dtensor": step(dtensor)}, reps)
