@@ -146,16 +146,19 @@ class _ColumnLinear(torch.autograd.Function):
 
 
 class _RowLinear(torch.autograd.Function):
-    """y = reduce(x @ W^T) over the TP group (SP: reduce-scatter on dim 0); no bias here."""
+    """y = reduce(x @ W^T) over the TP group (SP: reduce-scatter on dim 0), + bias after the
+    reduction, added in place to the collective's fresh output."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
         partial = F.linear(x, weight)
         if comm.group_size(group) > 1:
             if sequence_parallel:
                 partial, _ = comm.reduce_scatter(partial, group)
             else:
                 comm.all_reduce(partial, group)
+        if bias is not None:
+            partial.add_(bias)
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
@@ -164,11 +167,14 @@ class _RowLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        # Under SP this rank's bias gradient covers its own rows only; the parameter's hook
+        # (reduce_grad_over_tp) sums it over the group.
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
         d = comm.all_gather(dy, 0, ctx.group) if ctx.sequence_parallel else dy
         d2 = d.reshape(-1, weight.shape[0])
         dx = (d2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         dw = _weight_grad(d2, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        return dx, dw, db, None, None
 
 
 def _check_input(x: Tensor, expected: int, layer: str, what: str) -> None:
@@ -278,8 +284,7 @@ class RowParallelLinear(_LinearConversions, nn.Module):
         else:
             _check_input(x, self.in_features, "RowParallelLinear", "in_features")
             x = comm.scatter_to_tp(x, self.tp_group)
-        y = _RowLinear.apply(x, self.weight, self.tp_group, self.sequence_parallel and tp > 1)
-        return y + self.bias if self.bias is not None else y
+        return _RowLinear.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel and tp > 1)
 
     def extra_repr(self) -> str:
         tp = comm.group_size(self.tp_group)
