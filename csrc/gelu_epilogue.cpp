@@ -21,10 +21,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
+#include "parallel_layers/cpu/transpose.h"
 #include "parallel_layers/row_chunks.h"
 
 namespace parallel_layers::cpu {
@@ -227,55 +224,6 @@ void forward_block(const at::Tensor& in, const std::optional<at::Tensor>& bias, 
         forward_bf16(x, b, zr, yr, cols, approx);
       }
     }
-  }
-}
-
-#if defined(__SSE2__)
-// One 8 x 8 block of 16-bit values: 8 row loads, three rounds of interleaves (16-, 32-, then
-// 64-bit), 8 row stores. SSE2, so every x86-64 has it.
-PL_ALWAYS_INLINE void transpose_8x8_u16(const uint16_t* src, int64_t ld_src, uint16_t* dst, int64_t ld_dst) {
-  __m128i r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
-  for (int i = 0; i < 4; ++i) {  // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved, columns 0-3 / 4-7
-    t[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
-  }
-  // r[...]: 4 rows interleaved; rows 0-3 in r[0..3], rows 4-7 in r[4..7], two columns each.
-  for (int h = 0; h < 2; ++h) {
-    r[4 * h + 0] = _mm_unpacklo_epi32(t[4 * h + 0], t[4 * h + 2]);  // columns 0, 1
-    r[4 * h + 1] = _mm_unpackhi_epi32(t[4 * h + 0], t[4 * h + 2]);  // columns 2, 3
-    r[4 * h + 2] = _mm_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);  // columns 4, 5
-    r[4 * h + 3] = _mm_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);  // columns 6, 7
-  }
-  for (int j = 0; j < 4; ++j) {  // column 2j and 2j+1: rows 0-3 from r[j], rows 4-7 from r[4 + j]
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j) * ld_dst), _mm_unpacklo_epi64(r[j], r[4 + j]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j + 1) * ld_dst), _mm_unpackhi_epi64(r[j], r[4 + j]));
-  }
-}
-#endif
-
-// dst[c * ld_dst + t] = src[t * ld_src + c] for t < nt, c < nc. 16-bit types go in 8 x 8
-// register blocks (SSE2): element-wise, the transposed write of 1024 x 2048 bfloat16 took
-// ~2.4 ms on one thread, as much as the dgelu math itself; the tails and other types go
-// element by element.
-template <typename T>
-void transpose_tile(const T* src, int64_t ld_src, int64_t nt, int64_t nc, T* dst, int64_t ld_dst) {
-  int64_t nt_done = 0, nc_done = 0;
-#if defined(__SSE2__)
-  if constexpr (sizeof(T) == 2) {
-    nt_done = nt - nt % 8;
-    nc_done = nc - nc % 8;
-    const auto* s = reinterpret_cast<const uint16_t*>(src);
-    auto* d = reinterpret_cast<uint16_t*>(dst);
-    for (int64_t c0 = 0; c0 < nc_done; c0 += 8) {
-      for (int64_t t0 = 0; t0 < nt_done; t0 += 8) {
-        transpose_8x8_u16(s + t0 * ld_src + c0, ld_src, d + c0 * ld_dst + t0, ld_dst);
-      }
-    }
-  }
-#endif
-  for (int64_t c = 0; c < nc; ++c) {  // what the blocks left: the tail rows, then the tail columns
-    for (int64_t t = c < nc_done ? nt_done : 0; t < nt; ++t) dst[c * ld_dst + t] = src[t * ld_src + c];
   }
 }
 

@@ -50,6 +50,8 @@ TORCH_LIBRARY(parallel_layers, m) {
   // (dx, dweight, dbias) to compute, the others are returned as empty [0] tensors.
   m.def("linear_gelu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor preact, str approximate, "
         "bool[3] output_mask) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+  // x.t().contiguous() for a 2-D x (on CPU, 16-bit types through SSE2 register blocks).
+  m.def("transpose_2d(Tensor x) -> Tensor");
   // Shard copies (layout in parallel_layers/shard_layout.h; buffers are [world_size, S]):
   // this rank's shards -> its row of the all-gather buffer (cast to out's dtype);
   m.def("all_gather_copy_in(Tensor[] shards, Tensor(a!) out, int rank) -> ()");

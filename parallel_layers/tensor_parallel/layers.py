@@ -87,9 +87,10 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
 # a row-major one. At this package's TP benchmark shapes on one thread (dy [1024, 2048],
 # x [1024, 1024]): dy.t() @ x 5.9 ms; dy.t().contiguous() 1.6 ms, then the GEMM 2.7 ms. The
 # column layer's dgelu pass writes dz^T from tiles still in cache (bias_gelu_backward_t,
-# ~0.7 ms more than dz alone); the row layer copies. float32 (MKL) and CUDA (cuBLAS) GEMMs
-# read either layout at the same speed, and float16 gained nothing (5.9 ms transposed vs
-# 1.6 + 5.3 ms), so only CPU bfloat16 takes this path.
+# ~0.7 ms more than dz alone); the row layer copies with transpose_2d (0.33 ms for
+# [1024, 1024] against 0.81 for dy.t().contiguous()). float32 (MKL) and CUDA (cuBLAS) GEMMs
+# read either layout at the same speed, and float16's GEMM gains less than any copy costs
+# (5.3 ms row-major vs 5.9 transposed), so only CPU bfloat16 takes this path.
 def _row_major_transpose_pays(t: Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.bfloat16
 
@@ -97,7 +98,7 @@ def _row_major_transpose_pays(t: Tensor) -> bool:
 def _weight_grad(dy2: Tensor, x2: Tensor, dy2_t: Tensor | None = None) -> Tensor:
     """dW = dy2^T @ x2 for dy2 [rows, out], x2 [rows, in]; dy2_t is dy2^T already row-major."""
     if dy2_t is None and _row_major_transpose_pays(dy2):
-        dy2_t = dy2.t().contiguous()
+        dy2_t = torch.ops.parallel_layers.transpose_2d(dy2)
     return dy2_t @ x2 if dy2_t is not None else dy2.t() @ x2
 
 

@@ -36,6 +36,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
+// x [rows, cols] -> x^T as a contiguous [cols, rows].
+at::Tensor transpose_2d(const at::Tensor& x);
 }  // namespace cpu
 
 namespace cuda {
@@ -55,6 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
+at::Tensor transpose_2d(const at::Tensor& x);
 }  // namespace cuda
 
 }  // namespace parallel_layers

@@ -1,0 +1,30 @@
+"""`transpose_2d(x)`: `x.t().contiguous()` for a 2-D tensor, as one op.
+
+On CPU, 16-bit tensors go through SSE2 8 x 8 register blocks (csrc/transpose.cpp), a few
+times faster than ATen's element-wise transpose copy; the tensor-parallel row layer uses it
+for the row-major dy^T that ATen's bfloat16 GEMM wants in dW = dy^T @ x. Other dtypes and
+CUDA use ATen's copy. Differentiable (the gradient is the transposed gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def transpose_2d(x: Tensor) -> Tensor:
+    """Return x^T as a new contiguous tensor; x must be 2-D."""
+    return torch.ops.parallel_layers.transpose_2d(x)
+
+
+@torch.library.register_fake("parallel_layers::transpose_2d")
+def _transpose_2d_fake(x: Tensor) -> Tensor:
+    torch._check(x.dim() == 2, lambda: f"transpose_2d: x must be 2-D, got shape {list(x.shape)}")
+    return x.new_empty((x.shape[1], x.shape[0]))
+
+
+def _backward(ctx, grad: Tensor):
+    return torch.ops.parallel_layers.transpose_2d(grad)
+
+
+torch.library.register_autograd("parallel_layers::transpose_2d", _backward)
