@@ -1,7 +1,7 @@
 """Tensor-parallel MLP step time: ours vs PyTorch DTensor TP vs the single-process MLP.
 
     python benchmarks/bench_tp_mlp.py [--seq 256 --batch 4 --d-model 1024 --hidden 4096] [--reps 15]
-                                      [--dtypes float32 bfloat16]
+                                      [--dtypes float32 bfloat16] [--trials 3]
 
 Two processes on gloo (tp=2), one thread each. Per training step (grads set to None, then
 forward + backward of Column(gelu) -> Row on [seq, batch, d_model] activations that need
@@ -10,12 +10,16 @@ their gradient, with a dense output gradient, as inside a model), interleaved, m
   dtensor:   torch.distributed.tensor.parallel ColwiseParallel / RowwiseParallel on
              nn.Linear + nn.GELU(approximate="tanh") + nn.Linear
   single:    the unsharded MLP in one process with both threads (rank 0; rank 1 waits)
-Writes benchmarks/results/bench_tp_mlp.json. Target: ours / dtensor <= 0.8.
+Each of --trials is a fresh pair of processes; a ratio is the median over trials of the
+ratio within each trial (run-to-run spread on this VM is +-5%, so one trial cannot tell
+0.79 from 0.83). Writes benchmarks/results/bench_tp_mlp.json (every trial's times too).
+Target: ours / dtensor <= 0.8.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -79,23 +83,28 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
                     help="parameters, activations and gradients (bfloat16: a pure-bf16 step, no autocast)")
+    ap.add_argument("--trials", type=int, default=3, help="fresh process pairs; ratios are medians over them")
     ap.add_argument("--name", default="bench_tp_mlp", help="result file name under benchmarks/results/")
     args = ap.parse_args(argv)
-    seconds, ratios = {}, {}
+    pairs = (("ours", "dtensor"), ("ours", "single"), ("dtensor", "single"))
+    seconds, trials, ratios = {}, {}, {}
     for dtype in args.dtypes:
-        t = spawn(_rank, 2, (args.seq, args.batch, args.d_model, args.hidden, args.reps, dtype))[0]
-        seconds[dtype] = t
-        ratios.update({f"ours_over_dtensor_{dtype}": t["ours"] / t["dtensor"],
-                       f"ours_over_single_{dtype}": t["ours"] / t["single"],
-                       f"dtensor_over_single_{dtype}": t["dtensor"] / t["single"]})
+        runs = [spawn(_rank, 2, (args.seq, args.batch, args.d_model, args.hidden, args.reps, dtype))[0]
+                for _ in range(args.trials)]
+        trials[dtype] = runs
+        seconds[dtype] = {name: statistics.median(t[name] for t in runs) for name in runs[0]}
+        for a, b in pairs:
+            ratios[f"{a}_over_{b}_{dtype}"] = statistics.median(t[a] / t[b] for t in runs)
         print(f"tp=2 MLP [{args.seq}x{args.batch}x{args.d_model}] -> {args.hidden} {dtype}, "
-              "fwd+bwd per step (rank 0):")
+              f"fwd+bwd per step (rank 0), {args.trials} trials:")
         for name in ("ours", "dtensor", "single"):
-            print(f"  {name:8s} {t[name] * 1e3:8.2f} ms")
-        print(f"  ours / dtensor = {t['ours'] / t['dtensor']:.2f} (target <= 0.8), "
-              f"ours / single = {t['ours'] / t['single']:.2f}, dtensor / single = {t['dtensor'] / t['single']:.2f}")
+            print(f"  {name:8s} " + "  ".join(f"{t[name] * 1e3:8.2f}" for t in runs) + " ms")
+        per_trial = ", ".join(f"{t['ours'] / t['dtensor']:.2f}" for t in runs)
+        print(f"  ours / dtensor = {ratios[f'ours_over_dtensor_{dtype}']:.2f} (median of {per_trial}; target <= 0.8), "
+              f"ours / single = {ratios[f'ours_over_single_{dtype}']:.2f}, "
+              f"dtensor / single = {ratios[f'dtensor_over_single_{dtype}']:.2f}")
     path = write_json(args.name, {"benchmark": "tp_mlp", "machine": machine(), "args": vars(args),
-                                  "seconds_per_step": seconds, "ratios": ratios})
+                                  "seconds_per_step": seconds, "trials": trials, "ratios": ratios})
     print(f"wrote {path}")
 
 

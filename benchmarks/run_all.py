@@ -29,7 +29,7 @@ ROOT = HERE.parent
 SUITE = [
     ("bench_linear_gelu", [], ["--quick", "--reps", "3"]),
     ("bench_shard_copy", [], ["--reps", "3", "--world", "2"]),
-    ("bench_tp_mlp", [], ["--seq", "64", "--d-model", "256", "--hidden", "1024", "--reps", "3"]),
+    ("bench_tp_mlp", [], ["--seq", "64", "--d-model", "256", "--hidden", "1024", "--reps", "3", "--trials", "1"]),
     ("bench_zero", [], ["--layers", "2", "--d-model", "128", "--tokens", "64", "--reps", "3"]),
     ("bench_dp", [], ["--layers", "2", "--d-model", "128", "--tokens", "64", "--reps", "3"]),
     ("bench_pipeline", [], ["--stages", "2", "--reps", "2", "--forward-ms", "4"]),
