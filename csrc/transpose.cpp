@@ -16,7 +16,9 @@ namespace parallel_layers::cpu {
 
 at::Tensor transpose_2d(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "transpose_2d: x must be 2-D, got shape ", x.sizes());
-  if (x.element_size() != 2 || x.numel() == 0) return x.t().contiguous();
+  if (x.element_size() != 2 || x.numel() == 0) {
+    return x.t().clone(at::MemoryFormat::Contiguous);  // a copy even where x.t() is contiguous
+  }
   const at::Tensor src = x.contiguous();
   const int64_t rows = src.size(0), cols = src.size(1);
   at::Tensor out = at::empty({cols, rows}, src.options());

@@ -124,7 +124,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Te
                                                                     std::string_view approximate) {
   auto [dz, dbias] = bias_gelu_backward(grad_out, preact, approximate);
   const int64_t n = preact.size(-1);
-  at::Tensor dz_t = dz.view({leading_rows(preact), n}).t().contiguous();
+  // clone, not contiguous(): with one row or n == 1 the transposed view is contiguous, and
+  // outputs must not share memory.
+  at::Tensor dz_t = dz.view({leading_rows(preact), n}).t().clone(at::MemoryFormat::Contiguous);
   return {dz, dz_t, dbias};
 }
 

@@ -11,7 +11,7 @@ namespace parallel_layers::cuda {
 at::Tensor transpose_2d(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "transpose_2d: x must be 2-D, got shape ", x.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
-  return x.t().contiguous();
+  return x.t().clone(at::MemoryFormat::Contiguous);  // a copy even where x.t() is contiguous
 }
 
 }  // namespace parallel_layers::cuda

@@ -167,10 +167,12 @@ class _RowLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
         # Under SP this rank's bias gradient covers its own rows only; the parameter's hook
         # (reduce_grad_over_tp) sums it over the group.
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+        if not any(ctx.needs_input_grad[:2]):  # only the bias trains: nothing was saved
+            return None, None, db, None, None
+        x, weight = ctx.saved_tensors
         d = comm.all_gather(dy, 0, ctx.group) if ctx.sequence_parallel else dy
         d2 = d.reshape(-1, weight.shape[0])
         dx = (d2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None

@@ -118,7 +118,8 @@ def test_gradient_through_preactivation_output(device):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(0, 3), (4, 9), (2, 3, 5)])
+# (1, 5) and (4, 1): dz transposed is a contiguous view of dz; bias_gelu_backward_t must copy.
+@pytest.mark.parametrize("shape", [(0, 3), (4, 9), (2, 3, 5), (1, 5), (4, 1)])
 def test_opcheck(shape, dtype, device):
     x, b = _inputs(shape, dtype, device, requires_grad=dtype == torch.float32)
     for approximate in APPROX:

@@ -37,6 +37,10 @@ def test_opcheck_and_gradient(device):
         torch.library.opcheck(torch.ops.parallel_layers.transpose_2d.default, (x,))
     x = torch.randn(9, 17, dtype=torch.float64, device=device, requires_grad=True)
     torch.autograd.gradcheck(transpose_2d, (x,))
+    # Inputs whose transpose is already contiguous: the output must still be new memory.
+    for x in (torch.randn(1, 4, device=device), torch.randn(6, 5, device=device).t()):
+        torch.library.opcheck(torch.ops.parallel_layers.transpose_2d.default, (x,))
+        assert transpose_2d(x).data_ptr() != x.data_ptr()
 
 
 def test_bad_input():

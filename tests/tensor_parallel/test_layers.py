@@ -246,6 +246,30 @@ def test_fused_weight_is_split_per_sub_matrix():
     assert torch.equal(unshard([shard(qkv, 0, 2, r, (4, 4, 4)) for r in range(2)], spec), qkv)
 
 
+def _bias_only(rank, ws):
+    """Weights frozen, input without gradient: only the biases train (e.g. BitFit)."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    ref = RefMLP()
+    col = ColumnParallelLinear.from_linear(ref.up, activation="gelu_tanh", tp_group=group)
+    row = RowParallelLinear.from_linear(ref.down, tp_group=group)
+    for m in (ref.up, ref.down, col, row):
+        m.weight.requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    x, h = torch.randn(SEQ, BATCH, D_MODEL, generator=g), torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    F.gelu(ref.up(x), approximate="tanh").square().sum().backward()  # inputs that need no gradient
+    ref.down(h).square().sum().backward()
+    col(x).square().sum().backward()
+    row(shard(h, 2, ws, rank)).square().sum().backward()
+    return {"up.bias": _rel(col.bias.grad, shard(ref.up.bias.grad, 0, ws, rank)),
+            "down.bias": _rel(row.bias.grad, ref.down.bias.grad)}
+
+
+def test_only_biases_train():
+    for rank, worst in enumerate(run_distributed(_bias_only, 2)):
+        assert all(v < RTOL for v in worst.values()), f"rank {rank}: {worst}"
+
+
 def test_layer_argument_errors():
     with pytest.raises(ValueError, match="activation must be one of"):
         ColumnParallelLinear(4, 4, activation="relu")
