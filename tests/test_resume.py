@@ -68,9 +68,21 @@ def test_sigkill_in_training_and_in_a_save_then_resume(tmp_path):
     resumed = train(tmp_path / "other_layout", "--resume", layout=("--tp", "2"))
     assert "(step 4)" in resumed.stdout and ": PASS" in resumed.stdout, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     other = final_params(tmp_path / "other_layout")
-    worst = max(((other[k] - reference[k]).abs().max() / reference[k].abs().max().clamp_min(1e-12)).item()
-                for k in reference)
-    assert worst < 1e-4
+
+    def comparable(name, t):
+        # The key third of a fused QKV bias has a true gradient of zero (softmax ignores a
+        # per-query constant, parallel_layers/models/gpt.py): it moves by rounding noise that
+        # Adam normalises to lr-sized steps, different at each layout (seen: 1.0e-4 relative,
+        # where every other tensor, the other two thirds included, is within 2.1e-7). Compare
+        # its query and value thirds.
+        if name.endswith("qkv.bias"):
+            q, _, v = t.chunk(3)
+            return torch.cat([q, v])
+        return t
+
+    worst = {k: ((comparable(k, other[k]) - comparable(k, reference[k])).abs().max()
+                 / comparable(k, reference[k]).abs().max().clamp_min(1e-12)).item() for k in reference}
+    assert max(worst.values()) < 1e-5, worst
 
 
 def test_pipeline_checkpoint_resumes_at_a_tensor_parallel_layout(tmp_path):
