@@ -102,6 +102,25 @@ def _weight_grad(dy2: Tensor, x2: Tensor, dy2_t: Tensor | None = None) -> Tensor
     return dy2_t @ x2 if dy2_t is not None else dy2.t() @ x2
 
 
+def _autocast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Autocast's rule for F.linear, applied to this module's own autograd Functions.
+
+    Inside torch.autocast, x, weight and bias are cast to the autocast dtype here, before the
+    Function, as differentiable casts: the Function then saves and computes in that dtype, so
+    its backward works wherever it runs (PyTorch recommends running backward outside the
+    autocast region), and the casts' own backward returns the float32 parameters' gradients
+    in float32 - what nn.Linear does under autocast.
+    """
+    device = x.device.type
+    if device == "meta" or not torch.is_autocast_enabled(device):  # meta: no autocast state to ask
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: Tensor | None) -> Tensor | None:
+        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+    return cast(x), cast(weight), cast(bias)
+
+
 class _ColumnLinear(torch.autograd.Function):
     """y = act(gather_sp(x) @ W^T + b); backward overlaps the grad-input collective with dW."""
 
@@ -245,7 +264,8 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features, "ColumnParallelLinear", "in_features")
-        y = _ColumnLinear.apply(x, self.weight, self.bias, _ACTIVATIONS[self.activation], self.tp_group,
+        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        y = _ColumnLinear.apply(x, weight, bias, _ACTIVATIONS[self.activation], self.tp_group,
                                 self.sequence_parallel and comm.group_size(self.tp_group) > 1)
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
@@ -287,7 +307,8 @@ class RowParallelLinear(_LinearConversions, nn.Module):
         else:
             _check_input(x, self.in_features, "RowParallelLinear", "in_features")
             x = comm.scatter_to_tp(x, self.tp_group)
-        return _RowLinear.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel and tp > 1)
+        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        return _RowLinear.apply(x, weight, bias, self.tp_group, self.sequence_parallel and tp > 1)
 
     def extra_repr(self) -> str:
         tp = comm.group_size(self.tp_group)

@@ -240,6 +240,33 @@ def test_torch_compile_fullgraph(device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("compiled", [False, True])
+def test_autocast_runs_in_the_autocast_dtype_like_linear(compiled, device):
+    """Under torch.autocast the op computes in the autocast dtype, as F.linear does, from
+    float32 inputs; the gradients (backward after the region closes) are float32, and all
+    of it is as close to float64 as eager autocast's F.gelu(F.linear(...))."""
+    autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    x, w, b = _inputs((64, 48), 40, torch.float32, device)
+    dy = torch.randn(64, 40, generator=torch.Generator().manual_seed(2)).to(device)
+    ours_fn = torch.compile(linear_gelu, fullgraph=True) if compiled else linear_gelu
+
+    def run(fn, dtype, use_autocast):
+        ts = [t.detach().to(dtype).requires_grad_() for t in (x, w, b)]
+        with torch.autocast(device, dtype=autocast_dtype, enabled=use_autocast):
+            out = fn(*ts)
+        (out.double() * dy.double()).sum().backward()
+        return [out.detach()] + [t.grad for t in ts]
+
+    ours = run(lambda x, w, b: ours_fn(x, w, b, "tanh"), torch.float32, True)
+    eager = run(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"), torch.float32, True)
+    ref = run(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"), torch.float64, False)
+    assert [t.dtype for t in ours] == [autocast_dtype] + [torch.float32] * 3
+    assert [t.dtype for t in eager] == [t.dtype for t in ours]
+    for name, o, e, r in zip(("y", "grad x", "grad weight", "grad bias"), ours, eager, ref):
+        assert max_abs_error(o, r) <= 2 * max_abs_error(e, r), name
+
+
+@pytest.mark.parametrize("device", devices())
 def test_cuda_lt_and_fallback_paths_match_reference(device):
     if device == "cpu":
         pytest.skip("exercises the CUDA cuBLASLt epilogue and its fallback")

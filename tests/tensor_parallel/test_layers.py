@@ -136,6 +136,73 @@ def test_bfloat16_gradients_as_accurate_as_eager(sequence_parallel):
             assert ours <= 2 * eager + eps, f"rank {rank} {what}: ours {ours:.3g} vs eager bfloat16 {eager:.3g}"
 
 
+def _mlp_autocast_errors(rank, ws, activation, sequence_parallel):
+    """float32 parameters, forward under bfloat16 autocast, backward outside it (as PyTorch's
+    AMP recipe runs it): max relative errors against float64 of ours (tp=ws) and of the eager
+    MLP under the same autocast, and the dtypes each produced."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    eager = RefMLP()
+    exact = RefMLP().double()
+    exact.load_state_dict(eager.state_dict())
+    col = ColumnParallelLinear.from_linear(eager.up, activation=activation, tp_group=group,
+                                           sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_linear(eager.down, tp_group=group, sequence_parallel=sequence_parallel)
+
+    def ours(inp):  # without a fused activation the GeLU runs between the layers, under autocast too
+        h = col(inp)
+        return row(h if activation is not None else F.gelu(h, approximate="tanh"))
+
+    local = (lambda t: t.chunk(ws, 0)[rank]) if sequence_parallel else (lambda t: t)
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(SEQ, BATCH, D_MODEL, generator=g), torch.randn(SEQ, BATCH, D_MODEL, generator=g)
+    xd = x.double().requires_grad_()
+    out_exact = exact(xd)
+    out_exact.backward(dy.double())
+    runs = {}
+    for name, model, inp, grad in (("eager", eager, x, dy), ("ours", ours, local(x), local(dy))):
+        inp = inp.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(inp)
+        (out.float() * grad).sum().backward()  # outside the autocast region
+        runs[name] = out, inp.grad
+    out_ours = all_gather(runs["ours"][0].detach(), 0, group) if sequence_parallel else runs["ours"][0].detach()
+    dtypes = {"output": str(runs["ours"][0].dtype), "eager output": str(runs["eager"][0].dtype),
+              "grad up.weight": str(col.weight.grad.dtype), "grad down.weight": str(row.weight.grad.dtype),
+              "grad down.bias": str(row.bias.grad.dtype)}
+    errors = {"ours": {
+        "output": _rel(out_ours.double(), out_exact.detach()),
+        "grad input": _rel(runs["ours"][1].double(), local(xd.grad)),
+        "grad up.weight": _rel(col.weight.grad.double(), shard(exact.up.weight.grad, 0, ws, rank)),
+        "grad up.bias": _rel(col.bias.grad.double(), shard(exact.up.bias.grad, 0, ws, rank)),
+        "grad down.weight": _rel(row.weight.grad.double(), shard(exact.down.weight.grad, 1, ws, rank)),
+        "grad down.bias": _rel(row.bias.grad.double(), exact.down.bias.grad)}}
+    errors["eager"] = {
+        "output": _rel(runs["eager"][0].detach().double(), out_exact.detach()),
+        "grad input": _rel(runs["eager"][1].double(), xd.grad),
+        "grad up.weight": _rel(eager.up.weight.grad.double(), exact.up.weight.grad),
+        "grad up.bias": _rel(eager.up.bias.grad.double(), exact.up.bias.grad),
+        "grad down.weight": _rel(eager.down.weight.grad.double(), exact.down.weight.grad),
+        "grad down.bias": _rel(eager.down.bias.grad.double(), exact.down.bias.grad)}
+    return dtypes, errors
+
+
+@pytest.mark.parametrize("activation, sequence_parallel", [("gelu_tanh", False), (None, True)])
+def test_autocast_with_backward_outside_it(activation, sequence_parallel):
+    """Both layers under torch.autocast compute in bfloat16 like nn.Linear does, keep float32
+    gradients for float32 parameters, and run backward after the autocast region closes
+    (which used to fail with a bfloat16 x float32 GEMM in backward)."""
+    eps = torch.finfo(torch.bfloat16).eps
+    for rank, (dtypes, errors) in enumerate(run_distributed(_mlp_autocast_errors, 2,
+                                                            args=(activation, sequence_parallel))):
+        assert dtypes == {"output": "torch.bfloat16", "eager output": "torch.bfloat16",
+                          "grad up.weight": "torch.float32", "grad down.weight": "torch.float32",
+                          "grad down.bias": "torch.float32"}, f"rank {rank}: {dtypes}"
+        for what, ours in errors["ours"].items():
+            eager = errors["eager"][what]
+            assert ours <= 2 * eager + eps, f"rank {rank} {what}: ours {ours:.3g} vs eager autocast {eager:.3g}"
+
+
 @contextlib.contextmanager
 def _count_collectives():
     counts = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 0}

@@ -1,0 +1,47 @@
+// Autocast kernels: inside torch.autocast, linear_gelu runs in the autocast dtype, as F.linear
+// does (autocast's "lower precision" list), so a model that swaps nn.Linear + GeLU for it keeps
+// its mixed-precision behaviour. Without these kernels the op would run in whatever dtype its
+// inputs have - float32 parameters meant a float32 GEMM, silently.
+//
+// The casts go through ATen's autocast cache (cached_cast), like the built-in ops: a float32
+// parameter used several times in one autocast region is cast once. They happen before the
+// autograd kernel, so autograd records them and the parameters' gradients come back in their
+// own dtype. Only linear_gelu has a GEMM; the elementwise ops keep their inputs' dtype, as
+// PyTorch's own GeLU does under autocast.
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace parallel_layers {
+namespace {
+
+template <c10::DeviceType kDevice>
+std::tuple<at::Tensor, at::Tensor> linear_gelu_autocast(const at::Tensor& x, const at::Tensor& weight,
+                                                        const std::optional<at::Tensor>& bias,
+                                                        std::string_view approximate, bool save_preact) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("parallel_layers::linear_gelu", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const std::optional<at::Tensor>&, std::string_view, bool)>();
+  return op.call(at::autocast::cached_cast(dtype, x, kDevice), at::autocast::cached_cast(dtype, weight, kDevice),
+                 at::autocast::cached_cast(dtype, bias, kDevice), approximate, save_preact);
+}
+
+}  // namespace
+}  // namespace parallel_layers
+
+TORCH_LIBRARY_IMPL(parallel_layers, AutocastCPU, m) {
+  m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(parallel_layers, AutocastCUDA, m) {
+  m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CUDA>);
+}
