@@ -19,7 +19,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per element, grid-stride; column = flat index mod n.
+// One thread per element, grid-stride; column = flat index mod n. bias and z may be null
+// (GeLU only, for linear_gelu's fallback, whose GEMM has already added the bias).
 template <GeluApprox kApprox, typename scalar_t>
 __global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x,
                                          const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
@@ -27,10 +28,30 @@ __global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x,
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
-    const opmath_t pre = static_cast<opmath_t>(x[i]) + static_cast<opmath_t>(bias[i % n]);
-    z[i] = static_cast<scalar_t>(pre);
+    const opmath_t pre = static_cast<opmath_t>(x[i]) + (bias ? static_cast<opmath_t>(bias[i % n]) : opmath_t(0));
+    if (z) z[i] = static_cast<scalar_t>(pre);
     y[i] = static_cast<scalar_t>(gelu_forward<kApprox>(pre));
   }
+}
+
+// y = gelu(x_c + bias) into y, and the pre-activation into z when z is defined; x_c, y, z
+// contiguous [.., n], bias contiguous [n] or undefined.
+void launch_forward(const at::Tensor& x_c, const at::Tensor& bias, const at::Tensor& y, const at::Tensor& z,
+                    GeluApprox approx, int64_t n) {
+  const int64_t numel = x_c.numel();
+  if (numel == 0) return;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_c.scalar_type(), "bias_gelu_cuda", [&] {
+    dispatch_gelu_approx(approx, [&](auto a) {
+      bias_gelu_forward_kernel<decltype(a)::value, scalar_t>
+          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+              x_c.const_data_ptr<scalar_t>(), bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
+              y.mutable_data_ptr<scalar_t>(), z.defined() ? z.mutable_data_ptr<scalar_t>() : nullptr, numel, n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
 }
 
 // Thread = one column, blockIdx.y = one chunk of rows: consecutive threads read consecutive
@@ -48,8 +69,9 @@ __global__ void bias_gelu_backward_kernel(const scalar_t* __restrict__ dy,
   for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
     const int64_t i = r * n + col;
     const opmath_t g = static_cast<opmath_t>(dy[i]) * gelu_derivative<kApprox>(static_cast<opmath_t>(z[i]));
-    dz[i] = static_cast<scalar_t>(g);
-    acc += g;
+    const scalar_t g_rounded = static_cast<scalar_t>(g);
+    dz[i] = g_rounded;
+    acc += static_cast<opmath_t>(g_rounded);  // the rounded values, as the CPU op and eager sum
   }
   partials[chunk * n + col] = acc;
 }
@@ -63,25 +85,19 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
 
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor x_c = x.contiguous();
-  const at::Tensor b_c = bias.contiguous();
   at::Tensor y = at::empty_like(x_c);
   at::Tensor z = at::empty_like(x_c);
-  const int64_t numel = x_c.numel();
-  if (numel == 0) return {y, z};
-
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_gelu_cuda", [&] {
-    dispatch_gelu_approx(approx, [&](auto a) {
-      bias_gelu_forward_kernel<decltype(a)::value, scalar_t>
-          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-              x_c.const_data_ptr<scalar_t>(), b_c.const_data_ptr<scalar_t>(),
-              y.mutable_data_ptr<scalar_t>(), z.mutable_data_ptr<scalar_t>(), numel, n);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  launch_forward(x_c, bias.contiguous(), y, z, approx, n);
   return {y, z};
+}
+
+at::Tensor gelu_only(const at::Tensor& z, std::string_view approximate) {
+  const GeluApprox approx = parse_gelu_approx(approximate);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const at::Tensor z_c = z.contiguous();
+  at::Tensor y = at::empty_like(z_c);
+  launch_forward(z_c, at::Tensor(), y, at::Tensor(), approx, /*n=*/1);  // n is only read with a bias
+  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,

@@ -9,9 +9,11 @@
 // float32/float16/bfloat16, N % 8 == 0, K > 0 and 16-byte aligned pointers, and only if
 // cuBLASLt's heuristic returns an algorithm. Everything else (exact-erf GeLU, float64, odd
 // shapes - including the out_features == 1 case reported to fault inside cuBLASLt elsewhere)
-// takes the fallback: cuBLAS GEMM via ATen, then our fused bias + GeLU + pre-activation
-// kernel (csrc/cuda/bias_gelu.cu). Every cuBLASLt status is checked.
+// takes the fallback: ATen's addmm (bias inside the GEMM), then our GeLU kernel
+// (csrc/cuda/bias_gelu.cu). Every cuBLASLt status is checked; a heuristic that finds nothing,
+// or a matmul that reports the configuration unsupported, falls back.
 #include <array>
+#include <atomic>
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -57,15 +59,28 @@ struct Layout {
 
 struct Preference {
   cublasLtMatmulPreference_t desc = nullptr;
-  explicit Preference(size_t workspace_bytes) {
-    PL_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&desc));
-    PL_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        desc, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
-  }
+  Preference() { PL_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&desc)); }
   ~Preference() { if (desc) cublasLtMatmulPreferenceDestroy(desc); }
+  template <typename T>
+  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+    PL_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc, attr, &value, sizeof(value)));
+  }
 };
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The largest power of two up to 256 that divides the address. cuBLASLt's heuristic assumes
+// 256-byte aligned operands unless told otherwise (the MIN_ALIGNMENT preferences default to
+// 256), and may then pick a kernel that fails or faults on a 16-byte aligned view such as
+// x[r0:r1] of a larger buffer; PyTorch hit this (pytorch/pytorch#92201) and passes the
+// real alignment, as we do.
+uint32_t alignment(const void* p) {
+  uint32_t a = 256;
+  while (a > 1 && reinterpret_cast<uintptr_t>(p) % a != 0) a /= 2;
+  return a;
+}
+
+std::atomic<int64_t> g_lt_matmul_calls{0};
 
 cudaDataType_t cuda_type(at::ScalarType t) {
   switch (t) {
@@ -107,8 +122,13 @@ bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::option
   if (bias) op.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->const_data_ptr());
 
   Layout a(type, K, N, K), b(type, K, M, K), d(type, N, M, N);
-  const size_t workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
-  Preference pref(workspace_bytes);
+  const uint64_t workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  Preference pref;
+  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(w.const_data_ptr()));
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(x2.const_data_ptr()));
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(y.const_data_ptr()));
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(y.const_data_ptr()));
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
@@ -117,10 +137,14 @@ bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::option
   if (hs != CUBLAS_STATUS_SUCCESS || found == 0) return false;  // unsupported: caller falls back
 
   const float alpha = 1.0f, beta = 0.0f;
-  PL_CUBLASLT_CHECK(cublasLtMatmul(handle, op.desc, &alpha, w.const_data_ptr(), a.desc, x2.const_data_ptr(),
-                                   b.desc, &beta, y.data_ptr(), d.desc, y.data_ptr(), d.desc, &heuristic.algo,
-                                   at::cuda::getCUDABlasLtWorkspace(), workspace_bytes,
-                                   at::cuda::getCurrentCUDAStream()));
+  const cublasStatus_t status =
+      cublasLtMatmul(handle, op.desc, &alpha, w.const_data_ptr(), a.desc, x2.const_data_ptr(), b.desc, &beta,
+                     y.data_ptr(), d.desc, y.data_ptr(), d.desc, &heuristic.algo, at::cuda::getCUDABlasLtWorkspace(),
+                     workspace_bytes, at::cuda::getCurrentCUDAStream());
+  // A configuration the chosen kernel rejects after all: nothing was launched, fall back.
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) return false;
+  PL_CUBLASLT_CHECK(status);
+  g_lt_matmul_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -149,12 +173,15 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
       return {y.view(out_shape), save_preact ? z.view(out_shape) : at::empty({0}, x.options())};
     }
   }
-  // Fallback: cuBLAS GEMM, then one fused kernel for bias + GeLU + pre-activation.
-  const at::Tensor gemm = at::mm(x2, w.t());
-  const at::Tensor bias_or_zero = b ? *b : at::zeros({N}, x.options());
-  auto [y, z] = bias_gelu(gemm, bias_or_zero, approximate);
+  // Fallback: ATen's GEMM with the bias folded in - addmm rounds acc + bias once to the
+  // output dtype, as eager and the CPU op do (adding it afterwards rounded 16-bit
+  // pre-activations twice) - then GeLU over it.
+  const at::Tensor z = b ? at::addmm(*b, x2, w.t()) : at::mm(x2, w.t());
+  const at::Tensor y = gelu_only(z, approximate);
   return {y.view(out_shape), save_preact ? z.view(out_shape) : at::empty({0}, x.options())};
 }
+
+int64_t lt_matmul_calls() { return g_lt_matmul_calls.load(std::memory_order_relaxed); }
 
 // Backward: our fused dgelu + bias-gradient kernel (csrc/cuda/bias_gelu.cu), then the two
 // GEMMs that are needed (cuBLAS reads dz transposed natively, so no dz^T is written as on

@@ -63,11 +63,9 @@ def _linear_gelu_backward_fake(grad_y: Tensor, x: Tensor, weight: Tensor, preact
 def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
     x, weight, bias, preact = ctx.saved_tensors
     n = weight.shape[0]
-    if preact.numel() == 0 and x.numel() != 0 and weight.numel() != 0:
+    if preact.shape != (*x.shape[:-1], n):
         # Called directly with save_preact=False under autograd: recompute what was not kept.
         preact = torch.nn.functional.linear(x, weight, bias)
-    else:
-        preact = preact.view(*x.shape[:-1], n)
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     if grad_preact is None or grad_preact.numel() == 0:

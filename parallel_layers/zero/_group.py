@@ -37,8 +37,9 @@ def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> 
 # Note [ZeRO streams]: on CUDA every group's copy-in and all-gather run on one side stream
 # per device, so a prefetch overlaps the compute stream's current layer. Each launch first
 # makes the side stream wait for everything the compute stream has queued (the optimizer's
-# shard updates, earlier copy-outs); `unshard` then waits for the all-gather on the compute
-# stream (work.wait()) and copies out there. The gather buffer is allocated on the side
+# shard updates, earlier copy-outs); `unshard` then makes the compute stream wait for the side
+# stream (work.wait() does that through NCCL's stream, but a world of one has no collective)
+# and copies out there. The gather buffer is allocated on the side
 # stream and last used by a copy-out on the compute stream; no record_stream is needed:
 # when Python frees it, the allocator may give the block to the side stream again, and all
 # side-stream work is queued after a wait on the compute stream, so after that copy-out.
@@ -128,6 +129,9 @@ class ParamGroup:
         buf, work = self._inflight
         self._inflight = None
         fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
+        if buf.is_cuda:  # Note [ZeRO streams]: the copy-out below reads what the side stream wrote
+            index = buf.device.index
+            torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
         for p in self.params:
             storage = p.untyped_storage()
             if storage.size() == 0:

@@ -58,6 +58,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
 at::Tensor transpose_2d(const at::Tensor& x);
+// gelu(z), no bias, no pre-activation written (linear_gelu's fallback after its addmm).
+at::Tensor gelu_only(const at::Tensor& z, std::string_view approximate);
+// How many linear_gelu calls took the cuBLASLt epilogue path in this process (for tests).
+int64_t lt_matmul_calls();
 }  // namespace cuda
 
 }  // namespace parallel_layers
