@@ -4,16 +4,22 @@
                                       [--dtypes float32 bfloat16] [--trials 3]
 
 Two processes on gloo (tp=2), one thread each. Per training step (grads set to None, then
-forward + backward of Column(gelu) -> Row on [seq, batch, d_model] activations that need
-their gradient, with a dense output gradient, as inside a model), interleaved, median of --reps, for each of --dtypes:
+forward + backward of x + MLP(x) - the MLP inside a residual, as in a transformer block, so
+the output is consumed - on [seq, batch, d_model] activations that need their gradient,
+with a dense output gradient), median of --reps, for each of --dtypes:
   ours:      parallel_layers ColumnParallelLinear(activation="gelu_tanh") + RowParallelLinear
   dtensor:   torch.distributed.tensor.parallel ColwiseParallel / RowwiseParallel on
              nn.Linear + nn.GELU(approximate="tanh") + nn.Linear
-  single:    the unsharded MLP in one process with both threads (rank 0; rank 1 waits)
+             (ours and dtensor interleaved round-robin)
+  single:    the unsharded MLP in one process with both threads (rank 0, while rank 1 waits),
+             timed in a separate phase after them: switching the thread count between
+             interleaved steps perturbed the TP variants (OpenMP threads left spinning), so
+             ratios to single carry more run-to-run noise than ours / dtensor
 Each of --trials is a fresh pair of processes; a ratio is the median over trials of the
 ratio within each trial (run-to-run spread on this VM is +-5%, so one trial cannot tell
-0.79 from 0.83). Writes benchmarks/results/bench_tp_mlp.json (every trial's times too).
-Target: ours / dtensor <= 0.8.
+0.79 from 0.83). bfloat16 is a pure-bf16 step (bf16 parameters and gradients, no autocast,
+no float32 master weights), on CPU with gloo. Writes benchmarks/results/bench_tp_mlp.json
+(every trial's times and ratios too). Target: ours / dtensor <= 0.8.
 """
 
 from __future__ import annotations
@@ -61,12 +67,14 @@ def _rank(rank, ws, seq, batch, d_model, hidden, reps, dtype_name):
         def run():  # a training step's gradient work: grads start as None (zero_grad's default)
             model.zero_grad(set_to_none=True)
             x.grad = None
-            model(x).backward(dy)
+            # The residual consumes the output: DTensor's RowwiseParallel returns it with its
+            # all-reduce still in flight, and a bare backward from it would never wait for it.
+            (x + model(x)).backward(dy)
         return run
 
     times = time_interleaved({"ours": step(ours), "dtensor": step(dtensor)}, reps)
     dist.barrier()
-    if rank == 0:
+    if rank == 0:  # alone, with both cores; rank 1 waits in the barrier so it takes no core away
         torch.set_num_threads(ws)
         times["single"] = time_interleaved({"single": step(ref)}, reps)["single"]
         torch.set_num_threads(1)
@@ -87,14 +95,17 @@ def main(argv=None):
     ap.add_argument("--name", default="bench_tp_mlp", help="result file name under benchmarks/results/")
     args = ap.parse_args(argv)
     pairs = (("ours", "dtensor"), ("ours", "single"), ("dtensor", "single"))
-    seconds, trials, ratios = {}, {}, {}
+    seconds, trials, trial_ratios, ratios = {}, {}, {}, {}
     for dtype in args.dtypes:
         runs = [spawn(_rank, 2, (args.seq, args.batch, args.d_model, args.hidden, args.reps, dtype))[0]
                 for _ in range(args.trials)]
         trials[dtype] = runs
+        # Each variant's median over trials on its own: these need not divide to `ratios`,
+        # which are medians of the ratios within each trial (trial_ratios).
         seconds[dtype] = {name: statistics.median(t[name] for t in runs) for name in runs[0]}
         for a, b in pairs:
-            ratios[f"{a}_over_{b}_{dtype}"] = statistics.median(t[a] / t[b] for t in runs)
+            trial_ratios[f"{a}_over_{b}_{dtype}"] = [t[a] / t[b] for t in runs]
+            ratios[f"{a}_over_{b}_{dtype}"] = statistics.median(trial_ratios[f"{a}_over_{b}_{dtype}"])
         print(f"tp=2 MLP [{args.seq}x{args.batch}x{args.d_model}] -> {args.hidden} {dtype}, "
               f"fwd+bwd per step (rank 0), {args.trials} trials:")
         for name in ("ours", "dtensor", "single"):
@@ -104,7 +115,8 @@ def main(argv=None):
               f"ours / single = {ratios[f'ours_over_single_{dtype}']:.2f}, "
               f"dtensor / single = {ratios[f'dtensor_over_single_{dtype}']:.2f}")
     path = write_json(args.name, {"benchmark": "tp_mlp", "machine": machine(), "args": vars(args),
-                                  "seconds_per_step": seconds, "trials": trials, "ratios": ratios})
+                                  "seconds_per_step": seconds, "trials": trials, "trial_ratios": trial_ratios,
+                                  "ratios": ratios})
     print(f"wrote {path}")
 
 
