@@ -229,6 +229,28 @@ def test_backward_op_mask_selects_without_changing_values(dtype, device):
                 assert value.numel() == 0
 
 
+def test_backward_scratch_reuse_leaves_earlier_results_alone():
+    """The CPU backward reuses its dz / dz^T scratch across calls (Note [backward scratch on
+    CPU], csrc/linear_gelu.cpp): results of one call stay intact after later calls of other
+    shapes and dtypes, and every call's gradients are what a fresh process computes."""
+    op = torch.ops.parallel_layers.linear_gelu_backward
+    calls = [((96, 24), 40, torch.bfloat16), ((50, 16), 24, torch.float32), ((200, 32), 64, torch.bfloat16),
+             ((7, 8), 5, torch.float16), ((96, 24), 40, torch.bfloat16)]
+    results = []
+    for seed, (x_shape, n, dtype) in enumerate(calls):
+        x, w, _ = _inputs(x_shape, n, dtype, "cpu", seed=seed)
+        g = torch.Generator().manual_seed(10 + seed)
+        dy, z = (torch.randn(x_shape[0], n, generator=g).to(dtype) for _ in range(2))
+        out = op(dy, x, w, z, "tanh", [True, True, True])
+        results.append((out, [t.clone() for t in out], (dy, x, w, z)))
+    for out, snapshot, _ in results:  # nothing returned aliases the reused scratch
+        for a, b in zip(out, snapshot):
+            assert torch.equal(a, b)
+    for _, snapshot, (dy, x, w, z) in results:  # a rerun after all of them gives the same bits
+        for a, b in zip(snapshot, op(dy, x, w, z, "tanh", [True, True, True])):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", devices())
 def test_torch_compile_fullgraph(device):
     def mlp(x, w1, b1, w2):
