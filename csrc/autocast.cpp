@@ -1,4 +1,4 @@
-// Autocast kernels: inside torch.autocast, linear_gelu runs in the autocast dtype, as F.linear
+// Autocast kernels. Inside torch.autocast, linear_gelu runs in the autocast dtype, as F.linear
 // does (autocast's "lower precision" list), so a model that swaps nn.Linear + GeLU for it keeps
 // its mixed-precision behaviour. Without these kernels the op would run in whatever dtype its
 // inputs have - float32 parameters meant a float32 GEMM, silently.
@@ -6,8 +6,13 @@
 // The casts go through ATen's autocast cache (cached_cast), like the built-in ops: a float32
 // parameter used several times in one autocast region is cast once. They happen before the
 // autograd kernel, so autograd records them and the parameters' gradients come back in their
-// own dtype. Only linear_gelu has a GEMM; the elementwise ops keep their inputs' dtype, as
-// PyTorch's own GeLU does under autocast.
+// own dtype.
+//
+// bias_gelu is elementwise, so it gets no lower-precision cast: what it gets is the promotion
+// that x + bias has in eager. Under autocast the activation is typically 16-bit (the output of
+// an autocast linear) while the bias parameter is float32; F.gelu(x + bias) then computes in
+// float32, and so does bias_gelu (outside autocast, mixed dtypes are still an error). Its
+// backward ops see the forward's one dtype and need no kernel here.
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -35,13 +40,28 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu_autocast(const at::Tensor& x, con
                  at::autocast::cached_cast(dtype, bias, kDevice), approximate, save_preact);
 }
 
+template <c10::DeviceType kDevice>
+std::tuple<at::Tensor, at::Tensor> bias_gelu_autocast(const at::Tensor& x, const at::Tensor& bias,
+                                                      std::string_view approximate) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("parallel_layers::bias_gelu", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                       std::string_view)>();
+  if (!x.is_floating_point() || !bias.is_floating_point()) return op.call(x, bias, approximate);  // its error
+  const at::ScalarType dtype = at::promote_types(x.scalar_type(), bias.scalar_type());
+  return op.call(x.to(dtype), bias.to(dtype), approximate);
+}
+
 }  // namespace
 }  // namespace parallel_layers
 
 TORCH_LIBRARY_IMPL(parallel_layers, AutocastCPU, m) {
   m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CPU>);
+  m.impl("bias_gelu", &parallel_layers::bias_gelu_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(parallel_layers, AutocastCUDA, m) {
   m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CUDA>);
+  m.impl("bias_gelu", &parallel_layers::bias_gelu_autocast<c10::DeviceType::CUDA>);
 }

@@ -123,21 +123,52 @@ namespace {
 // multi-MB request with fresh pages - mmap above its 32 MiB threshold, or a heap it has
 // trimmed since the last call - so every call paid ~0.3 ms per MB of page faults on this
 // scratch alone: at 2048x1024x4096 float32, 32 MiB of dz, ~10 ms of a ~180 ms training step.
-// So the op keeps its scratch per thread and reuses it for every call that fits; it holds
-// at most the largest dz (+ dz^T) of a call made on that thread (autograd runs CPU backward
-// on one thread). Outputs are never taken from it.
-at::Tensor scratch(int slot, at::IntArrayRef shape, const at::TensorOptions& options) {
-  thread_local std::array<at::Tensor, 2> buffers;  // dz, dz^T
-  int64_t numel = 1;
-  for (int64_t d : shape) numel *= d;
-  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
-  at::Tensor& buf = buffers.at(slot);
-  if (!buf.defined() || buf.numel() < bytes) {
-    buf = at::Tensor();  // free the smaller one first
-    buf = at::empty({bytes}, options.dtype(at::kByte));
+// So the op keeps its scratch per thread (the thread that runs the backward) and reuses it
+// for every call that fits. What it holds is bounded: at most kMaxScratchBytes per buffer, two
+// buffers per thread; larger requests get a plain allocation and leave the kept one alone.
+// Outputs are never taken from it, and a slot already in use (a nested call on the same
+// thread, which nothing does today) falls back to a plain allocation too.
+constexpr int64_t kMaxScratchBytes = int64_t{64} << 20;
+
+struct ScratchSlot {
+  at::Tensor buffer;
+  bool in_use = false;
+};
+
+class Scratch {
+ public:
+  // A [shape] tensor of options' dtype: a view of this thread's slot when it is free and the
+  // request fits the cap, else a fresh allocation. The slot is freed when this object dies.
+  Scratch(int slot, at::IntArrayRef shape, const at::TensorOptions& options) {
+    const auto dtype = options.dtype().toScalarType();
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    thread_local std::array<ScratchSlot, 2> slots;  // dz, dz^T
+    ScratchSlot& s = slots.at(slot);
+    if (s.in_use || bytes > kMaxScratchBytes) {
+      tensor_ = at::empty(shape, options);
+      return;
+    }
+    if (!s.buffer.defined() || s.buffer.numel() < bytes) {
+      s.buffer = at::Tensor();  // free the smaller one first
+      s.buffer = at::empty({bytes}, options.dtype(at::kByte));
+    }
+    s.in_use = true;
+    slot_ = &s;
+    tensor_ = s.buffer.narrow(0, 0, bytes).view(dtype).view(shape);
   }
-  return buf.narrow(0, 0, bytes).view(options.dtype().toScalarType()).view(shape);
-}
+  ~Scratch() {
+    if (slot_) slot_->in_use = false;
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  const at::Tensor& tensor() const { return tensor_; }
+
+ private:
+  at::Tensor tensor_;
+  ScratchSlot* slot_ = nullptr;
+};
 
 }  // namespace
 
@@ -157,13 +188,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
 
   const bool transposed = need_dw && at::isReducedFloatingType(x.scalar_type());
   // Note [backward scratch on CPU]
-  const at::Tensor dz = need_dx || (need_dw && !transposed) ? scratch(0, {M, N}, x.options()) : at::Tensor();
-  const at::Tensor dz_t = transposed ? scratch(1, {N, M}, x.options()) : at::Tensor();
+  const bool want_dz = need_dx || (need_dw && !transposed);
+  std::optional<Scratch> dz_buf, dz_t_buf;
+  if (want_dz || (need_db && !transposed)) dz_buf.emplace(0, at::IntArrayRef{M, N}, x.options());
+  if (transposed) dz_t_buf.emplace(1, at::IntArrayRef{N, M}, x.options());
+  const at::Tensor dz = want_dz ? dz_buf->tensor() : at::Tensor();
+  const at::Tensor dz_t = transposed ? dz_t_buf->tensor() : at::Tensor();
   at::Tensor db;
   if (dz.defined() || dz_t.defined()) {
     db = dgelu_parallel(dy, z, dz, dz_t, need_db, approx);
-  } else if (need_db) {  // only the bias gradient is wanted
-    db = dgelu_parallel(dy, z, scratch(0, {M, N}, x.options()), at::Tensor(), /*want_dbias=*/true, approx);
+  } else if (need_db) {  // only the bias gradient is wanted: dz is written to scratch and dropped
+    db = dgelu_parallel(dy, z, dz_buf->tensor(), at::Tensor(), /*want_dbias=*/true, approx);
   }
   at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
   at::Tensor dw = need_dw ? (transposed ? at::mm(dz_t, x2) : at::mm(dz.t(), x2)) : empty();

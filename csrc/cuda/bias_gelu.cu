@@ -28,7 +28,8 @@ __global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x,
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
-    const opmath_t pre = static_cast<opmath_t>(x[i]) + (bias ? static_cast<opmath_t>(bias[i % n]) : opmath_t(0));
+    const opmath_t xi = static_cast<opmath_t>(x[i]);
+    const opmath_t pre = bias ? xi + static_cast<opmath_t>(bias[i % n]) : xi;  // keeps -0.0 without a bias
     if (z) z[i] = static_cast<scalar_t>(pre);
     y[i] = static_cast<scalar_t>(gelu_forward<kApprox>(pre));
   }

@@ -6,7 +6,7 @@
 // writes the pre-activation ("aux", only when it is kept) and applies GeLU inside the GEMM.
 // cuBLASLt's GeLU is the tanh approximation, and its aux buffer needs a leading dimension
 // that is a multiple of 8, so the fast path is taken only for approximate == "tanh",
-// float32/float16/bfloat16, N % 8 == 0, K > 0 and 16-byte aligned pointers, and only if
+// float32/float16/bfloat16, N % 8 == 0, K % 8 == 0, K > 0 and 16-byte aligned pointers, and only if
 // cuBLASLt's heuristic returns an algorithm. Everything else (exact-erf GeLU, float64, odd
 // shapes - including the out_features == 1 case reported to fault inside cuBLASLt elsewhere)
 // takes the fallback: ATen's addmm (bias inside the GEMM), then our GeLU kernel
@@ -142,7 +142,8 @@ bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::option
                      y.data_ptr(), d.desc, y.data_ptr(), d.desc, &heuristic.algo, at::cuda::getCUDABlasLtWorkspace(),
                      workspace_bytes, at::cuda::getCurrentCUDAStream());
   // A configuration the chosen kernel rejects after all: nothing was launched, fall back.
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) return false;
+  // (INVALID_VALUE would be a mistake of ours in the descriptors: that one throws.)
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   PL_CUBLASLT_CHECK(status);
   g_lt_matmul_calls.fetch_add(1, std::memory_order_relaxed);
   return true;

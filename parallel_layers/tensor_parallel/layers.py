@@ -102,6 +102,9 @@ def _weight_grad(dy2: Tensor, x2: Tensor, dy2_t: Tensor | None = None) -> Tensor
     return dy2_t @ x2 if dy2_t is not None else dy2.t() @ x2
 
 
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _autocast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Autocast's rule for F.linear, applied to this module's own autograd Functions.
 
@@ -109,15 +112,17 @@ def _autocast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Te
     Function, as differentiable casts: the Function then saves and computes in that dtype, so
     its backward works wherever it runs (PyTorch recommends running backward outside the
     autocast region), and the casts' own backward returns the float32 parameters' gradients
-    in float32 - what nn.Linear does under autocast.
+    in float32 - what nn.Linear does under autocast. Unlike autocast's own kernels the casts
+    are not cached across calls in one region: a module run for several microbatches inside one
+    autocast block casts (and saves) its weight once per call.
     """
     device = x.device.type
     if device == "meta" or not torch.is_autocast_enabled(device):  # meta: no autocast state to ask
         return x, weight, bias
     dtype = torch.get_autocast_dtype(device)
 
-    def cast(t: Tensor | None) -> Tensor | None:
-        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+    def cast(t: Tensor | None) -> Tensor | None:  # autocast's eligibility: float64 stays float64
+        return t.to(dtype) if t is not None and t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t
     return cast(x), cast(weight), cast(bias)
 
 

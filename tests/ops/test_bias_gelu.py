@@ -102,6 +102,31 @@ def test_non_contiguous_input(device):
 
 
 @pytest.mark.parametrize("device", devices())
+def test_autocast_promotes_like_eager_add(device):
+    """Under autocast a 16-bit activation and a float32 bias compute in float32, as
+    F.gelu(x + bias) does in eager (outside autocast the mixed dtypes are an error); the
+    gradients come back in each input's own dtype."""
+    low = torch.bfloat16 if device == "cpu" else torch.float16
+    x, b = _inputs((6, 40), torch.float32, device)
+    x = x.to(low)
+
+    def run(fn):
+        xg, bg = x.clone().requires_grad_(), b.clone().requires_grad_()
+        with torch.autocast(device, dtype=low):
+            y = fn(xg, bg)
+        y.sum().backward()
+        return y.detach(), xg.grad, bg.grad
+
+    ours = run(lambda x, b: bias_gelu(x, b, "tanh"))
+    eager = run(lambda x, b: F.gelu(x + b, approximate="tanh"))
+    assert [t.dtype for t in ours] == [t.dtype for t in eager] == [torch.float32, low, torch.float32]
+    for o, e in zip(ours, eager):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="dtype"):
+        bias_gelu(x, b, "tanh")
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("approximate", APPROX)
 def test_gradcheck(approximate, device):
     x, b = _inputs((6, 7), torch.float64, device, requires_grad=True)

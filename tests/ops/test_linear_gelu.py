@@ -251,6 +251,45 @@ def test_backward_scratch_reuse_leaves_earlier_results_alone():
             assert torch.equal(a, b)
 
 
+def test_backward_scratch_threads_and_requests_over_its_cap():
+    """Two threads running the CPU backward at once each get their own scratch, and a request
+    over the per-buffer cap (64 MiB: float32 [2900, 5800] is 67 MB) takes a plain allocation;
+    both give the same gradients as aten's gelu_backward followed by the GEMMs."""
+    import threading
+
+    op = torch.ops.parallel_layers.linear_gelu_backward
+
+    def case(rows, n, k, seed):
+        x, w, _ = _inputs((rows, k), n, torch.float32, "cpu", seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        dy, z = (torch.randn(rows, n, generator=g) for _ in range(2))
+        dz = torch.ops.aten.gelu_backward(dy, z, approximate="tanh")
+        return (dy, x, w, z), (dz @ w, dz.t() @ x, dz.sum(0))
+
+    def check(args, want):
+        for got, expected in zip(op(*args, "tanh", [True, True, True]), want):
+            assert got.shape == expected.shape and _rel_error(got, expected) < F32_RTOL
+
+    big_args, big_want = case(2900, 5800, 4, seed=1)
+    check(big_args, big_want)
+    cases = [case(300 + 50 * i, 256, 32, seed=2 + i) for i in range(2)]
+    errors = []
+
+    def worker(args, want):
+        try:
+            for _ in range(20):
+                check(args, want)
+        except Exception as e:  # noqa: BLE001 - re-raised below in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("device", devices())
 def test_torch_compile_fullgraph(device):
     def mlp(x, w1, b1, w2):

@@ -203,6 +203,20 @@ def test_autocast_with_backward_outside_it(activation, sequence_parallel):
             assert ours <= 2 * eager + eps, f"rank {rank} {what}: ours {ours:.3g} vs eager autocast {eager:.3g}"
 
 
+def test_autocast_leaves_float64_alone_like_linear():
+    """Autocast casts float32 (and 16-bit) inputs only; a float64 layer stays float64, as nn.Linear
+    does. One process, no TP group."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 16).double()
+    col = ColumnParallelLinear.from_linear(ref, activation="gelu_tanh")
+    row = RowParallelLinear.from_linear(nn.Linear(16, 8).double())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ref(x).dtype == torch.float64
+        assert col(x).dtype == torch.float64
+        assert row(col(x)).dtype == torch.float64
+
+
 @contextlib.contextmanager
 def _count_collectives():
     counts = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 0}
