@@ -1,7 +1,7 @@
 """Tensor-parallel MLP step time: ours vs PyTorch DTensor TP vs the single-process MLP.
 
     python benchmarks/bench_tp_mlp.py [--seq 256 --batch 4 --d-model 1024 --hidden 4096] [--reps 15]
-                                      [--dtypes float32 bfloat16] [--trials 3]
+                                      [--dtypes float32 bfloat16 autocast_bf16] [--trials 3]
 
 Two processes on gloo (tp=2), one thread each. Per training step (grads set to None, then
 forward + backward of x + MLP(x) - the MLP inside a residual, as in a transformer block, so
@@ -18,7 +18,8 @@ with a dense output gradient), median of --reps, for each of --dtypes:
 Each of --trials is a fresh pair of processes; a ratio is the median over trials of the
 ratio within each trial (run-to-run spread on this VM is +-5%, so one trial cannot tell
 0.79 from 0.83). bfloat16 is a pure-bf16 step (bf16 parameters and gradients, no autocast,
-no float32 master weights), on CPU with gloo. Writes benchmarks/results/bench_tp_mlp.json
+no float32 master weights); autocast_bf16 keeps float32 parameters and runs the forward under
+torch.autocast(bfloat16), backward after it; all on CPU with gloo. Writes benchmarks/results/bench_tp_mlp.json
 (every trial's times and ratios too). Target: ours / dtensor <= 0.8.
 """
 
@@ -48,7 +49,10 @@ def _rank(rank, ws, seq, batch, d_model, hidden, reps, dtype_name):
     from parallel_layers import ColumnParallelLinear, RowParallelLinear
 
     torch.manual_seed(0)
-    dtype = getattr(torch, dtype_name)
+    # "autocast_bf16": float32 parameters, forward under torch.autocast(bfloat16), backward after
+    # the region closes - PyTorch's AMP recipe.
+    use_autocast = dtype_name == "autocast_bf16"
+    dtype = torch.float32 if use_autocast else getattr(torch, dtype_name)
     ref = _mlp(d_model, hidden).to(dtype)
     group = dist.group.WORLD
     ours = nn.Sequential(ColumnParallelLinear.from_linear(ref[0], activation="gelu_tanh", tp_group=group),
@@ -69,7 +73,9 @@ def _rank(rank, ws, seq, batch, d_model, hidden, reps, dtype_name):
             x.grad = None
             # The residual consumes the output: DTensor's RowwiseParallel returns it with its
             # all-reduce still in flight, and a bare backward from it would never wait for it.
-            (x + model(x)).backward(dy)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast):
+                out = x + model(x)
+            out.backward(dy)
         return run
 
     times = time_interleaved({"ours": step(ours), "dtensor": step(dtensor)}, reps)
@@ -89,8 +95,10 @@ def main(argv=None):
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
-                    help="parameters, activations and gradients (bfloat16: a pure-bf16 step, no autocast)")
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "autocast_bf16"],
+                    default=["float32", "bfloat16", "autocast_bf16"],
+                    help="parameters, activations and gradients (bfloat16: a pure-bf16 step, no autocast; "
+                         "autocast_bf16: float32 parameters, forward under bfloat16 autocast)")
     ap.add_argument("--trials", type=int, default=3, help="fresh process pairs; ratios are medians over them")
     ap.add_argument("--name", default="bench_tp_mlp", help="result file name under benchmarks/results/")
     args = ap.parse_args(argv)
