@@ -5,15 +5,29 @@
     optimizer.step()
 
 Gradients are packed into buckets of about `bucket_mb` MiB (the first one `first_bucket_mb`,
-so communication starts early) and each bucket's all-reduce is launched, asynchronously, as
-soon as its last gradient is accumulated - while backward still computes the rest. The end
-of backward waits for them and writes the averages back. Buckets start in reverse parameter
-order (a guess at the backward order) and are rebuilt once, after the first backward, in
-the order gradients actually arrived. `no_sync()` accumulates locally; the next backward
-outside it (or `reduce_gradients()`) reduces the sum. A parameter that got no gradient since
-the last reduction (unused in forward) is an error naming it, since the other ranks would
-otherwise wait for it forever.
+so communication starts early) and the buckets' all-reduces are launched, asynchronously,
+while backward still computes the rest (Note [agreed bucket order]). The end of backward
+waits for them and writes the averages back. `no_sync()` accumulates locally; the next
+backward outside it (or `reduce_gradients()`) reduces the sum. A parameter may go unused on
+some ranks (Note [unused parameters]).
 Parameters are broadcast from rank 0 at construction, so every replica starts equal.
+
+Note [agreed bucket order]: NCCL matches collectives by the order they are issued, not by
+content, so every rank must launch the same all-reduces, of the same sizes, in the same
+order - whatever order its own gradients arrive in. Buckets start in reverse registration
+order (a guess at the backward order); after the first reduction, rank 0's observed arrival
+order is broadcast as parameter indices and every rank rebuilds the same buckets from it,
+once. Bucket k is launched when all its gradients have arrived in this backward and buckets
+0..k-1 have been launched; the end of backward launches the rest, in order. This rank sees
+its backward through its parameters' gradient hooks, so each rank's backward must reach at
+least one parameter (or the caller runs `no_sync()` backwards and `reduce_gradients()`).
+
+Note [unused parameters]: a parameter that got no gradient on this rank since the last
+reduction (data-dependent control flow) contributes zeros: the average is over all ranks,
+as if that rank's gradient were zero. Each bucket's all-reduce carries, after the gradients,
+one count per parameter of the ranks that used it, so every rank learns without another
+collective which parameters no rank used: their `.grad` is left as it was (None after
+`zero_grad()`, as PyTorch DDP does). Every other parameter's `.grad` gets the average.
 """
 
 from __future__ import annotations
@@ -26,31 +40,47 @@ import torch.nn as nn
 from parallel_layers import fault
 from parallel_layers._accumulation import LocalAccumulation
 
+_ALL_REDUCE = "DataParallel gradient all_reduce"
+
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.ready = 0
+        self.numel = sum(p.numel() for p in params)
+        # [numel gradients | one used-count per parameter], Note [unused parameters]
+        self.buffer = torch.zeros(self.numel + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.arrived: set[int] = set()  # ids of params whose gradient arrived in this backward
         self.work = None
 
-    def launch(self, group, world: int) -> None:
+    def complete(self) -> bool:
+        return len(self.arrived) == len(self.params)
+
+    def launch(self, group, world: int, used: set[int]) -> None:
+        self.buffer.zero_()
         offset = 0
         for p in self.params:
-            self.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            if id(p) in used:
+                self.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
             offset += p.numel()
-        self.buffer.div_(world)
-        fault.check_agreement("DataParallel gradient all_reduce", self.buffer, group)
-        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+        self.buffer[self.numel:] = torch.tensor([float(id(p) in used) for p in self.params])
+        self.buffer[:self.numel].div_(world)
+        fault.check_agreement(_ALL_REDUCE, self.buffer, group)
+        with fault.collective(_ALL_REDUCE, group):
+            self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
 
     def finish(self, group) -> None:
-        fault.wait(self.work, "DataParallel gradient all_reduce", group)
+        fault.wait(self.work, _ALL_REDUCE, group)
         self.work = None
         offset = 0
-        for p in self.params:
-            p.grad.copy_(self.buffer[offset:offset + p.numel()].view_as(p.grad))
+        for p, users in zip(self.params, self.buffer[self.numel:].tolist()):
+            if users > 0:  # used on some rank; else .grad stays as it was
+                average = self.buffer[offset:offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = average.clone()
+                else:
+                    p.grad.copy_(average)
             offset += p.numel()
-        self.ready = 0
+        self.arrived.clear()
 
 
 def _split_into_buckets(params: list[nn.Parameter], bucket_bytes: int, first_bytes: int) -> list[_Bucket]:
@@ -80,17 +110,18 @@ class DataParallel(LocalAccumulation, nn.Module):
                                "init_process_group)")
         self.module, self.group = module, group
         self.world = dist.get_world_size(group)
+        self._src = dist.get_global_rank(group, 0) if group is not None else 0
         self._bucket_bytes, self._first_bytes = int(bucket_mb * 2**20), int(first_bucket_mb * 2**20)
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._names = {id(p): n for n, p in module.named_parameters()}
         with torch.no_grad():
             for p in module.parameters():
                 fault.check_agreement("DataParallel parameter broadcast", p, group)
                 with fault.collective("DataParallel parameter broadcast", group):
-                    dist.broadcast(p, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+                    dist.broadcast(p, src=self._src, group=group)
         self._set_buckets(list(reversed(self._params)))
-        self._arrival: list[nn.Parameter] | None = []  # observed gradient order, first backward only
-        self._seen: set[int] = set()
+        self._arrival: list[nn.Parameter] | None = []  # gradient order until the first reduction
+        self._seen: set[int] = set()  # params with a gradient since the last reduction
+        self._launched = 0  # buckets launched in this reduction, Note [agreed bucket order]
         self._callback_queued = False
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -111,10 +142,10 @@ class DataParallel(LocalAccumulation, nn.Module):
             self._arrival.append(p)
         if not self._sync:
             return
-        bucket = self._bucket_of[id(p)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            bucket.launch(self.group, self.world)
+        self._bucket_of[id(p)].arrived.add(id(p))
+        while self._launched < len(self.buckets) and self.buckets[self._launched].complete():
+            self.buckets[self._launched].launch(self.group, self.world, self._seen)
+            self._launched += 1
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -127,27 +158,25 @@ class DataParallel(LocalAccumulation, nn.Module):
         self._reduce()
 
     def _reduce(self) -> None:
-        # Parameters used only in some of the backwards since the last reduction are fine;
-        # one never used would leave the other ranks waiting for its bucket.
-        missing = [self._names[id(p)] for p in self._params if id(p) not in self._seen]
-        self._seen.clear()
-        if missing:
-            for b in self.buckets:  # do not leave collectives half-issued
-                if b.work is not None:
-                    fault.wait(b.work, "DataParallel gradient all_reduce", self.group)
-                    b.work = None
-                b.ready = 0
-            raise RuntimeError(
-                f"DataParallel: parameters {missing} received no gradient since the last reduction (not used in "
-                "forward?). Every rank must reduce every parameter; use them, set requires_grad=False on them, or "
-                "remove them.")
-        for b in self.buckets:
-            if b.work is None:  # some of its gradients came from backwards under no_sync()
-                b.launch(self.group, self.world)
+        for b in self.buckets[self._launched:]:  # incomplete buckets, or all after no_sync()
+            b.launch(self.group, self.world, self._seen)
         for b in self.buckets:
             b.finish(self.group)
+        self._launched = 0
+        self._seen.clear()
         if self._arrival is not None:
-            # Rebuild once, in the order gradients arrived, so buckets fill as backward runs.
-            order = list(dict.fromkeys(self._arrival))
-            self._arrival = None
-            self._set_buckets(order)
+            self._agree_on_order()
+
+    def _agree_on_order(self) -> None:
+        """Rebuild the buckets, once, in rank 0's gradient arrival order (Note [agreed bucket order])."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        arrived = [index[id(p)] for p in dict.fromkeys(self._arrival)]
+        self._arrival = None
+        if not self._params:
+            return
+        never = sorted(set(range(len(self._params))) - set(arrived), reverse=True)
+        order = torch.tensor(arrived + never, device=self._params[0].device)
+        fault.check_agreement("DataParallel bucket order broadcast", order, self.group)
+        with fault.collective("DataParallel bucket order broadcast", self.group):
+            dist.broadcast(order, src=self._src, group=self.group)
+        self._set_buckets([self._params[i] for i in order.tolist()])
