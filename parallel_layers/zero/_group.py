@@ -74,7 +74,6 @@ class ParamGroup:
                        for p in params]
         self.is_unsharded = True
         self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
-        self.pending_grads = 0  # params of this group still to receive their gradient this backward
         self._gloo = dist.get_backend(group) == "gloo"
 
     def _my_shard(self, p: Tensor, alias_full: bool) -> Tensor:
@@ -111,7 +110,8 @@ class ParamGroup:
                 # NCCL all-gathers in place from this rank's row; gloo wants a separate input.
                 mine = buf[self.rank].clone() if self._gloo else buf[self.rank]
                 fault.check_agreement(f"ZeRO all_gather of {self.name}", mine, self.group)
-                work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
+                with fault.collective(f"ZeRO all_gather of {self.name}", self.group):  # an NCCL launch can raise
+                    work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
         self._inflight = (buf, work)
 
     def drop_prefetch(self) -> None:

@@ -10,9 +10,12 @@ param group]), so any torch.optim optimizer works and its state is sharded in ev
   stage 1  full params and full grads on every rank; at step(): reduce-scatter the grads
            into the shards, step the shards, all-gather the params.
   stage 2  as 1, but each group's grads are reduce-scattered and freed as soon as its
-           backward is done (post-accumulate-grad hooks), so full grads do not pile up.
+           backward is done (all its params' post-accumulate-grad hooks ran) and the groups
+           before it in the agreed order were reduced, so full grads do not pile up.
   stage 3  as 2, and each wrapped module's params are all-gathered right before its forward
-           and its backward and freed after (reshard_after_forward; the root is kept).
+           and its backward and freed after (reshard_after_forward; the root is kept). A
+           group's backward is done when its module's backward is (the gradient of the
+           module's inputs is computed), not when its params' gradients arrived.
 
 offload_optimizer=True (ZeRO-Offload) keeps the shards, their gradients and the optimizer
 state and step on the CPU while the parameters and activations stay on the GPU; reduced
@@ -22,10 +25,34 @@ Groups: one per module for which `wrap(module)` is true (default: every direct c
 the model with parameters), plus a root group for the remaining parameters. Gradients are
 averaged over the data-parallel group. `no_sync()` accumulates gradients locally (full
 grads kept) until the next backward outside it.
+
+Note [agreed reduction order]: NCCL matches collectives by issue order, so every rank must
+issue the same reduce-scatters in the same order whatever its gradients do. Every group is
+reduce-scattered once per reduction, in one fixed order: the wrapped groups in reverse
+registration order (a guess at the backward order), then the root. Stage 1 (and any
+reduction after `no_sync()`) reduces all of them at `step()` / `clip_grad_norm_()` /
+`reduce_gradients()`, when this rank holds full gradients - so every rank's backward must
+reach at least one of the model's parameters. At stages 2/3 a group is reduced once its
+backward is done and every group before it in the order was reduced; the end of backward
+reduces the rest, in order. A group whose backward ends out of that order keeps its full
+gradients until the groups before it are reduced: correct, with more memory; registering
+the wrapped modules in forward order avoids it. Stage 3 cannot use its params' gradient
+hooks to decide that a group is done, as stage 2 does: they are local (a param unused on one
+rank never fires), and stage 3 interleaves its backward all-gathers with the reduce-scatters,
+so a reduce-scatter issued early on one rank and late on another would cross an all-gather.
+It uses the module's backward instead (an identity autograd node on the module's inputs,
+`_AfterBackward`), an event every rank sees at the same point.
+
+Note [ZeRO unused parameters]: a parameter with no gradient on this rank (data-dependent
+control flow; a sub-module skipped) contributes zeros to the average over all ranks. A whole
+wrapped module skipped in forward on one rank only is not supported at stage 3: its
+all-gathers would not match across ranks. With PARALLEL_LAYERS_DEBUG=1 that is an error on
+every rank (the agreement check before each all-gather); without, a hang or a CollectiveError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -36,6 +63,32 @@ import torch.utils._pytree
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.zero._group import ParamGroup, check_dtypes
+
+
+@dataclasses.dataclass
+class _BackwardState:
+    """Where one group is in the current backward (Note [agreed reduction order])."""
+    pending_grads: int = 0  # stage 2: params still to receive their gradient
+    open_calls: int = 0  # stage 3: forward calls of the module whose backward has not run yet
+    input_without_grad: bool = False  # stage 3: a call no backward event marks; wait for the end
+    done: bool = False
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity forward on a module's inputs; backward calls `callback` once the gradients of
+    all of them are computed. The node is created before the module's own, so the autograd
+    engine runs it after all of them, and after their parameters' gradient accumulation
+    (which it runs first, when ready)."""
+
+    @staticmethod
+    def forward(ctx, callback, *xs):
+        ctx.callback = callback
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 def _default_wrap(model: nn.Module):
@@ -81,13 +134,18 @@ class ZeRO(LocalAccumulation, nn.Module):
                                       offload=offload_optimizer) if rest else None)
         if self.root_group is not None:
             self.groups.append(self.root_group)
+        # Note [agreed reduction order]
+        self._order = [g for g in reversed(self.groups) if g is not self.root_group] + \
+            ([self.root_group] if self.root_group is not None else [])
+        self._reduced = 0  # groups of self._order reduced in this backward
+        self._backward = {g: _BackwardState() for g in self.groups}
         if param_dtype is not None:
             for g in self.groups:
                 for p in g.params:
                     p.data = p.data.to(param_dtype)
         self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
         self._hook_handles = []
-        if stage >= 2:
+        if stage == 2:
             self._install_grad_hooks()
         if stage == 3:
             self._install_module_hooks()
@@ -106,21 +164,28 @@ class ZeRO(LocalAccumulation, nn.Module):
     def _make_grad_hook(self, g: ParamGroup):
         def hook(_param):
             self._queue_finalize()
-            if g.pending_grads == 0:  # first gradient of this group in this backward
-                g.pending_grads = sum(p.requires_grad for p in g.params)
-            g.pending_grads -= 1
-            if g.pending_grads == 0 and self._sync:
-                g.reduce_grads(free_full_grads=True)
-                if self.stage == 3 and g is not self.root_group:
-                    g.reshard()
+            state = self._backward[g]
+            if state.pending_grads == 0:  # first gradient of this group in this backward
+                state.pending_grads = sum(p.requires_grad for p in g.params)
+            state.pending_grads -= 1
+            if state.pending_grads == 0:
+                self._backward_done(g)
         return hook
+
+    def _backward_done(self, g: ParamGroup) -> None:
+        """Reduce, in the agreed order, the groups whose backward is done (Note [agreed reduction order])."""
+        self._backward[g].done = True
+        while self._sync and self._reduced < len(self._order) and self._backward[self._order[self._reduced]].done:
+            self._order[self._reduced].reduce_grads(free_full_grads=True)
+            self._reduced += 1
 
     def _install_module_hooks(self) -> None:
         for name, module in self.module.named_modules():
             g = self._module_group.get(id(module))
             if g is None:
                 continue
-            self._hook_handles.append(module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
+            self._hook_handles.append(module.register_forward_pre_hook(
+                lambda m, args, kwargs, g=g: self._pre_forward(g, args, kwargs), with_kwargs=True))
             self._hook_handles.append(module.register_forward_hook(self._make_post_forward(g)))
 
     # Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first
@@ -133,13 +198,34 @@ class ZeRO(LocalAccumulation, nn.Module):
         i = self._forward_order.index(g) + step
         return self._forward_order[i] if 0 <= i < len(self._forward_order) else None
 
-    def _pre_forward(self, g: ParamGroup) -> None:
+    def _pre_forward(self, g: ParamGroup, args, kwargs):
         if g not in self._forward_order:
             self._forward_order.append(g)
         g.unshard()
         nxt = self._neighbour(g, +1)
         if nxt is not None:
             nxt.start_unshard()
+        if not torch.is_grad_enabled():
+            return None
+        # The module's backward is done when its inputs' gradients are (Note [agreed reduction order]).
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        state = self._backward[g]
+        if not at:
+            state.input_without_grad = True
+            return None
+        state.open_calls += 1
+        marked = _AfterBackward.apply(lambda: self._module_backward_done(g), *(flat[i] for i in at))
+        for i, t in zip(at, marked):
+            flat[i] = t
+        return torch.utils._pytree.tree_unflatten(flat, spec)
+
+    def _module_backward_done(self, g: ParamGroup) -> None:
+        state = self._backward[g]
+        state.open_calls -= 1
+        if state.open_calls == 0 and not state.input_without_grad:
+            g.reshard()
+            self._backward_done(g)
 
     def _make_post_forward(self, g: ParamGroup):
         def post_forward(module, args, output):
@@ -170,14 +256,17 @@ class ZeRO(LocalAccumulation, nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _finalize_backward(self) -> None:
-        """End of backward: groups some of whose params got no gradient are reduced now."""
+        """End of backward: the groups not reduced yet are reduced now, in the agreed order."""
         self._callback_queued = False
-        for g in self.groups:
-            if g.pending_grads and self._sync:
+        if self._sync:
+            for g in self._order[self._reduced:]:
                 g.reduce_grads(free_full_grads=True)
-            g.pending_grads = 0
-            if self.stage == 3 and g is not self.root_group:
-                g.reshard()
+        self._reduced = 0
+        self._backward = {g: _BackwardState() for g in self.groups}
+        if self.stage == 3:
+            for g in self.groups:
+                if g is not self.root_group:
+                    g.reshard()
 
     # ---- public API -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -186,9 +275,10 @@ class ZeRO(LocalAccumulation, nn.Module):
         return self.module(*args, **kwargs)
 
     def _reduce_remaining(self) -> None:
-        """Full gradients not yet reduced (stage 1, or after no_sync) -> shard gradients."""
-        for g in self.groups:
-            if any(p.grad is not None for p in g.params):
+        """Full gradients not yet reduced (stage 1, or after no_sync) -> shard gradients, every
+        group in the agreed order (Note [agreed reduction order])."""
+        if any(p.grad is not None for g in self.groups for p in g.params):
+            for g in self._order:
                 g.reduce_grads(free_full_grads=True)
 
     def reduce_gradients(self) -> None:
