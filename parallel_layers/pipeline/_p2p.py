@@ -1,22 +1,29 @@
-"""Point-to-point messages between pipeline stages: activations with a shape header, gradients.
+"""Point-to-point messages between pipeline stages: each schedule batch is one `batch_isend_irecv`.
 
-Note [stage boundary contract]: an activation travels as a small int64 header (ndim, dtype,
-shape) and then the payload. The first microbatch of a step fixes the boundary's shape and
-dtype (so the sequence length may change between steps, not within one); every later
-microbatch is checked against it on both sides: the sender raises before sending a wrong
-payload and sends only the header, the receiver reads the header before the payload and
-raises the same message. Gradients need no header: a gradient has the shape of the
-activation it belongs to, which the receiver kept.
+The schedule decides which sends and receives go together and in which order (Note [p2p
+rounds] in schedule.py); this file turns one batch into one `dist.batch_isend_irecv` call
+(a ncclGroupStart/End under NCCL) and keeps the shape contract. No tags are used: like NCCL,
+gloo then matches each pair's messages in issue order, so the CPU tests run the order NCCL
+will see. (A first `batch_isend_irecv` on a group must involve all its ranks under NCCL; the
+step's batch-size all-gather on the pipeline group always comes first.)
 
-Every message carries a tag naming what it is (kind, stage, microbatch), so gloo matches it
-whatever the order; NCCL ignores tags and matches in issue order, which `validate(...,
-in_order=True)` checks for the schedule before it runs.
+Note [stage boundary contract]: a receiver must allocate an activation's buffer before it
+arrives, so it has to know the shape and dtype. They are learned once per input signature
+(rank 0's input shape and dtype, which every pipeline rank receives in the step's batch-size
+all-gather): in the first step with a new signature, the first activation of each boundary is
+preceded by a small int64 header (ndim, dtype, shape) in a batch of its own, which the
+receiver reads before it issues the payload's batch. The contracts are kept for the
+signature once a step succeeds on every rank, so later steps send every activation as a
+single message: one operation per transfer, no header, no host synchronisation. A stage
+whose output does not match the contract (a shape that changed between microbatches, or a
+model whose shapes depend on more than the input shape) is caught by its sender, which
+sends zeros of the agreed shape instead, so that every pair's messages still match, and
+records the error; the step ends with one all-reduce that carries every rank's error flag
+with the loss, and every pipeline rank raises the same message. Gradients need no header:
+a gradient has the shape of the activation it belongs to, which the receiver kept.
 """
 
 from __future__ import annotations
-
-import contextlib
-import datetime
 
 import torch
 import torch.distributed as dist
@@ -25,110 +32,148 @@ from torch import Tensor
 from parallel_layers import fault
 
 _MAX_DIMS = 8
-_HEADER_WAIT_S = 10.0
-_HEADER = 2 + _MAX_DIMS  # ndim, dtype index, dims
+_HEADER = 2 + _MAX_DIMS  # ndim, dtype index, dims; ndim -1: the output cannot be described
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
+_SIGNATURES_KEPT = 16
 
 
-def tag(kind: int, stage: int, microbatch: int, num_stages: int, part: int = 0) -> int:
-    """kind 0: activation, 1: gradient; part 0: header, 1: payload."""
-    return ((microbatch * num_stages + stage) * 2 + kind) * 2 + part
-
-
-def header(t: Tensor) -> Tensor:
+def describe_problem(t: Tensor) -> str | None:
+    """Why `t` cannot cross a stage boundary, or None."""
     if t.dim() > _MAX_DIMS:
-        raise ValueError(f"a stage output has {t.dim()} dims; the pipeline sends at most {_MAX_DIMS}")
+        return f"a stage output has {t.dim()} dims; the pipeline sends at most {_MAX_DIMS}"
     if t.dtype not in _DTYPES:
-        raise ValueError(f"a stage output has dtype {t.dtype}; the pipeline sends {_DTYPES}")
-    h = torch.zeros(_HEADER, dtype=torch.int64)
-    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
-    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        return f"a stage output has dtype {t.dtype}; the pipeline sends {_DTYPES}"
+    return None
+
+
+def signature(t: Tensor | None) -> list[int]:
+    """A tensor's shape and dtype as _HEADER int64s (all -1 for None)."""
+    h = [-1] * _HEADER
+    if t is not None:
+        h[0], h[1] = t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+        h[2:2 + min(t.dim(), _MAX_DIMS)] = list(t.shape)[:_MAX_DIMS]
     return h
 
 
-def describe(h: Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    ndim = int(h[0])
-    return tuple(int(x) for x in h[2:2 + ndim]), _DTYPES[int(h[1])]
-
-
-def mismatch_message(stage: int, microbatch: int, got: tuple, expected: tuple) -> str:
-    return (f"pipeline stage {stage} produced {got[0]} {got[1]} for microbatch {microbatch}, but microbatch 0 of this "
-            f"step produced {expected[0]} {expected[1]}: every microbatch must cross a stage boundary with the same "
-            "shape and dtype (split the batch evenly; keep sequence lengths equal within a step)")
+def mismatch_message(stage: int, microbatch: int, got: tuple, expected: tuple, remembered: bool = False) -> str:
+    where = "an earlier step with inputs of this shape" if remembered else "this step"
+    return (f"pipeline stage {stage} produced {got[0]} {got[1]} for microbatch {microbatch}, but microbatch 0 of "
+            f"{where} produced {expected[0]} {expected[1]}: every microbatch must cross a stage boundary with the "
+            "same shape and dtype (split the batch evenly; keep sequence lengths equal within a step; a stage's "
+            "output shape must follow from the shape of the pipeline's inputs)")
 
 
 class Messenger:
-    """Sends and receives of one pipeline step on `group`, for `device` tensors."""
+    """The sends and receives of a pipeline's steps on `group`, for `device` tensors."""
 
-    def __init__(self, group: dist.ProcessGroup | None, num_stages: int, device: torch.device):
-        self.group, self.num_stages, self.device = group, num_stages, device
-        self.contract: dict[int, tuple] = {}  # stage -> (shape, dtype) of its output this step
-        self.pending: list = []  # (work, tensor kept alive until the send completes)
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+        self.group, self.device = group, device
+        self._known: dict[tuple, dict[int, tuple]] = {}  # input signature -> {stage: (shape, dtype)}
 
-    def _global(self, rank: int) -> int:
+    def begin(self, input_signature: tuple) -> None:
+        """Start a step whose inputs have `input_signature` (the same on every pipeline rank)."""
+        self.input_signature = input_signature
+        self.contract = dict(self._known.get(input_signature, {}))  # stage -> (shape, dtype) of its output
+        self.error: str | None = None  # the first broken contract this step, reported at its end
+        self.received: dict[tuple, tuple] = {}  # item -> (works, buffer)
+        self.in_flight: list = []  # (works, tensors) of sends, kept alive until they complete
+
+    def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-    def _isend(self, t: Tensor, peer: int, tag_: int) -> None:
-        t = t.contiguous()
-        self.pending.append((dist.isend(t, self._global(peer), group=self.group, tag=tag_), t))
-
-    def _irecv(self, t: Tensor, peer: int, tag_: int):
-        return dist.irecv(t, self._global(peer), group=self.group, tag=tag_), t
-
-    def send_activation(self, y: Tensor, stage: int, microbatch: int, peer: int) -> None:
-        h = header(y)
+    def outgoing(self, stage: int, microbatch: int, y: Tensor) -> tuple[Tensor, bool]:
+        """What to send for stage `stage`'s output y, and whether y broke the contract (then
+        zeros of the agreed shape go out instead and the error waits for the step's end)."""
+        expected = self.contract.get(stage)
         got = (tuple(y.shape), y.dtype)
-        expected = self.contract.setdefault(stage, got)
-        self._isend(h.to(self.device), peer, tag(0, stage, microbatch, self.num_stages, 0))
+        if expected is None or got == expected:
+            return y.detach(), False
+        self.error = self.error or mismatch_message(stage, microbatch, got, expected,
+                                                    remembered=stage in self._known.get(self.input_signature, {}))
+        return torch.zeros(expected[0], dtype=expected[1], device=self.device), True
+
+    def exchange(self, sends: list[tuple[tuple, Tensor, int]], recvs: list[tuple[tuple, int, tuple | None]]) -> None:
+        """Issue one batch: `sends` are (item, tensor, peer), `recvs` (item, peer, (shape, dtype)
+        or None for an activation, whose shape the contract gives). Items are ("act" | "grad",
+        stage, microbatch), in the schedule's order, which both ends share."""
+        first = [(it, t, peer) for it, t, peer in sends if it[0] == "act" and it[1] not in self.contract]
+        first_in = [(it, peer) for it, peer, like in recvs if like is None and it[1] not in self.contract]
+        announced = self._headers(first, first_in) if first or first_in else {}
+        ops, keep, posted = [], [], []
+        for it, t, peer in sends:
+            t = t.contiguous()
+            keep.append(t)
+            ops.append(dist.P2POp(dist.isend, t, self._peer(peer), self.group))
+        for it, peer, like in recvs:
+            shape, dtype = like or announced.get(it) or self.contract[it[1]]
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buf, self._peer(peer), self.group))
+            posted.append((it, buf, len(ops) - 1))
+        works = self._launch(ops)
+        # NCCL returns one work for a whole coalesced batch, gloo one per operation.
+        per_op = (lambda j: [works[j]]) if len(works) == len(ops) else (lambda j: works)
+        for it, buf, j in posted:
+            self.received[it] = (per_op(j), buf)
+        # A gloo receive's work may be waited only once (in `wait`); keep the sends' own.
+        self.in_flight.append(([w for j in range(len(sends)) for w in per_op(j)], keep))
+
+    def _launch(self, ops: list) -> list:
+        with fault.collective("pipeline send/receive batch", self.group):
+            return dist.batch_isend_irecv(ops) or []
+
+    def _headers(self, sends: list, recvs: list) -> dict[tuple, tuple]:
+        """Note [stage boundary contract]: the first activations of a boundary in a step with a
+        new input signature; both ends issue this batch at the same point of their lists.
+        Returns the (shape, dtype) announced for each received item."""
+        ops, out, problem = [], [], None
+        for it, t, peer in sends:
+            problem = problem or describe_problem(t)
+            h = torch.tensor(signature(t) if describe_problem(t) is None else [-1] * _HEADER, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.isend, h.to(self.device), self._peer(peer), self.group))
+            self._agree(it, (tuple(t.shape), t.dtype))
+        for it, peer in recvs:
+            h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, h, self._peer(peer), self.group))
+            out.append((it, h))
+        for w in self._launch(ops):
+            fault.wait(w, "pipeline activation header", self.group)
+        if problem is not None:
+            raise ValueError(problem)
+        announced = {}
+        for it, h in out:
+            h = h.cpu().tolist()
+            if h[0] < 0:
+                raise ValueError(f"pipeline stage {it[1]}'s output cannot cross a stage boundary (its sender raised "
+                                 f"why: too many dims, or a dtype outside {_DTYPES})")
+            announced[it] = (tuple(h[2:2 + h[0]]), _DTYPES[h[1]])
+            self._agree(it, announced[it])
+        return announced
+
+    def _agree(self, item: tuple, got: tuple) -> None:
+        """The first announced shape of a stage's output is its contract for the step."""
+        expected = self.contract.setdefault(item[1], got)
         if got != expected:
-            # Let the header reach the receiver, which then raises the same error, before this
-            # rank raises (and perhaps exits, closing the connection under the message).
-            with contextlib.suppress(RuntimeError):
-                self.pending[-1][0].wait(datetime.timedelta(seconds=_HEADER_WAIT_S))
-            raise ValueError(mismatch_message(stage, microbatch, got, expected))
-        self._isend(y.detach(), peer, tag(0, stage, microbatch, self.num_stages, 1))
+            self.error = self.error or mismatch_message(item[1], item[2], got, expected)
 
-    # A receive is posted early (`post_*`, while the rank still computes) and waited on when
-    # its data is needed (`wait`), so the message latency hides behind compute.
-    def post_activation(self, stage: int, microbatch: int, peer: int) -> dict:
-        """Post the header's receive, and the payload's when this boundary's contract is known."""
-        h = {"kind": 0, "stage": stage, "mb": microbatch, "peer": peer,
-             "what": f"receive of stage {stage}'s activation (microbatch {microbatch}) from pipeline rank {peer}",
-             "header": self._irecv(torch.empty(_HEADER, dtype=torch.int64, device=self.device), peer,
-                                   tag(0, stage, microbatch, self.num_stages, 0))}
-        if stage in self.contract:
-            shape, dtype = self.contract[stage]
-            h["payload"] = self._irecv(torch.empty(shape, dtype=dtype, device=self.device), peer,
-                                       tag(0, stage, microbatch, self.num_stages, 1))
-        return h
-
-    def post_gradient(self, like: Tensor, stage: int, microbatch: int, peer: int) -> dict:
-        buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return {"kind": 1, "payload": self._irecv(buf, peer, tag(1, stage, microbatch, self.num_stages, 1)),
-                "what": f"receive of stage {stage}'s gradient (microbatch {microbatch}) from pipeline rank {peer}"}
-
-    def wait(self, h: dict) -> Tensor:
-        if h["kind"] == 0:
-            work, buf = h["header"]
-            fault.wait(work, f"receive of stage {h['stage']}'s activation header", self.group)
-            got = describe(buf.cpu())
-            expected = self.contract.setdefault(h["stage"], got)
-            if got != expected:
-                raise ValueError(mismatch_message(h["stage"], h["mb"], got, expected))
-            if "payload" not in h:
-                h["payload"] = self._irecv(torch.empty(got[0], dtype=got[1], device=self.device), h["peer"],
-                                           tag(0, h["stage"], h["mb"], self.num_stages, 1))
-        work, buf = h["payload"]
-        fault.wait(work, h["what"], self.group)
+    def wait(self, item: tuple) -> Tensor:
+        """The received tensor of `item` (a schedule batch issued its receive earlier)."""
+        works, buf = self.received.pop(item)
+        kind, stage, mb = item
+        for w in works:
+            fault.wait(w, f"receive of stage {stage}'s {'activation' if kind == 'act' else 'gradient'} "
+                          f"(microbatch {mb})", self.group)
         return buf
 
-    def send_gradient(self, g: Tensor, stage: int, microbatch: int, peer: int) -> None:
-        self._isend(g, peer, tag(1, stage, microbatch, self.num_stages, 1))
-
-    def finish(self) -> None:
-        """Wait for every send of the step (their buffers may be reused after)."""
-        for work, _ in self.pending:
-            fault.wait(work, "pipeline send", self.group)
-        self.pending.clear()
-        self.contract.clear()
+    def finish(self, succeeded: bool) -> None:
+        """Wait for the step's sends (their buffers may be reused after); keep the contracts
+        learned for this input signature if the step succeeded on every pipeline rank."""
+        for works, _ in self.in_flight:
+            for w in works:
+                fault.wait(w, "pipeline send", self.group)
+        self.in_flight.clear()
+        if succeeded:
+            self._known.pop(self.input_signature, None)
+            self._known[self.input_signature] = self.contract
+            while len(self._known) > _SIGNATURES_KEPT:
+                self._known.pop(next(iter(self._known)))

@@ -16,8 +16,8 @@ weight are averaged exactly. Gradient accumulation over microbatches therefore m
 big batch, and the data-parallel wrapper averages over replicas on top.
 
 Each step: the batch sizes are checked on every pipeline rank (one small all-gather), the
-schedule's actions run (Note [schedule construction] in schedule.py; shapes per Note [stage
-boundary contract] in _p2p.py), tied-parameter gradients are summed (Note [tied parameters]
+schedule's actions run (Note [schedule construction] in schedule.py; messages in batched
+rounds per Note [p2p rounds] there; shapes per Note [stage boundary contract] in _p2p.py), tied-parameter gradients are summed (Note [tied parameters]
 in stages.py), and the data-parallel wrapper reduces the gradients once, after the last
 microbatch (its `no_sync()` holds them until then). The step's loss comes back on every
 pipeline rank; `last_step_times` says how long the schedule ran, and of that how long this
@@ -37,18 +37,8 @@ from torch import Tensor
 
 from parallel_layers import fault
 from parallel_layers.grad_norm import clip_grad_norm_
-from parallel_layers.pipeline._p2p import Messenger
-from parallel_layers.pipeline.schedule import (
-    BACKWARD,
-    FORWARD,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    build_schedule,
-    check_arguments,
-    validate,
-)
+from parallel_layers.pipeline._p2p import _HEADER, Messenger, signature
+from parallel_layers.pipeline.schedule import BATCH, FORWARD, RECV_B, RECV_F, SEND_F, build_schedule, check_arguments
 from parallel_layers.pipeline.stages import PipelineStages
 
 
@@ -78,22 +68,24 @@ class PipelineParallel:
         self.num_stages = stages.num_stages
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in stages.parameters()), torch.device("cpu"))
-        self.actions = build_schedule(schedule, self.ranks, microbatches, stages.virtual)
-        if dist.is_initialized() and self.ranks > 1 and dist.get_backend(self.group) != "gloo":
-            validate(self.actions, self.ranks, microbatches, stages.virtual, in_order=True)
+        self.actions = build_schedule(schedule, self.ranks, microbatches, stages.virtual)  # validated
         self.last_rank = (self.num_stages - 1) % self.ranks
+        self.messenger = Messenger(self.group, self.device)
 
     # ---- one step -------------------------------------------------------------------------
-    def _check_batch(self, inputs: Tensor | None, targets: Tensor | None) -> None:
-        """Every pipeline rank learns both batch sizes and raises the same error on a bad one."""
+    def _check_batch(self, inputs: Tensor | None, targets: Tensor | None) -> tuple:
+        """Every pipeline rank learns both batch sizes and raises the same error on a bad one;
+        returns the inputs' signature (Note [stage boundary contract] in _p2p.py)."""
         mine = torch.tensor([inputs.shape[0] if inputs is not None else -1,
-                             targets.shape[0] if targets is not None else -1], dtype=torch.int64, device=self.device)
+                             targets.shape[0] if targets is not None else -1] + signature(inputs),
+                            dtype=torch.int64, device=self.device)
         sizes = [mine]
         if self.ranks > 1:
             sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
             with fault.collective("pipeline batch-size check (all_gather)", self.group):
                 dist.all_gather(sizes, mine, group=self.group)
-        n_in, n_tgt = int(sizes[0][0]), int(sizes[self.last_rank][1])
+        sizes = [t.tolist() for t in sizes]
+        n_in, n_tgt = sizes[0][0], sizes[self.last_rank][1]
         m = self.microbatches
         if n_in < 0 or n_tgt < 0:
             raise ValueError(f"pipeline step needs inputs on pipeline rank 0 (got {'none' if n_in < 0 else n_in}) and "
@@ -102,17 +94,20 @@ class PipelineParallel:
         if n_in % m or n_in != n_tgt:
             raise ValueError(f"the batch ({n_in} inputs, {n_tgt} targets) must have equal sizes divisible by "
                              f"microbatches={m}; {n_in} % {m} = {n_in % m}; valid batch sizes are multiples of {m}")
+        return tuple(sizes[0][2:2 + _HEADER])
 
     def step(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
         """Forward and backward of one batch by the schedule; returns the batch loss (every pipeline rank)."""
-        self._check_batch(inputs if self.rank == 0 else None, targets if self.rank == self.last_rank else None)
+        sig = self._check_batch(inputs if self.rank == 0 else None,
+                                targets if self.rank == self.last_rank else None)
         m = self.microbatches
         x_mb = list(inputs.chunk(m)) if self.rank == 0 else None
         y_mb = list(targets.chunk(m)) if self.rank == self.last_rank else None
         scale = None
         if y_mb is not None:
             scale = 1.0 / (sum(int(self.token_count(t)) for t in y_mb) if self.token_count else m)
-        msg = Messenger(self.group, self.num_stages, self.device)
+        msg = self.messenger
+        msg.begin(sig)
         sync = self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with sync:
@@ -123,12 +118,22 @@ class PipelineParallel:
                                 "compute_s": run.compute_s}
         if self.data_parallel is not None:
             self.data_parallel.reduce_gradients()
-        msg.finish()  # not on an error: a failed peer would make it wait for the timeout
+        # The loss (from the last stage) and every rank's broken-contract flag in one all-reduce:
+        # a contract broken anywhere is raised everywhere (Note [stage boundary contract]).
+        summary = torch.stack([total, torch.tensor(float(msg.error is not None), dtype=torch.float64,
+                                                   device=self.device)])
         if self.ranks > 1:
-            with fault.collective("pipeline loss broadcast", self.group):
-                dist.broadcast(total, src=dist.get_global_rank(self.group, self.last_rank) if self.group is not None
-                               else self.last_rank, group=self.group)
-        return total.float()
+            with fault.collective("pipeline loss and error all_reduce", self.group):
+                dist.all_reduce(summary, group=self.group)
+        failed = bool(summary[1] > 0)
+        msg.finish(succeeded=not failed)  # not on an exception: a failed peer would make it wait for the timeout
+        if failed:
+            errors = [msg.error] * self.ranks
+            if self.ranks > 1:
+                with fault.collective("pipeline error all_gather", self.group):
+                    dist.all_gather_object(errors, msg.error, group=self.group)
+            raise ValueError(next(e for e in errors if e is not None))
+        return summary[0].float()
 
     def clip_grad_norm_(self, max_norm: float, *, tp_group: dist.ProcessGroup | None = None) -> Tensor:
         """Clip by the global norm over this pipeline's stages, the TP group and (ZeRO) the
@@ -144,49 +149,56 @@ class _StepRun:
         self.pipe, self.msg, self.x_mb, self.y_mb, self.scale = pipe, msg, x_mb, y_mb, scale
         self.actions = pipe.actions[pipe.rank]
         self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output or scaled loss)
-        self.inbox: dict[tuple, Tensor] = {}  # received or handed over within this rank: ("act"|"grad", stage, mb)
-        self.posted: dict[int, dict] = {}  # action index -> receive posted ahead of time
+        self.handed: dict[tuple, Tensor] = {}  # passed between stages of this rank (p = 1): ("act"|"grad", stage, mb)
+        self.broken: set[tuple] = set()  # (stage, mb) whose output broke the boundary contract (zeros were sent)
         self.total = torch.zeros((), dtype=torch.float64, device=pipe.device)
         self.waiting_s = self.compute_s = 0.0  # blocked on a receive (the bubble, and latency); in F and B
 
     def run(self) -> Tensor:
-        for j, a in enumerate(self.actions):
+        for a in self.actions:
+            if a.kind == BATCH:
+                self._exchange(a.ops)
+                continue
             start = time.perf_counter()
-            if a.kind in (RECV_F, RECV_B):
-                h = self.posted.pop(j, None) or self._post(j)
-                self.inbox[("act" if a.kind == RECV_F else "grad", a.stage, a.microbatch)] = self.msg.wait(h)
-                self.waiting_s += time.perf_counter() - start
-            elif a.kind == SEND_F:
-                self.msg.send_activation(self.saved[(a.stage, a.microbatch)][1], a.stage, a.microbatch, a.peer)
-            elif a.kind == SEND_B:
-                self.msg.send_gradient(self.saved.pop(("dx", a.stage, a.microbatch))[1], a.stage, a.microbatch,
-                                       a.peer)
-            else:
-                self._post_next_receives(j)
-                (self._forward if a.kind == FORWARD else self._backward)(a.stage, a.microbatch)
-                self.compute_s += time.perf_counter() - start
+            waited = (self._forward if a.kind == FORWARD else self._backward)(a.stage, a.microbatch)
+            self.waiting_s += waited
+            self.compute_s += time.perf_counter() - start - waited
         return self.total
 
-    # A receive is posted before the compute ahead of it, so its latency hides behind that compute.
-    def _post(self, j: int) -> dict | None:
-        a = self.actions[j]
-        if a.kind == RECV_F:
-            return self.msg.post_activation(a.stage, a.microbatch, a.peer)
-        out = self.saved.get((a.stage - 1, a.microbatch))  # the gradient has our output's shape
-        return self.msg.post_gradient(out[1], a.stage, a.microbatch, a.peer) if out is not None else None
+    def _exchange(self, ops) -> None:
+        """One schedule batch: sends of outputs and input gradients, receives of what is next."""
+        sends, recvs = [], []
+        for a in ops:
+            if a.kind == SEND_F:
+                y, broken = self.msg.outgoing(a.stage, a.microbatch, self.saved[(a.stage, a.microbatch)][1])
+                if broken:
+                    self.broken.add((a.stage, a.microbatch))
+                sends.append((("act", a.stage, a.microbatch), y, a.peer))
+            elif a.kind == RECV_F:
+                recvs.append((("act", a.stage, a.microbatch), a.peer, None))
+            elif a.kind == RECV_B:  # the gradient of what we sent for stage a.stage - 1: its shape
+                out = self.saved[(a.stage - 1, a.microbatch)][1]
+                like = (self.msg.contract[a.stage - 1] if (a.stage - 1, a.microbatch) in self.broken
+                        else (tuple(out.shape), out.dtype))
+                recvs.append((("grad", a.stage, a.microbatch), a.peer, like))
+            else:
+                sends.append((("grad", a.stage, a.microbatch), self.saved.pop(("dx", a.stage, a.microbatch))[1],
+                              a.peer))
+        start = time.perf_counter()
+        self.msg.exchange(sends, recvs)
+        self.waiting_s += time.perf_counter() - start
 
-    def _post_next_receives(self, j: int) -> None:
-        for q in range(j + 1, len(self.actions)):
-            if self.actions[q].kind in (FORWARD, BACKWARD):
-                break
-            if self.actions[q].kind in (RECV_F, RECV_B) and q not in self.posted:
-                h = self._post(q)
-                if h is not None:
-                    self.posted[q] = h
+    def _take(self, item: tuple) -> tuple[Tensor, float]:
+        """An input of this rank's next compute, and how long waiting for it took."""
+        if item in self.handed:
+            return self.handed.pop(item), 0.0
+        start = time.perf_counter()
+        t = self.msg.wait(item)
+        return t, time.perf_counter() - start
 
-    def _forward(self, k: int, i: int) -> None:
+    def _forward(self, k: int, i: int) -> float:
         pipe = self.pipe
-        x = self.x_mb[i] if k == 0 else self.inbox.pop(("act", k - 1, i))
+        x, waited = (self.x_mb[i], 0.0) if k == 0 else self._take(("act", k - 1, i))
         if k > 0 and x.is_floating_point():
             x = x.detach().requires_grad_(True)
         y = pipe.stages.chunk(k)(x)
@@ -197,18 +209,22 @@ class _StepRun:
             y = pipe.loss_fn(y, self.y_mb[i]) * self.scale
             self.total += y.detach().double()
         elif (k + 1) % pipe.ranks == pipe.rank:  # the next stage is ours too (p = 1)
-            self.inbox[("act", k, i)] = y.detach()
+            self.handed[("act", k, i)] = y.detach()
         self.saved[(k, i)] = (x, y)
+        return waited
 
-    def _backward(self, k: int, i: int) -> None:
+    def _backward(self, k: int, i: int) -> float:
         pipe = self.pipe
         x, y = self.saved.pop((k, i))
-        grad = None if k == pipe.num_stages - 1 else self.inbox.pop(("grad", k + 1, i))
-        if y.requires_grad:
+        grad, waited = (None, 0.0) if k == pipe.num_stages - 1 else self._take(("grad", k + 1, i))
+        # A broken contract (zeros went out instead of y) is raised at the step's end; until
+        # then the step runs on, so that every message still meets its peer's.
+        if y.requires_grad and (k, i) not in self.broken:
             torch.autograd.backward(y, grad)
         if k > 0:
             dx = x.grad if x.grad is not None else torch.zeros_like(x)
             if (k - 1) % pipe.ranks == pipe.rank:
-                self.inbox[("grad", k, i)] = dx
+                self.handed[("grad", k, i)] = dx
             else:
                 self.saved[("dx", k, i)] = (None, dx)
+        return waited

@@ -22,17 +22,39 @@ when a limit is too tight for odd m), the limits are lifted for that tick, so ev
 finishes for every p, v, m. Because each rank's order is a slice of one feasible global
 timeline, running it with non-blocking sends and blocking receives cannot deadlock.
 `validate` re-checks that independently on the final action lists.
+
+Note [p2p rounds]: messages follow NCCL's point-to-point rules, which are stricter than
+gloo's: no tags, the k-th send from rank a to rank b meets b's k-th receive from a, and a
+send or receive blocks until its peer has issued the matching one, unless both are in one
+batch (`batch_isend_irecv`, a ncclGroupStart/End), whose operations progress together.
+Two neighbours that each issue a lone receive first (1F1B's steady state) deadlock.
+So every message gets a round: the time its producing compute finishes on a timeline of
+the compute order (`_timeline`). Each rank issues, between its computes, one batch per
+round it takes part in: the round's sends and receives, sorted by what they carry. A rank
+places round T after its computes that start before T and before those that start at T or
+later, so the producer has run and the consumer has not. Every rank issues its rounds in
+increasing T. No deadlock: take the smallest round T at which some rank's batch is stuck;
+its peer's matching operation is in the peer's round-T batch; the peer is not stuck
+earlier (T is the smallest) and not past T (its batch would have completed), so it has
+issued that batch, and both complete. Each channel's messages are issued in the same
+(T, item) order on both ends, so the k-th send meets the k-th receive. `validate` checks
+all of it with a model of these rules (`simulate_p2p`), so a hand-made or future list
+that breaks them is refused before it runs. Rounds stay separate batches even with no
+compute between them: the first activation of a boundary may need a header round of its own
+just before its round (Note [stage boundary contract] in _p2p.py), and a header must not
+wait in one batch with a payload that the peer needs first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict, deque
+from collections import defaultdict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 FORWARD, BACKWARD = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+BATCH = "BATCH"
 _DURATION = {FORWARD: 1, BACKWARD: 2}  # ticks: a backward costs about two forwards
 
 
@@ -46,6 +68,25 @@ class Action:
     def __repr__(self) -> str:
         peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}" if self.peer is not None else ""
         return f"{self.kind}({self.stage},{self.microbatch}){peer}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Sends and receives issued together, as one `batch_isend_irecv` (Note [p2p rounds])."""
+
+    ops: tuple[Action, ...]
+    kind = BATCH
+
+    def __repr__(self) -> str:
+        return "[" + " ".join(map(repr, self.ops)) + "]"
+
+
+def p2p_ops(actions: list) -> list[Action]:
+    """The sends and receives of one rank's action list, in issue order."""
+    out: list[Action] = []
+    for a in actions:
+        out.extend(a.ops if a.kind == BATCH else [a] if a.kind in (SEND_F, RECV_F, SEND_B, RECV_B) else [])
+    return out
 
 
 def stage_rank(stage: int, ranks: int) -> int:
@@ -158,32 +199,71 @@ def megatron_interleaved_order(ranks: int, microbatches: int, virtual: int) -> l
     return order
 
 
-def _with_messages(order: list[list[tuple[str, int, int]]], ranks: int, stages: int) -> list[list[Action]]:
-    """Each compute preceded by its receive and followed by its send. A stage's neighbour on
-    the same rank (only with p = 1) hands over in memory: no message for it."""
-    lists: list[list[Action]] = []
+def _timeline(order: list[list[tuple[str, int, int]]], stages: int) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """(start, finish) of every F and B when each rank runs its computes in `order` as soon
+    as their inputs exist, a forward costing 1 and a backward 2; raises ScheduleError if the
+    order deadlocks."""
+    ranks = len(order)
+    times: dict[tuple[str, int, int], tuple[float, float]] = {}
+    clock = [0.0] * ranks
+    pc = [0] * ranks
+    while any(pc[r] < len(order[r]) for r in range(ranks)):
+        progressed = False
+        for r in range(ranks):
+            while pc[r] < len(order[r]):
+                kind, k, i = order[r][pc[r]]
+                if kind == FORWARD:
+                    deps = [(FORWARD, k - 1, i)] if k > 0 else []
+                else:
+                    deps = [(FORWARD, k, i)] + ([(BACKWARD, k + 1, i)] if k < stages - 1 else [])
+                if any(d not in times for d in deps):
+                    break
+                start = max([clock[r]] + [times[d][1] for d in deps])
+                clock[r] = start + _DURATION[kind]
+                times[(kind, k, i)] = (start, clock[r])
+                pc[r] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("replay stalled: the compute order deadlocks")
+    return times
+
+
+def _item(a: Action) -> tuple[str, int, int]:
+    """What a send or receive carries: ("act", stage, mb) for a forward's output, ("grad",
+    stage, mb) for the gradient a backward sends to the stage before."""
+    return ("act" if a.kind in (SEND_F, RECV_F) else "grad", a.stage, a.microbatch)
+
+
+def _with_messages(order: list[list[tuple[str, int, int]]], ranks: int, stages: int) -> list[list]:
+    """The computes in `order` with their messages in batched rounds (Note [p2p rounds]). A
+    stage's neighbour on the same rank (only with p = 1) hands over in memory: no message."""
+    times = _timeline(order, stages)
+    rounds: list[dict[float, list[Action]]] = [defaultdict(list) for _ in range(ranks)]
     for r, computes in enumerate(order):
-        actions: list[Action] = []
         for kind, k, i in computes:
-            if kind == FORWARD:
-                src, dst = stage_rank(k - 1, ranks), stage_rank(k + 1, ranks)
-                if k > 0 and src != r:
-                    actions.append(Action(RECV_F, k - 1, i, src))
-                actions.append(Action(FORWARD, k, i))
-                if k < stages - 1 and dst != r:
-                    actions.append(Action(SEND_F, k, i, dst))
-            else:
-                src, dst = stage_rank(k + 1, ranks), stage_rank(k - 1, ranks)
-                if k < stages - 1 and src != r:
-                    actions.append(Action(RECV_B, k + 1, i, src))
-                actions.append(Action(BACKWARD, k, i))
-                if k > 0 and dst != r:
-                    actions.append(Action(SEND_B, k, i, dst))
+            finish = times[(kind, k, i)][1]
+            if kind == FORWARD and k < stages - 1 and stage_rank(k + 1, ranks) != r:
+                dst = stage_rank(k + 1, ranks)
+                rounds[r][finish].append(Action(SEND_F, k, i, dst))
+                rounds[dst][finish].append(Action(RECV_F, k, i, r))
+            elif kind == BACKWARD and k > 0 and stage_rank(k - 1, ranks) != r:
+                dst = stage_rank(k - 1, ranks)
+                rounds[r][finish].append(Action(SEND_B, k, i, dst))
+                rounds[dst][finish].append(Action(RECV_B, k, i, r))
+    lists: list[list] = []
+    for r, computes in enumerate(order):
+        pending = sorted(rounds[r].items())
+        actions: list = []
+        for kind, k, i in computes:
+            while pending and pending[0][0] <= times[(kind, k, i)][0]:
+                actions.append(Batch(tuple(sorted(pending.pop(0)[1], key=_item))))
+            actions.append(Action(kind, k, i))
+        actions.extend(Batch(tuple(sorted(ops, key=_item))) for _, ops in pending)
         lists.append(actions)
     return lists
 
 
-def build_schedule(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
+def build_schedule(schedule: str, ranks: int, microbatches: int, virtual: int = 1) -> list[list]:
     """Per rank, its full action list, validated (see `validate`). The interleaved schedule
     uses Megatron's order when that is valid for (p, m, v), else the simulated one."""
     stages = ranks * virtual
@@ -191,8 +271,8 @@ def build_schedule(schedule: str, ranks: int, microbatches: int, virtual: int = 
     if schedule == "interleaved":
         candidates.insert(0, megatron_interleaved_order(ranks, microbatches, virtual))
     for n, order in enumerate(candidates):
-        lists = _with_messages(order, ranks, stages)
         try:
+            lists = _with_messages(order, ranks, stages)
             validate(lists, ranks, microbatches, virtual)
             return lists
         except ScheduleError:
@@ -205,62 +285,99 @@ class ScheduleError(ValueError):
     """An action list that would deadlock, mismatch a message, or break a data dependency."""
 
 
-def validate(lists: list[list[Action]], ranks: int, microbatches: int, virtual: int = 1, *,
-             in_order: bool = False) -> int:
-    """Simulate the action lists with non-blocking sends and blocking receives.
+def validate(lists: list[list], ranks: int, microbatches: int, virtual: int = 1) -> int:
+    """Check action lists against NCCL's point-to-point rules (Note [p2p rounds]) and the data
+    flow; return the number of rounds `simulate_p2p` took.
 
-    Messages are matched by what they carry (stage, microbatch, kind), as tagged gloo sends
-    are; with `in_order=True` a receive must also be the next message on its (sender,
-    receiver) channel, as NCCL matches point-to-point messages in issue order. Raises
-    ScheduleError on a deadlock (naming each rank's blocked action), an out-of-order message
-    (in_order), a compute whose input is missing, or a stage and microbatch not computed
-    exactly once on its rank. Returns the number of rounds the simulation took.
+    A lone SEND_* / RECV_* action is a batch of one (it blocks until its peer's matching
+    operation is issued). Raises ScheduleError on a deadlock (naming each rank's blocked
+    batch), a channel whose k-th send and k-th receive carry different things (out of
+    order), a send without receive, a send before its compute, a compute whose input has
+    not been received, or a stage and microbatch not computed exactly once on its rank.
     """
     stages = ranks * virtual
     if len(lists) != ranks:
         raise ScheduleError(f"expected {ranks} action lists (one per rank), got {len(lists)}")
-    channels: dict[tuple[int, int], deque] = defaultdict(deque)
-    have: list[set] = [set() for _ in range(ranks)]  # what each rank holds: ("act"|"grad", stage, mb)
-    done: list[set] = [set() for _ in range(ranks)]
+    units: list[list[list]] = []
+    for r in range(ranks):
+        have: set = set()  # ("act" | "grad", stage, mb) this rank holds
+        done: set = set()
+        mine: list[list] = []
+        for a in lists[r]:
+            ops = a.ops if a.kind == BATCH else [a] if a.kind in (SEND_F, RECV_F, SEND_B, RECV_B) else None
+            if ops is None:
+                _check_compute(a, r, ranks, stages, have, done)
+                continue
+            for op in ops:
+                if op.kind in (SEND_F, SEND_B) and _item(op) not in have:
+                    raise ScheduleError(f"rank {r} sends {op} before computing it")
+            have.update(_item(op) for op in ops if op.kind in (RECV_F, RECV_B))
+            mine.append([("send" if op.kind in (SEND_F, SEND_B) else "recv", op.peer, _item(op)) for op in ops])
+        expected = {(kind, k, i) for kind in (FORWARD, BACKWARD) for k in range(r, stages, ranks)
+                    for i in range(microbatches)}
+        if done != expected:
+            raise ScheduleError(f"rank {r} computes {sorted(done - expected)} it should not and misses "
+                                f"{sorted(expected - done)}")
+        units.append(mine)
+    return simulate_p2p(units)
+
+
+def simulate_p2p(units: list[list[list[tuple[str, int, object]]]]) -> int:
+    """Run NCCL's point-to-point matching on what each rank issues; return the rounds taken.
+
+    units[r] is rank r's sequence of batches, each a list of ("send" | "recv", peer, what).
+    Per directed pair, the k-th send meets the k-th receive and must carry the same `what`
+    (the content, or its size and dtype for recorded calls). A batch completes once every
+    matching operation has been issued by its peer, i.e. the peer has reached the batch
+    holding it; a rank issues its next batch only after the current one completed. Raises
+    ScheduleError on a mismatch, an unmatched operation or a deadlock.
+    """
+    ranks = len(units)
+    where: dict[tuple, list] = defaultdict(list)  # (src, dst, "send"|"recv") -> [(batch index, what)]
+    for r, batches in enumerate(units):
+        for b, ops in enumerate(batches):
+            for kind, peer, what in ops:
+                if not 0 <= peer < ranks or peer == r:
+                    raise ScheduleError(f"rank {r} batch {b}: {kind} with peer {peer} (ranks are 0..{ranks - 1}, "
+                                        "not itself)")
+                key = (r, peer, "send") if kind == "send" else (peer, r, "recv")
+                where[key].append((b, what))
+    for (src, dst, kind) in list(where):
+        if kind != "send":
+            continue
+        sends, recvs = where[(src, dst, "send")], where.get((src, dst, "recv"), [])
+        for k, ((bs, ws), (br, wr)) in enumerate(zip(sends, recvs)):
+            if ws != wr:
+                raise ScheduleError(f"send #{k} from rank {src} to rank {dst} carries {ws} but rank {dst}'s "
+                                    f"receive #{k} from rank {src} expects {wr}: sends and receives are out of "
+                                    "order (NCCL matches them in issue order)")
+        if len(sends) != len(recvs):
+            extra = sends[len(recvs):] or recvs[len(sends):]
+            side = "sent but never received" if len(sends) > len(recvs) else "received but never sent"
+            raise ScheduleError(f"messages {side} between rank {src} and rank {dst}: {[w for _, w in extra]}")
+    for (src, dst, kind), ops in where.items():
+        if kind == "recv" and (src, dst, "send") not in where:
+            raise ScheduleError(f"messages received but never sent between rank {src} and rank {dst}: "
+                                f"{[w for _, w in ops]}")
+    blocks: list[list[list[tuple[int, int]]]] = [[[] for _ in batches] for batches in units]
+    for (src, dst, kind), ops in where.items():
+        if kind == "send":
+            for (bs, _), (br, _) in zip(ops, where[(src, dst, "recv")]):
+                blocks[src][bs].append((dst, br))
+                blocks[dst][br].append((src, bs))
     pc = [0] * ranks
     rounds = 0
-    while any(pc[r] < len(lists[r]) for r in range(ranks)):
+    while any(pc[r] < len(units[r]) for r in range(ranks)):
         progressed = False
         for r in range(ranks):
-            while pc[r] < len(lists[r]):
-                a = lists[r][pc[r]]
-                if a.kind in (SEND_F, SEND_B):
-                    item = ("act" if a.kind == SEND_F else "grad", a.stage, a.microbatch)
-                    if item not in have[r]:
-                        raise ScheduleError(f"rank {r} sends {a} before computing it")
-                    channels[(r, a.peer)].append(item)
-                elif a.kind in (RECV_F, RECV_B):
-                    want = ("act" if a.kind == RECV_F else "grad", a.stage, a.microbatch)
-                    chan = channels[(a.peer, r)]
-                    if want not in chan:
-                        break  # blocked until the sender gets there
-                    if in_order and chan[0] != want:
-                        raise ScheduleError(f"rank {r} expects {want} from rank {a.peer} but the next message on "
-                                            f"that channel is {chan[0]}: sends and receives are out of order")
-                    chan.remove(want)
-                    have[r].add(want)
-                else:
-                    _check_compute(a, r, ranks, stages, have[r], done[r])
+            while pc[r] < len(units[r]) and all(pc[q] >= b for q, b in blocks[r][pc[r]]):
                 pc[r] += 1
                 progressed = True
         rounds += 1
         if not progressed:
-            blocked = {r: lists[r][pc[r]] for r in range(ranks) if pc[r] < len(lists[r])}
-            raise ScheduleError(f"deadlock: every unfinished rank waits on a receive: {blocked}")
-    leftovers = {k: list(v) for k, v in channels.items() if v}
-    if leftovers:
-        raise ScheduleError(f"messages sent but never received: {leftovers}")
-    for r in range(ranks):
-        expected = {(kind, k, i) for kind in (FORWARD, BACKWARD) for k in range(r, stages, ranks)
-                    for i in range(microbatches)}
-        if done[r] != expected:
-            raise ScheduleError(f"rank {r} computes {sorted(done[r] - expected)} it should not and misses "
-                                f"{sorted(expected - done[r])}")
+            blocked = {r: units[r][pc[r]] for r in range(ranks) if pc[r] < len(units[r])}
+            raise ScheduleError(f"deadlock: every unfinished rank waits for a peer to issue a matching send or "
+                                f"receive: {blocked}")
     return rounds
 
 
@@ -283,33 +400,11 @@ def _check_compute(a: Action, r: int, ranks: int, stages: int, have: set, done: 
     done.add(key)
 
 
-def replay_makespan(lists: list[list[Action]], ranks: int, virtual: int = 1) -> float:
+def replay_makespan(lists: list[list], ranks: int, virtual: int = 1) -> float:
     """Time the action lists take when each rank runs its computes in order, as soon as their
     inputs exist, a forward costing 1 and a backward 2 (messages free): for bubble checks."""
-    stages = ranks * virtual
-    finished: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * ranks
-    todo = [[a for a in actions if a.kind in (FORWARD, BACKWARD)] for actions in lists]
-    pc = [0] * ranks
-    while any(pc[r] < len(todo[r]) for r in range(ranks)):
-        progressed = False
-        for r in range(ranks):
-            while pc[r] < len(todo[r]):
-                a = todo[r][pc[r]]
-                k, i = a.stage, a.microbatch
-                if a.kind == FORWARD:
-                    deps = [(FORWARD, k - 1, i)] if k > 0 else []
-                else:
-                    deps = [(FORWARD, k, i)] + ([(BACKWARD, k + 1, i)] if k < stages - 1 else [])
-                if any(d not in finished for d in deps):
-                    break
-                start = max([clock[r]] + [finished[d] for d in deps])
-                clock[r] = finished[(a.kind, k, i)] = start + _DURATION[a.kind]
-                pc[r] += 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError("replay stalled: the lists deadlock")
-    return max(clock)
+    order = [[(a.kind, a.stage, a.microbatch) for a in actions if a.kind in (FORWARD, BACKWARD)] for actions in lists]
+    return max((finish for _, finish in _timeline(order, ranks * virtual).values()), default=0.0)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
