@@ -115,8 +115,8 @@ class Messenger:
         per_op = (lambda j: [works[j]]) if len(works) == len(ops) else (lambda j: works)
         for it, buf, j in posted:
             self.received[it] = (per_op(j), buf)
-        # A gloo receive's work may be waited only once (in `wait`); keep the sends' own.
-        self.in_flight.append(([w for j in range(len(sends)) for w in per_op(j)], keep))
+        # A gloo receive's work may be waited only once (in `wait`): keep the sends' own.
+        self.in_flight.append((works[:len(sends)] if len(works) == len(ops) else works if sends else [], keep))
 
     def _launch(self, ops: list) -> list:
         with fault.collective("pipeline send/receive batch", self.group):
