@@ -284,7 +284,7 @@ def main():
         print(f"parity vs single process: final loss {losses[-1]:.6f} vs {ref_losses[-1]:.6f}, max relative "
               f"difference over {args.steps} steps {diff:.2e} (tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}")
     dist.broadcast(verdict, src=0)
-    dist.destroy_process_group()
+    ctx.shutdown()
     if verdict.item() != 1.0:
         raise SystemExit(1)
 

@@ -18,21 +18,110 @@ The record costs a few attribute writes per collective; nothing is sent per coll
 With PARALLEL_LAYERS_DEBUG=1, `check_agreement` runs before each of the library's
 collectives: one small all-gather of (op, shape, dtype) that turns a mismatch into an error
 on every rank of the group before it can hang or corrupt data.
+
+The heartbeat stops (an Event, then the thread joined) in `stop_heartbeat()`, which
+`parallel_layers.shutdown()` calls before `destroy_process_group`, and at interpreter exit
+(atexit runs before Python starts finalizing); it also stops by itself within one beat once
+the default process group it beats for is destroyed (a plain `dist.destroy_process_group()`).
+Why it must stop: `Store.set` releases the GIL while it talks to the store; a daemon thread
+that comes back from it after Python began finalizing is ended by `pthread_exit`, whose forced
+unwind meets pybind11's noexcept `~gil_scoped_release` and calls `std::terminate`: "terminate
+called without an active exception", SIGABRT, and torchrun reports the job failed. The thread
+keeps its own reference to the store, so a store that torch drops is never destroyed under it.
+
+On NCCL a launch returns at once and `work.wait()` only makes the stream wait, so a dead or
+hung peer seldom raises inside `collective()`. There torch's own machinery is the watchdog,
+and `init_parallel` turns it on (`nccl_env_defaults`, variables the user set win): async error
+handling (a collective that fails or outlives the process group's timeout tears the process
+down, so torchrun sees a failure and can restart the job instead of hanging), and the flight
+recorder, which dumps each rank's last collectives to `<prefix><rank>` on a timeout; gathered
+in one directory, `torchfrtrace <dir>` names the rank and the collective that diverged. A
+CollectiveError on NCCL (a launch that raises: an aborted communicator, TORCH_NCCL_BLOCKING_WAIT)
+points at that dump. docs/faults.md says what runs on gloo, what is only modelled for NCCL, and
+why.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
 HEARTBEAT_S = 1.0
 _KEY = "parallel_layers/heartbeat/{}"
+
+
+# torch's NCCL safety net (Note [collective watchdog]): each variable under the names torch
+# 2.14 reads, first name first, and the value init_parallel gives it when none of them is set.
+NCCL_SAFETY_ENV = (
+    # 1 = tear down: a collective that fails or times out kills the process (torchrun's own default)
+    (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"), "1"),
+    (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),  # flight-recorder entries kept
+    (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+    (("TORCH_NCCL_ENABLE_MONITORING",), "1"),  # the dump on timeout runs in the monitor thread
+)
+DUMP_PREFIX_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def _first_set(environ: Mapping[str, str], names) -> str | None:
+    return next((environ[n] for n in names if environ.get(n)), None)
+
+
+def _cache_dir(environ: Mapping[str, str]) -> str:
+    return environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME", "/tmp"), ".cache")
+
+
+def flight_recorder_prefix(environ: Mapping[str, str]) -> str:
+    """Where torch's flight recorder writes rank r's dump: `<prefix>r`. torch 2.14 reads
+    TORCH_FR_DUMP_TEMP_FILE, then TORCH_NCCL_DEBUG_INFO_TEMP_FILE, else uses
+    $XDG_CACHE_HOME (or $HOME/.cache) + /torch/comm_lib_trace_rank_."""
+    return _first_set(environ, DUMP_PREFIX_ENV) or os.path.join(_cache_dir(environ), "torch", "comm_lib_trace_rank_")
+
+
+def nccl_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables `init_parallel` sets before creating an NCCL process group: those of
+    NCCL_SAFETY_ENV the user has not set under any name, and a dump prefix in a directory of
+    this job's own (one per torchrun run id), which `torchfrtrace <dir>` reads as it is."""
+    out = {names[0]: value for names, value in NCCL_SAFETY_ENV if _first_set(environ, names) is None}
+    if _first_set(environ, DUMP_PREFIX_ENV) is None:
+        job = environ.get("TORCHELASTIC_RUN_ID") or "default"
+        out[DUMP_PREFIX_ENV[0]] = os.path.join(_cache_dir(environ), "torch", "flight_recorder", job, "rank_")
+    return out
+
+
+def restart_store_warning(environ: Mapping[str, str]) -> str | None:
+    """A warning for a torchrun job that may restart (--max-restarts > 0) while its workers use
+    the agent's rendezvous store: torch 2.14's agent keeps that store across restarts, so the
+    restarted workers' process group can read the dead workers' addresses from it and fail to
+    connect (pytorch/pytorch#135712). None when that cannot happen."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+        return None
+    return ("torchrun may restart this job (--max-restarts > 0) but its workers share the agent's rendezvous store, "
+            "which outlives a restart: the restarted process group can find the dead workers' addresses there and "
+            "fail to connect (pytorch/pytorch#135712). Launch with the c10d rendezvous (--standalone or --rdzv-backend "
+            "c10d) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, so that every restart gets a "
+            "fresh store (docs/faults.md)")
+
+
+def _flight_recorder_hint(group) -> str:
+    """For NCCL groups: where this failure's flight-recorder dumps are and how to read them."""
+    try:
+        if "nccl" not in str(dist.get_backend(group)):
+            return ""
+    except (RuntimeError, ValueError):
+        return ""
+    prefix = flight_recorder_prefix(os.environ)
+    return (f". NCCL flight recorder: on a timeout each rank dumps its last collectives to {prefix}<rank> on its "
+            f"node (this rank: {prefix}{dist.get_rank()}); copy every rank's file into one directory and run "
+            f"`torchfrtrace <dir>` (or `python -m torch.distributed.flight_recorder.fr_trace <dir>`) to see which "
+            f"rank and collective diverged (docs/faults.md)")
 
 
 class CollectiveError(RuntimeError):
@@ -45,8 +134,7 @@ class _Local:
     def __init__(self):
         self.current: dict | None = None
         self.counts: dict[str, int] = {}
-        self.heartbeat: threading.Thread | None = None
-        self.pid = None
+        self.heartbeat: _Heartbeat | None = None
 
 
 _local = _Local()
@@ -60,28 +148,53 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-def _beat_forever(store, rank: int) -> None:
-    beat = 0
-    host = socket.gethostname()
-    while True:
-        beat += 1
-        record = {"beat": beat, "pid": os.getpid(), "host": host, "current": _local.current}
-        try:
-            store.set(_KEY.format(rank), json.dumps(record))
-        except Exception:  # noqa: BLE001 - the store went away (job ending): stop beating
-            return
-        time.sleep(HEARTBEAT_S)
+class _Heartbeat:
+    """A daemon thread that publishes this rank's record to `store` every HEARTBEAT_S until
+    stopped, or until the default process group it was started for is destroyed."""
+
+    def __init__(self, store, rank: int):
+        self.store, self.rank, self.pid = store, rank, os.getpid()
+        self.world = dist.distributed_c10d.GroupMember.WORLD
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="parallel_layers-heartbeat")
+        self.thread.start()
+
+    def _run(self) -> None:
+        beat, host = 0, socket.gethostname()
+        while not self.stopping.is_set() and dist.distributed_c10d.GroupMember.WORLD is self.world:
+            beat += 1
+            record = {"beat": beat, "pid": self.pid, "host": host, "current": _local.current}
+            try:
+                self.store.set(_KEY.format(self.rank), json.dumps(record))
+            except Exception:  # noqa: BLE001 - the store went away (job ending): stop beating
+                return
+            self.stopping.wait(HEARTBEAT_S)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stopping.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)  # a store call in flight returns within its own timeout
 
 
 def _ensure_heartbeat() -> None:
-    if _local.heartbeat is not None and _local.pid == os.getpid() and _local.heartbeat.is_alive():
+    hb = _local.heartbeat
+    if hb is not None and hb.pid == os.getpid() and hb.thread.is_alive():
         return
     if not dist.is_initialized():
         return
-    _local.pid = os.getpid()  # a forked child needs its own thread
-    _local.heartbeat = threading.Thread(target=_beat_forever, args=(_store(), dist.get_rank()), daemon=True,
-                                        name="parallel_layers-heartbeat")
-    _local.heartbeat.start()
+    _local.heartbeat = _Heartbeat(_store(), dist.get_rank())  # a forked child gets its own thread
+
+
+def stop_heartbeat() -> None:
+    """Stop this process's heartbeat and wait for its thread (Note [collective watchdog]).
+    Safe to call any number of times; the next collective starts a new one if a process group
+    is initialized again."""
+    hb, _local.heartbeat = _local.heartbeat, None
+    if hb is not None and hb.pid == os.getpid():
+        hb.stop()
+
+
+atexit.register(stop_heartbeat)
 
 
 def _read(store, ranks: list[int]) -> dict[int, dict | None]:
@@ -151,7 +264,8 @@ def collective(name: str, group=None):
     except RuntimeError as e:  # gloo / NCCL errors and timeouts
         raise CollectiveError(f"{name} #{count} of group {ranks} failed on rank {dist.get_rank()} after "
                               f"{time.time() - _local.current['since']:.1f} s: {diagnose(name, ranks, count)}. "
-                              f"Cause: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+                              f"Cause: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                              f"{_flight_recorder_hint(group)}") from e
     finally:
         _local.current = outer
 

@@ -10,13 +10,17 @@ beyond torch.distributed's own default group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel_layers import fault
 
 MESH_AXES = ("pp", "dp", "tp")
 
@@ -96,6 +100,10 @@ class ParallelContext:
         _check_axis(axis)
         return self.mesh.get_local_rank(axis)
 
+    def shutdown(self) -> None:
+        """The end of the job: `parallel_layers.shutdown()`."""
+        shutdown()
+
 
 def default_device() -> torch.device:
     """cuda:LOCAL_RANK when GPUs are visible, else the CPU."""
@@ -109,15 +117,31 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
     """Build the (pp, dp, tp) mesh and its groups; initialise torch.distributed if needed.
 
     The backend follows the device: NCCL for CUDA, gloo for CPU. Collectives time out after
-    `timeout_s` instead of hanging forever. Works under torchrun (reads the usual env vars)
-    and after an existing `init_process_group` (tests).
+    `timeout_s` instead of hanging forever; on NCCL, torch's async error handling and flight
+    recorder are turned on unless the environment sets them (Note [collective watchdog] in
+    parallel_layers/fault.py). Works under torchrun (reads the usual env vars) and after an
+    existing `init_process_group` (tests). End the job with `shutdown()`.
     """
     device = torch.device(device) if device is not None else default_device()
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            os.environ.update(fault.nccl_env_defaults(os.environ))  # read when the process group is created
+            with contextlib.suppress(OSError):  # torch creates only its default dump directory
+                os.makedirs(os.path.dirname(fault.flight_recorder_prefix(os.environ)), exist_ok=True)
+        restart_warning = fault.restart_store_warning(os.environ)
+        if restart_warning and os.environ.get("RANK") == "0":
+            warnings.warn(restart_warning, stacklevel=2)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     dims = ParallelDims.infer(dist.get_world_size(), tp=tp, pp=pp, dp=dp)
     mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_AXES)
     return ParallelContext(dims=dims, mesh=mesh, device=device)
+
+
+def shutdown() -> None:
+    """Stop the collective watchdog's heartbeat, then destroy the process groups: the clean end
+    of a job (Note [collective watchdog]). A plain `dist.destroy_process_group()` is safe too."""
+    fault.stop_heartbeat()
+    if dist.is_initialized():
+        dist.destroy_process_group()

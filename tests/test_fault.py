@@ -94,3 +94,81 @@ def test_debug_mode_checks_the_wrappers_collectives_too():
                 "parameter broadcast (3, 4) torch.float32; rank 1: DataParallel parameter broadcast (5, 4) "
                 "torch.float32")
     assert run_distributed(_mismatched_replicas, 2, collective_timeout_s=20) == [expected, expected]
+
+
+def test_nccl_env_defaults_fill_only_what_the_user_left_unset():
+    from parallel_layers.fault import nccl_env_defaults
+
+    env = {"HOME": "/home/u", "TORCHELASTIC_RUN_ID": "job7"}
+    assert nccl_env_defaults(env) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_FR_DUMP_TEMP_FILE": "/home/u/.cache/torch/flight_recorder/job7/rank_"}
+    # A value under any of torch's names for a variable wins, and is left as it is.
+    user = {"HOME": "/home/u", "NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_",
+            "XDG_CACHE_HOME": "/cache"}
+    assert nccl_env_defaults(user) == {"TORCH_NCCL_ENABLE_MONITORING": "1"}
+    assert nccl_env_defaults({"XDG_CACHE_HOME": "/cache"})["TORCH_FR_DUMP_TEMP_FILE"] == \
+        "/cache/torch/flight_recorder/default/rank_"
+
+
+def test_flight_recorder_prefix_follows_torch():
+    from parallel_layers.fault import flight_recorder_prefix
+
+    # torch 2.14's DebugInfoWriter: TORCH_FR_DUMP_TEMP_FILE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE, else the cache dir.
+    assert flight_recorder_prefix({"HOME": "/home/u"}) == "/home/u/.cache/torch/comm_lib_trace_rank_"
+    assert flight_recorder_prefix({"HOME": "/home/u", "XDG_CACHE_HOME": "/c"}) == "/c/torch/comm_lib_trace_rank_"
+    assert flight_recorder_prefix({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/a/", "HOME": "/h"}) == "/a/"
+    assert flight_recorder_prefix({"TORCH_FR_DUMP_TEMP_FILE": "/b/", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/a/"}) == "/b/"
+
+
+def test_restart_store_warning():
+    from parallel_layers.fault import restart_store_warning
+
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_store_warning(shared)
+    assert restart_store_warning({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert restart_store_warning({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert restart_store_warning({}) is None
+
+
+def _nccl_failure(rank, world):
+    from unittest import mock
+
+    from parallel_layers import fault
+
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = "/shared/fr/rank_"
+    # The backend is gloo; the message is chosen by what the group reports.
+    with mock.patch.object(fault.dist, "get_backend", lambda group=None: "nccl"):
+        return _survivor_message(lambda: _raise_inside_collective(fault))[0]
+
+
+def _raise_inside_collective(fault):
+    with fault.collective("all_reduce", None):
+        raise RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")
+
+
+def test_collective_error_on_nccl_points_at_the_flight_recorder_dump():
+    message, = run_distributed(_nccl_failure, 1)
+    assert message.startswith("all_reduce #1 of group [0] failed on rank 0")
+    assert "Cause: Watchdog caught collective operation timeout" in message
+    assert "/shared/fr/rank_<rank> on its node (this rank: /shared/fr/rank_0)" in message
+    assert "`torchfrtrace <dir>`" in message and "python -m torch.distributed.flight_recorder.fr_trace" in message
+
+
+def _stop_and_restart(rank, world):
+    from parallel_layers import fault
+    from parallel_layers.tensor_parallel import comm
+
+    comm.all_reduce(torch.ones(1), None)
+    first = fault._local.heartbeat.thread
+    alive = first.is_alive()
+    fault.stop_heartbeat()  # joins: no thread left calling into the store
+    stopped = not first.is_alive() and fault._local.heartbeat is None
+    fault.stop_heartbeat()  # twice is fine
+    comm.all_reduce(torch.ones(1), None)  # the next collective beats again
+    return alive, stopped, fault._local.heartbeat.thread.is_alive() and fault._local.heartbeat.thread is not first
+
+
+def test_heartbeat_stops_and_joins():
+    assert run_distributed(_stop_and_restart, 2) == [(True, True, True)] * 2
