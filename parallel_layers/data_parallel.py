@@ -56,13 +56,16 @@ class _Bucket:
         return len(self.arrived) == len(self.params)
 
     def launch(self, group, world: int, used: set[int]) -> None:
-        self.buffer.zero_()
         offset = 0
         for p in self.params:
-            if id(p) in used:
-                self.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            chunk = self.buffer[offset:offset + p.numel()]
+            chunk.copy_(p.grad.reshape(-1)) if id(p) in used else chunk.zero_()
             offset += p.numel()
-        self.buffer[self.numel:] = torch.tensor([float(id(p) in used) for p in self.params])
+        self.all_used = all(id(p) in used for p in self.params)
+        if self.all_used:  # the common case: no host-to-device copy
+            self.buffer[self.numel:].fill_(1)
+        else:
+            self.buffer[self.numel:].copy_(torch.tensor([float(id(p) in used) for p in self.params]))
         self.buffer[:self.numel].div_(world)
         fault.check_agreement(_ALL_REDUCE, self.buffer, group)
         with fault.collective(_ALL_REDUCE, group):
@@ -72,7 +75,10 @@ class _Bucket:
         fault.wait(self.work, _ALL_REDUCE, group)
         self.work = None
         offset = 0
-        for p, users in zip(self.params, self.buffer[self.numel:].tolist()):
+        # Read the counts (a host sync on a GPU) only if this rank left a parameter unused:
+        # a parameter used here has a count of at least 1.
+        counts = [1.0] * len(self.params) if self.all_used else self.buffer[self.numel:].tolist()
+        for p, users in zip(self.params, counts):
             if users > 0:  # used on some rank; else .grad stays as it was
                 average = self.buffer[offset:offset + p.numel()].view_as(p)
                 if p.grad is None:
