@@ -178,10 +178,10 @@ class _Heartbeat:
 
 def _ensure_heartbeat() -> None:
     hb = _local.heartbeat
-    if hb is not None and hb.pid == os.getpid() and hb.thread.is_alive():
+    if not dist.is_initialized() or (hb is not None and hb.pid == os.getpid() and hb.thread.is_alive()
+                                     and hb.world is dist.distributed_c10d.GroupMember.WORLD):
         return
-    if not dist.is_initialized():
-        return
+    stop_heartbeat()  # one beating for a destroyed process group (it would stop within a beat)
     _local.heartbeat = _Heartbeat(_store(), dist.get_rank())  # a forked child gets its own thread
 
 

@@ -172,3 +172,24 @@ def _stop_and_restart(rank, world):
 
 def test_heartbeat_stops_and_joins():
     assert run_distributed(_stop_and_restart, 2) == [(True, True, True)] * 2
+
+
+def _reinit(rank, world, store_path):
+    import torch.distributed as dist
+
+    from parallel_layers import fault
+    from parallel_layers.tensor_parallel import comm
+
+    comm.all_reduce(torch.ones(1), None)
+    first = fault._local.heartbeat.thread
+    dist.destroy_process_group()  # a plain destroy: the heartbeat stops by itself within a beat
+    first.join(timeout=2 * fault.HEARTBEAT_S + 1)
+    stopped_by_itself = not first.is_alive()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    comm.all_reduce(torch.ones(1), None)  # beats for the new process group, into its store
+    second = fault._local.heartbeat
+    return stopped_by_itself, second.thread.is_alive(), second.world is dist.distributed_c10d.GroupMember.WORLD
+
+
+def test_heartbeat_follows_a_new_process_group(tmp_path):
+    assert run_distributed(_reinit, 2, args=(str(tmp_path / "store"),)) == [(True, True, True)] * 2
