@@ -96,20 +96,6 @@ def nccl_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def restart_store_warning(environ: Mapping[str, str]) -> str | None:
-    """A warning for a torchrun job that may restart (--max-restarts > 0) while its workers use
-    the agent's rendezvous store: torch 2.14's agent keeps that store across restarts, so the
-    restarted workers' process group can read the dead workers' addresses from it and fail to
-    connect (pytorch/pytorch#135712). None when that cannot happen."""
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
-        return None
-    return ("torchrun may restart this job (--max-restarts > 0) but its workers share the agent's rendezvous store, "
-            "which outlives a restart: the restarted process group can find the dead workers' addresses there and "
-            "fail to connect (pytorch/pytorch#135712). Launch with the c10d rendezvous (--standalone or --rdzv-backend "
-            "c10d) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, so that every restart gets a "
-            "fresh store (docs/faults.md)")
-
-
 def _flight_recorder_hint(group) -> str:
     """For NCCL groups: where this failure's flight-recorder dumps are and how to read them."""
     try:

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -130,13 +129,34 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
             os.environ.update(fault.nccl_env_defaults(os.environ))  # read when the process group is created
             with contextlib.suppress(OSError):  # torch creates only its default dump directory
                 os.makedirs(os.path.dirname(fault.flight_recorder_prefix(os.environ)), exist_ok=True)
-        restart_warning = fault.restart_store_warning(os.environ)
-        if restart_warning and os.environ.get("RANK") == "0":
-            warnings.warn(restart_warning, stacklevel=2)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            store, rank, world = _attempt_store(timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     dims = ParallelDims.infer(dist.get_world_size(), tp=tp, pp=pp, dp=dp)
     mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_AXES)
     return ParallelContext(dims=dims, mesh=mesh, device=device)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:
+    """The env:// store of torch.distributed's own rendezvous, under a prefix of its own for
+    each restart of the job.
+
+    Note [a store per restart]: torchrun's agent keeps one store for its workers across
+    restarts (torch 2.14, pytorch/pytorch#135712), so a restarted process group can read the
+    dead workers' addresses there ("Gloo connectFullMesh failed ... Connection refused") or
+    a stale barrier. Each rank counts its own initialisations in the store; every attempt
+    starts every rank anew, so all ranks of an attempt count the same n and meet under the
+    fresh prefix "attempt<n>". (A rank killed before it reached init_parallel would leave
+    its count one behind; launching with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every
+    restart a new store and sidesteps the count.)
+    """
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = store.add(f"parallel_layers/inits/rank{rank}", 1)
+    return dist.PrefixStore(f"parallel_layers/attempt{attempt}/default_pg", store), rank, world
 
 
 def shutdown() -> None:

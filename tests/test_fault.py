@@ -122,16 +122,6 @@ def test_flight_recorder_prefix_follows_torch():
     assert flight_recorder_prefix({"TORCH_FR_DUMP_TEMP_FILE": "/b/", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/a/"}) == "/b/"
 
 
-def test_restart_store_warning():
-    from parallel_layers.fault import restart_store_warning
-
-    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"}
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_store_warning(shared)
-    assert restart_store_warning({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
-    assert restart_store_warning({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
-    assert restart_store_warning({}) is None
-
-
 def _nccl_failure(rank, world):
     from unittest import mock
 

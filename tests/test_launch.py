@@ -70,10 +70,9 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
 
 # ---- automatic restart --------------------------------------------------------------------
 STEPS, EVERY = 16, 4
-# torchrun's agent otherwise keeps one store across restarts, where the restarted workers'
-# process group finds the dead workers' addresses (torch 2.14; pytorch/pytorch#135712): gloo
-# "connectFullMesh failed ... Connection refused". README "Multi-node" says the same.
-RESTART_ENV = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# Plain torchrun: its agent keeps one store across restarts, and init_parallel gives each
+# attempt its own prefix there (Note [a store per restart] in parallel_layers/parallel_dims.py).
+RESTART_ENV = ENV
 
 
 def _workers(agent_pid: int) -> dict[int, int]:
