@@ -10,7 +10,7 @@ embedding and tied head with vocabulary-parallel cross-entropy, attention with a
 column-parallel QKV and a row-parallel output projection, and a Column(GeLU) -> Row MLP.
 Data: byte-level tokens of a text generated from a fixed seed (nothing is downloaded),
 served by a DataLoader with a DistributedSampler keyed on the data-parallel rank, so the TP
-and PP peers of one replica see the same batch. Layout, applied in REFERENCE.md's order:
+and PP peers of one replica see the same batch. Layout, applied in the order of docs/parallelism.md:
 pipeline stages (--pp, --schedule, --microbatches, --virtual), TP layers inside them (--tp),
 then DataParallel (--zero 0) or ZeRO (--zero 1-3; 1 is the default with a pipeline) over the
 dp axis. --dtype bfloat16 runs forward and backward under autocast (float32 master weights).

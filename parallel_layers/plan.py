@@ -6,7 +6,7 @@
     best, rejected = recommend(ModelSpec(7e9, 32, 4096, 4096), ClusterSpec(64, 8, parse_size("80GB")))
 
 Every layout with dp * tp * pp = gpus is estimated (per-rank memory, communication per step,
-pipeline bubble, step time), the rules of REFERENCE.md section 5 pick one, and every other
+pipeline bubble, step time), the rules of docs/parallelism.md ("Composing") pick one, and every other
 layout carries the reason it lost, with its numbers.
 
 Memory per rank, the model (bytes per parameter of this rank's share, Ψ = params / (tp * pp)
@@ -239,7 +239,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
 # ---- candidates and rules -----------------------------------------------------------------
 def _structural_reason(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, dp: int, tp: int, pp: int,
                        zero: int) -> str | None:
-    """REFERENCE.md section 5's hard rules; None when the layout may run."""
+    """The hard rules (docs/parallelism.md, "Composing"); None when the layout may run."""
     if tp > cluster.gpus_per_node:
         return f"tp={tp} > gpus_per_node {cluster.gpus_per_node}: TP only within a node"
     if model.n_heads % tp:
@@ -298,7 +298,7 @@ def recommend(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec = TrainSp
               ) -> tuple[Estimate | None, list[Estimate]]:
     """(the recommended layout or None when nothing fits, every other layout with its reason).
 
-    Rules (REFERENCE.md section 5), after the hard ones in `candidates`: when a layout without
+    Rules (docs/parallelism.md), after the hard ones in `candidates`: when a layout without
     TP or PP fits, the model is trained with DDP or ZeRO alone; otherwise TP and PP split it,
     and ZeRO-2/3 are not run across nodes (PP takes the slow links) unless nothing else fits.
     Among those, the fastest estimated step wins; with PP, m >= 4p microbatches are preferred.

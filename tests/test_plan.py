@@ -1,6 +1,6 @@
-"""The layout planner (parallel_layers/plan.py): its memory model against REFERENCE.md's
+"""The layout planner (parallel_layers/plan.py): its memory model against the ZeRO paper's
 formulas and against memory measured in real gloo runs of parallel_layers.models.GPT (the
-model of examples/train_gpt.py), and its recommendations against the rules of REFERENCE.md §5."""
+model of examples/train_gpt.py), and its recommendations against the rules in docs/parallelism.md."""
 
 import re
 
@@ -36,7 +36,7 @@ def test_activations_are_megatrons_formula():
 
 
 def test_model_states_follow_the_zero_paper():
-    """REFERENCE.md section 3: 7.5B params, N = 64, mixed precision Adam: DP 120 GB, ZeRO-1 31.4,
+    """The ZeRO paper (docs/parallelism.md): 7.5B params, N = 64, mixed precision Adam: DP 120 GB, ZeRO-1 31.4,
     ZeRO-2 16.6, ZeRO-3 1.9. Ours adds DataParallel's gradient buckets (2 bytes/param), one
     layer's full gradients in flight for stage 2 and two layers' gathered params for stage 3."""
     model = ModelSpec(7.5e9, 128, 2048, 1024, vocab=1000)  # small layers: the in-flight terms stay small
@@ -53,7 +53,7 @@ def test_model_states_follow_the_zero_paper():
     assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2) * layer, rel=1e-9)
 
 
-# ---- recommendations against REFERENCE.md section 5 ---------------------------------------
+# ---- recommendations against docs/parallelism.md's rules ------------------------------------
 CASES = {
     # fits on one device: DDP/ZeRO only
     "350M on 8 GPUs": (ModelSpec(350e6, 24, 1024, 2048, heads=16, vocab=50257), ClusterSpec(8, 8, 80 * GB),

@@ -1,7 +1,7 @@
 """The few collectives a save or load needs, and errors that every rank raises together.
 
 Note [errors on every rank]: an exception on one rank while its peers enter the next
-collective is a hang (REFERENCE.md section 3). Save and load therefore catch local errors,
+collective is a hang (docs/parallelism.md). Save and load therefore catch local errors,
 exchange them in the next collective they issue anyway, and raise on every rank: the rank
 that failed re-raises its own exception, the others a RuntimeError naming it. Without
 torch.distributed initialised everything is rank 0 of 1 and nothing is communicated.

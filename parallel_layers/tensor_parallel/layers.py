@@ -10,7 +10,7 @@ outside the column -> row pair, and whole inside it.
   RowParallelLinear     weight [out, in / tp]: partial outputs all-reduced (SP:
                         reduce-scattered); the replicated bias is added once, after.
 
-Collectives per layer (REFERENCE.md section 1): column 0 forward / 1 backward; row 1 / 0;
+Collectives per layer (docs/parallelism.md): column 0 forward / 1 backward; row 1 / 0;
 column+SP 1 all-gather / 1 reduce-scatter; row+SP 1 reduce-scatter / 1 all-gather (plus one
 all-reduce of the row bias gradient, which is partial under SP).
 

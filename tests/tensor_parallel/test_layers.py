@@ -254,7 +254,7 @@ def _count_layer(rank, ws, kind, sequence_parallel):
     return {k: v for k, v in fwd.items() if v}, {k: v for k, v in bwd.items() if v}
 
 
-# REFERENCE.md section 1: the collectives each layer must issue (forward, backward).
+# docs/parallelism.md: the collectives each layer must issue (forward, backward).
 EXPECTED = {
     ("column", False): ({}, {"all_reduce": 1}),
     ("column", True): ({"all_gather_single": 1}, {"reduce_scatter_single": 1}),
