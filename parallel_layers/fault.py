@@ -201,7 +201,8 @@ def _where(record: dict | None) -> str:
     return f"in {cur['name']} #{cur['count']} of group {cur['ranks']} (for {time.time() - cur['since']:.1f} s)"
 
 
-def diagnose(name: str, ranks: list[int], count: int, wait_s: float = 2.5 * HEARTBEAT_S) -> str:
+def diagnose(name: str, ranks: list[int], count: int, wait_s: float = 2.5 * HEARTBEAT_S,
+             point_to_point: bool = False) -> str:
     """One line per peer of `ranks`: stopped, or where it is."""
     me = dist.get_rank()
     peers = [r for r in ranks if r != me]
@@ -223,6 +224,9 @@ def diagnose(name: str, ranks: list[int], count: int, wait_s: float = 2.5 * HEAR
         elif not b.get("current"):
             lines.append(f"rank {r}: alive but outside any collective - it has not reached this one (busy or hung "
                          "in its own code)")
+        elif point_to_point and b["current"].get("p2p") and b["current"]["ranks"] == ranks:
+            # Ranks of a pipeline issue different numbers of sends and receives: no order to compare.
+            lines.append(f"rank {r}: alive and in point-to-point traffic of this group ({_where(b)})")
         elif (b["current"]["name"], b["current"]["ranks"], b["current"]["count"]) != (name, ranks, count):
             lines.append(f"rank {r}: alive but {_where(b)} - the ranks disagree on the order of collectives")
         else:
@@ -231,25 +235,28 @@ def diagnose(name: str, ranks: list[int], count: int, wait_s: float = 2.5 * HEAR
 
 
 @contextlib.contextmanager
-def collective(name: str, group=None):
+def collective(name: str, group=None, point_to_point: bool = False):
     """Record that this rank is in collective `name` of `group` while the block runs; turn a
-    failure into a CollectiveError that says where each peer is (Note [collective watchdog])."""
+    failure into a CollectiveError that says where each peer is (Note [collective watchdog]).
+    Point-to-point operations (pipeline sends and receives, whose number differs by rank) are
+    counted apart from the group's collectives, so they do not shift the order compared."""
     if not dist.is_initialized():
         yield
         return
     _ensure_heartbeat()
     ranks = _ranks(group)
-    key = ",".join(map(str, ranks))
+    key = ("p2p " if point_to_point else "") + ",".join(map(str, ranks))
     count = _local.counts[key] = _local.counts.get(key, 0) + 1
     outer = _local.current
-    _local.current = {"name": name, "ranks": ranks, "count": count, "since": time.time()}
+    _local.current = {"name": name, "ranks": ranks, "count": count, "since": time.time(), "p2p": point_to_point}
     try:
         yield
     except CollectiveError:
         raise
     except RuntimeError as e:  # gloo / NCCL errors and timeouts
         raise CollectiveError(f"{name} #{count} of group {ranks} failed on rank {dist.get_rank()} after "
-                              f"{time.time() - _local.current['since']:.1f} s: {diagnose(name, ranks, count)}. "
+                              f"{time.time() - _local.current['since']:.1f} s: "
+                              f"{diagnose(name, ranks, count, point_to_point=point_to_point)}. "
                               f"Cause: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                               f"{_flight_recorder_hint(group)}") from e
     finally:
@@ -276,9 +283,9 @@ def check_agreement(op: str, x, group) -> None:
         raise RuntimeError(f"PARALLEL_LAYERS_DEBUG: ranks disagree on the next collective of group {ranks}: {detail}")
 
 
-def wait(work, name: str, group=None) -> None:
+def wait(work, name: str, group=None, point_to_point: bool = False) -> None:
     """Wait for an async collective's work handle under `collective()`."""
     if work is None:
         return
-    with collective(name, group):
+    with collective(name, group, point_to_point):
         work.wait()

@@ -119,7 +119,7 @@ class Messenger:
         self.in_flight.append((works[:len(sends)] if len(works) == len(ops) else works if sends else [], keep))
 
     def _launch(self, ops: list) -> list:
-        with fault.collective("pipeline send/receive batch", self.group):
+        with fault.collective("pipeline send/receive batch", self.group, point_to_point=True):
             return dist.batch_isend_irecv(ops) or []
 
     def _headers(self, sends: list, recvs: list) -> dict[tuple, tuple]:
@@ -137,7 +137,7 @@ class Messenger:
             ops.append(dist.P2POp(dist.irecv, h, self._peer(peer), self.group))
             out.append((it, h))
         for w in self._launch(ops):
-            fault.wait(w, "pipeline activation header", self.group)
+            fault.wait(w, "pipeline activation header", self.group, point_to_point=True)
         if problem is not None:
             raise ValueError(problem)
         announced = {}
@@ -162,7 +162,7 @@ class Messenger:
         kind, stage, mb = item
         for w in works:
             fault.wait(w, f"receive of stage {stage}'s {'activation' if kind == 'act' else 'gradient'} "
-                          f"(microbatch {mb})", self.group)
+                          f"(microbatch {mb})", self.group, point_to_point=True)
         return buf
 
     def finish(self, succeeded: bool) -> None:
@@ -170,7 +170,7 @@ class Messenger:
         learned for this input signature if the step succeeded on every pipeline rank."""
         for works, _ in self.in_flight:
             for w in works:
-                fault.wait(w, "pipeline send", self.group)
+                fault.wait(w, "pipeline send", self.group, point_to_point=True)
         self.in_flight.clear()
         if succeeded:
             self._known.pop(self.input_signature, None)

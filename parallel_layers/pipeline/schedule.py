@@ -327,10 +327,10 @@ def simulate_p2p(units: list[list[list[tuple[str, int, object]]]]) -> int:
 
     units[r] is rank r's sequence of batches, each a list of ("send" | "recv", peer, what).
     Per directed pair, the k-th send meets the k-th receive and must carry the same `what`
-    (the content, or its size and dtype for recorded calls). A batch completes once every
-    matching operation has been issued by its peer, i.e. the peer has reached the batch
-    holding it; a rank issues its next batch only after the current one completed. Raises
-    ScheduleError on a mismatch, an unmatched operation or a deadlock.
+    (the content, or its size and dtype for recorded calls). Batches linked by matched
+    operations complete together, once each is its rank's current batch; a rank issues its
+    next batch only after the current one completed. Raises ScheduleError on a mismatch, an
+    unmatched operation or a deadlock.
     """
     ranks = len(units)
     where: dict[tuple, list] = defaultdict(list)  # (src, dst, "send"|"recv") -> [(batch index, what)]
@@ -359,22 +359,37 @@ def simulate_p2p(units: list[list[list[tuple[str, int, object]]]]) -> int:
         if kind == "recv" and (src, dst, "send") not in where:
             raise ScheduleError(f"messages received but never sent between rank {src} and rank {dst}: "
                                 f"{[w for _, w in ops]}")
-    blocks: list[list[list[tuple[int, int]]]] = [[[] for _ in batches] for batches in units]
+    # Batches joined by matched operations complete together: NCCL only promises that a
+    # group's operations progress together, not that one completes while a peer's batch
+    # still waits on a third rank. So a set of batches linked by matches (a component)
+    # completes when every one of them is its rank's current batch.
+    component: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, batch) -> its root
+
+    def root(x):
+        while component.get(x, x) != x:
+            x = component[x]
+        return x
+
     for (src, dst, kind), ops in where.items():
         if kind == "send":
             for (bs, _), (br, _) in zip(ops, where[(src, dst, "recv")]):
-                blocks[src][bs].append((dst, br))
-                blocks[dst][br].append((src, bs))
+                a, b = root((src, bs)), root((dst, br))
+                if a != b:
+                    component[a] = b
+    members: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for r, batches in enumerate(units):
+        for b in range(len(batches)):
+            members[root((r, b))].append((r, b))
     pc = [0] * ranks
     rounds = 0
     while any(pc[r] < len(units[r]) for r in range(ranks)):
-        progressed = False
-        for r in range(ranks):
-            while pc[r] < len(units[r]) and all(pc[q] >= b for q, b in blocks[r][pc[r]]):
+        ready = {root((r, pc[r])) for r in range(ranks) if pc[r] < len(units[r])}
+        ready = [c for c in ready if all(pc[r] == b for r, b in members[c])]
+        for c in ready:
+            for r, _ in members[c]:
                 pc[r] += 1
-                progressed = True
         rounds += 1
-        if not progressed:
+        if not ready:
             blocked = {r: units[r][pc[r]] for r in range(ranks) if pc[r] < len(units[r])}
             raise ScheduleError(f"deadlock: every unfinished rank waits for a peer to issue a matching send or "
                                 f"receive: {blocked}")

@@ -30,9 +30,10 @@ Note [agreed reduction order]: NCCL matches collectives by issue order, so every
 issue the same reduce-scatters in the same order whatever its gradients do. Every group is
 reduce-scattered once per reduction, in one fixed order: the wrapped groups in reverse
 registration order (a guess at the backward order), then the root. Stage 1 (and any
-reduction after `no_sync()`) reduces all of them at `step()` / `clip_grad_norm_()` /
-`reduce_gradients()`, when this rank holds full gradients - so every rank's backward must
-reach at least one of the model's parameters. At stages 2/3 a group is reduced once its
+reduction after `no_sync()`) reduces all of them at the first of `step()` /
+`clip_grad_norm_()` / `reduce_gradients()` after the backward; whether to is decided by the
+calls every rank makes alike (the stage, `no_sync()`, `step()`), never by this rank's own
+gradients. At stages 2/3 a group is reduced once its
 backward is done and every group before it in the order was reduced; the end of backward
 reduces the rest, in order. A group whose backward ends out of that order keeps its full
 gradients until the groups before it are reduced: correct, with more memory; registering
@@ -52,6 +53,7 @@ every rank (the agreement check before each all-gather); without, a hang or a Co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -138,6 +140,9 @@ class ZeRO(LocalAccumulation, nn.Module):
         self._order = [g for g in reversed(self.groups) if g is not self.root_group] + \
             ([self.root_group] if self.root_group is not None else [])
         self._reduced = 0  # groups of self._order reduced in this backward
+        # Full gradients may wait for a reduction at step() (Note [agreed reduction order]):
+        # decided by what every rank's program does (stage, no_sync, step), not by p.grad.
+        self._unreduced = stage == 1
         self._backward = {g: _BackwardState() for g in self.groups}
         if param_dtype is not None:
             for g in self.groups:
@@ -261,6 +266,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         if self._sync:
             for g in self._order[self._reduced:]:
                 g.reduce_grads(free_full_grads=True)
+            self._unreduced = False
         self._reduced = 0
         self._backward = {g: _BackwardState() for g in self.groups}
         if self.stage == 3:
@@ -274,12 +280,22 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.root_group.unshard()
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the next backward outside it (or `reduce_gradients()`,
+        `clip_grad_norm_()`, `step()`) reduces the accumulated sum."""
+        self._unreduced = True
+        with super().no_sync():
+            yield
+
     def _reduce_remaining(self) -> None:
         """Full gradients not yet reduced (stage 1, or after no_sync) -> shard gradients, every
-        group in the agreed order (Note [agreed reduction order])."""
-        if any(p.grad is not None for g in self.groups for p in g.params):
+        group in the agreed order (Note [agreed reduction order]). Whether to reduce is decided
+        by the calls every rank makes alike, never by this rank's gradients."""
+        if self._unreduced:
             for g in self._order:
                 g.reduce_grads(free_full_grads=True)
+            self._unreduced = False
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter now the full gradients accumulated under `no_sync()` into the shards:
@@ -302,6 +318,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         for g in self.groups:
             if self.stage < 3 or g is self.root_group:
                 g.refresh_full()  # stage 3 groups gather at their next use
+        self._unreduced = self.stage == 1
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -109,6 +109,11 @@ def test_nccl_model_matches_in_issue_order_and_batches_progress_together():
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate_p2p(ring)
     assert simulate_p2p([[a + b for a, b in [ops]] for ops in ring]) == 1
+    # NCCL promises only that a batch's operations progress together: rank 1's batch, which
+    # also waits on rank 2, may hold up rank 0's first send. Matched batches complete together.
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate_p2p([[[send(1, "x")], [send(2, "y")]], [[recv(0, "x"), recv(2, "z")]],
+                      [[recv(0, "y")], [send(1, "z")]]])
 
 
 def test_batches_pair_send_and_receive_in_the_steady_state():
