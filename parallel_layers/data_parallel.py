@@ -21,6 +21,10 @@ once. Bucket k is launched when all its gradients have arrived in this backward 
 0..k-1 have been launched; the end of backward launches the rest, in order. This rank sees
 its backward through its parameters' gradient hooks, so each rank's backward must reach at
 least one parameter (or the caller runs `no_sync()` backwards and `reduce_gradients()`).
+The order is agreed, the moment of each launch is not: a bucket holding a parameter unused
+on one rank launches at the end of that rank's backward. Other collectives on the same group
+during backward (a SyncBatchNorm, say) could then fall between the buckets differently on
+each rank; give them a group of their own.
 
 Note [unused parameters]: a parameter that got no gradient on this rank since the last
 reduction (data-dependent control flow) contributes zeros: the average is over all ranks,

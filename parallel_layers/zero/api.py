@@ -42,7 +42,13 @@ hooks to decide that a group is done, as stage 2 does: they are local (a param u
 rank never fires), and stage 3 interleaves its backward all-gathers with the reduce-scatters,
 so a reduce-scatter issued early on one rank and late on another would cross an all-gather.
 It uses the module's backward instead (an identity autograd node on the module's inputs,
-`_AfterBackward`), an event every rank sees at the same point.
+`_AfterBackward`), an event every rank sees at the same point. Whether an input requires
+grad can itself depend on the data, so when none does, the first floating input is marked
+through a leaf that does (its gradient is then computed, the price of agreement); only a
+module with no floating input at all (token ids) is reduced at the end of backward, on
+every rank alike. Collectives of other code on the data-parallel group during backward (a
+SyncBatchNorm on the same group, say) may still fall between these reductions differently
+on each rank when parameters go unused: give them a group of their own.
 
 Note [ZeRO unused parameters]: a parameter with no gradient on this rank (data-dependent
 control flow; a sub-module skipped) contributes zeros to the average over all ranks. A whole
@@ -83,14 +89,15 @@ class _AfterBackward(torch.autograd.Function):
     (which it runs first, when ready)."""
 
     @staticmethod
-    def forward(ctx, callback, *xs):
-        ctx.callback = callback
-        return xs
+    def forward(ctx, callback, anchors, *xs):
+        # The first `anchors` of xs are leaves that only make the outputs require grad.
+        ctx.callback, ctx.anchors = callback, anchors
+        return xs[anchors:]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.callback()
-        return (None, *grads)
+        return (None, None, *([None] * ctx.anchors), *grads)
 
 
 def _default_wrap(model: nn.Module):
@@ -215,12 +222,21 @@ class ZeRO(LocalAccumulation, nn.Module):
         # The module's backward is done when its inputs' gradients are (Note [agreed reduction order]).
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        anchor = []
+        if not at:
+            # Whether an input requires grad can depend on the data (a branch on one rank), so
+            # a floating input that does not is marked anyway, through a leaf that does: the
+            # marker then fires at the same point of backward on every rank (at the cost of
+            # that input's gradient). Only modules without floating inputs wait for the end.
+            at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()][:1]
+            anchor = [torch.zeros((), device=flat[at[0]].device, requires_grad=True)] if at else []
         state = self._backward[g]
         if not at:
             state.input_without_grad = True
             return None
         state.open_calls += 1
-        marked = _AfterBackward.apply(lambda: self._module_backward_done(g), *(flat[i] for i in at))
+        marked = _AfterBackward.apply(lambda: self._module_backward_done(g), len(anchor), *anchor,
+                                      *(flat[i] for i in at))
         for i, t in zip(at, marked):
             flat[i] = t
         return torch.utils._pytree.tree_unflatten(flat, spec)
