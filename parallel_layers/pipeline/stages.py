@@ -125,8 +125,9 @@ class PipelineStages(nn.Module):
         # Every rank creates every tie group, in the same order (new_group is collective over
         # the world): one group per pipeline (pp group) and tie.
         all_pp_groups: list = [None] * dist.get_world_size()
-        dist.all_gather_object(all_pp_groups, dist.get_process_group_ranks(self.group) if self.group is not None
-                               else list(range(dist.get_world_size())))
+        with fault.collective("pipeline groups all_gather_object", None):
+            dist.all_gather_object(all_pp_groups, dist.get_process_group_ranks(self.group) if self.group is not None
+                                   else list(range(dist.get_world_size())))
         ties = []
         for pp_ranks in sorted({tuple(g) for g in all_pp_groups}):
             for p, pipeline_ranks in shared:

@@ -68,6 +68,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree
 
+from parallel_layers import fault
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.zero._group import ParamGroup, check_dtypes
@@ -386,7 +387,8 @@ class ZeRO(LocalAccumulation, nn.Module):
         problems = [problem]
         if self.groups and self.groups[0].world > 1:
             problems = [None] * self.groups[0].world
-            dist.all_gather_object(problems, problem, group=self.group)
+            with fault.collective("ZeRO sharded state check all_gather_object", self.group):
+                dist.all_gather_object(problems, problem, group=self.group)
         failed = [(r, p) for r, p in enumerate(problems) if p is not None]
         if failed:
             raise ValueError(problem if problem is not None else
