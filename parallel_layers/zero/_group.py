@@ -57,6 +57,16 @@ def _all_gather_stream(device: torch.device):
     return torch.cuda.stream(stream)
 
 
+def _own_storage(p: nn.Parameter) -> None:
+    """Note [memory-mapped parameters]: `from_pretrained` hands out parameters whose storage is
+    the memory-mapped safetensors file, which cannot be resized ("Trying to resize storage that
+    is not resizable"). Stage 3 frees a full parameter by resizing its storage to zero, so such
+    a parameter is first copied into storage of its own - once, at construction, before any
+    forward has saved a reference to it."""
+    if not p.untyped_storage().resizable():
+        p.data = p.data.clone()
+
+
 class ParamGroup:
     def __init__(self, name: str, params: list[nn.Parameter], group: dist.ProcessGroup | None,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, alias_full: bool,
@@ -67,6 +77,9 @@ class ParamGroup:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.offload = offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
+        if not alias_full:  # stage 3 frees the full parameters' storage between uses
+            for p in params:
+                _own_storage(p)
         self.numels = [p.numel() for p in params]
         self.shard_sizes = [shard_copy.shard_numel(n, self.world) for n in self.numels]
         self.total = sum(self.shard_sizes)
