@@ -52,10 +52,14 @@ def _full_params(model, group):
     return {n: gather_full(p, group) if hasattr(p, "tp_shard") else p.detach() for n, p in model.named_parameters()}
 
 
-def _hf_parity(rank, ws, kind, steps):
+def _hf_parity(rank, ws, kind, steps, directory=None):
     group = dist.group.WORLD
     ref, plan = _build(kind)
-    par = parallelize(copy.deepcopy(ref), plan, tp_group=group)
+    if directory is None:
+        par = parallelize(copy.deepcopy(ref), plan, tp_group=group)
+    else:  # both loaded from save_pretrained's files: parameters in memory-mapped storage
+        ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), plan, tp_group=group)
     ref.train()
     par.train()
     g = torch.Generator().manual_seed(1)
@@ -90,9 +94,14 @@ def _hf_parity(rank, ws, kind, steps):
     return worst, sharded
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hf_model_parallelized_matches_single_process(kind):
-    for rank, (worst, sharded) in enumerate(run_distributed(_hf_parity, 2, args=(kind, 3), timeout_s=300)):
+@pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True)])
+def test_hf_model_parallelized_matches_single_process(kind, pretrained, tmp_path):
+    directory = None
+    if pretrained:
+        _build(kind)[0].save_pretrained(tmp_path)
+        directory = str(tmp_path)
+    for rank, (worst, sharded) in enumerate(run_distributed(_hf_parity, 2, args=(kind, 3, directory),
+                                                            timeout_s=300)):
         assert sharded > 0
         bad = {k: v for k, v in worst.items() if not v < RTOL}
         assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
