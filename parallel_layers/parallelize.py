@@ -25,6 +25,8 @@ local width. Llama-style attention reshapes with -1 heads and needs nothing.
 
 Everything that is not in the plan stays replicated; with tensor parallelism alone its
 gradients are identical on every rank, so replicated parameters stay in sync.
+
+Without a plan, a Hugging Face model's published one is used (Note [published plans]).
 """
 
 from __future__ import annotations
@@ -54,6 +56,75 @@ class Row:
 
 
 _STYLES = {"column": Column(), "row": Row()}
+
+# Note [published plans]: Hugging Face configs publish `base_model_tp_plan` (keys relative to
+# the base model, whose attribute name is `model.base_model_prefix`); a model instance's
+# `_tp_plan` (transformers 5) is the whole plan, prefixed, LM head and embedding included.
+# With plan=None, parallelize uses it, with transformers' style names mapped to ours; a style
+# with no counterpart here is refused with the module it names. "embedding_rowwise" /
+# "embedding_colwise" entries leave the embedding replicated for now (correct, without the
+# memory saving of a vocabulary-parallel embedding). Families that publish no plan (GPT-2 in
+# transformers 5.23) get a built-in one. A head tied to the input embedding stays
+# replicated: sharding it would untie it.
+HF_STYLES = {
+    "colwise": Column(),
+    "colwise_gather_output": Column(gather_output=True),
+    "packed_colwise": Column(fused=2),  # [gate; up] packed in one weight
+    "rowwise": Row(),
+    "rowwise_split_input": Row(input_is_parallel=False),
+}
+_REPLICATED_FOR_NOW = ("embedding_rowwise", "embedding_colwise")
+BUILTIN_PLANS = {
+    "gpt2": {
+        "transformer.h.*.attn.c_attn": Column(fused=3),  # fused [q; k; v], Conv1D
+        "transformer.h.*.attn.c_proj": "row",
+        "transformer.h.*.mlp.c_fc": "column",
+        "transformer.h.*.mlp.c_proj": "row",
+    },
+}
+
+
+def published_plan(model: nn.Module) -> dict:
+    """The plan a Hugging Face model publishes (or our built-in one for its family), in our styles."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family in BUILTIN_PLANS:
+        return dict(BUILTIN_PLANS[family])
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = getattr(config, "base_model_tp_plan", None) or {}
+        if prefix and hasattr(model, prefix):
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    if not plan:
+        raise ValueError(f"parallelize: {type(model).__name__} publishes no tensor-parallel plan (no "
+                         f"config.base_model_tp_plan) and there is no built-in one for model_type {family!r} "
+                         f"(built-in: {sorted(BUILTIN_PLANS)}); pass plan= explicitly")
+    modules = dict(model.named_modules())
+    tied = _tied_to_input_embedding(model)
+    out = {}
+    for pattern, style in plan.items():
+        if style in _REPLICATED_FOR_NOW:
+            continue
+        if style not in HF_STYLES:
+            names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)][:3]
+            raise ValueError(f"parallelize: {type(model).__name__}'s published plan asks {style!r} for {pattern!r} "
+                             f"(e.g. {names}); supported Hugging Face styles: {sorted(HF_STYLES)}; pass plan= "
+                             "with 'column' / 'row' entries instead")
+        if any(fnmatch.fnmatchcase(n, pattern) for n in tied):
+            continue
+        out[pattern] = HF_STYLES[style]
+    return out
+
+
+def _tied_to_input_embedding(model: nn.Module) -> set[str]:
+    """Names of modules whose weight is the input embedding's (a tied LM head)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    weight = getattr(embedding, "weight", None)
+    if weight is None:
+        return set()
+    return {n for n, m in model.named_modules() if m is not embedding and getattr(m, "weight", None) is weight}
 
 
 def _as_linear_weights(module: nn.Module):
@@ -103,8 +174,11 @@ def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int,
         parent.split_size //= tp
 
 
-def parallelize(model: nn.Module, plan: dict, tp_group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Replace the modules named by `plan` with tensor-parallel layers (see the module doc)."""
+def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Replace the modules named by `plan` with tensor-parallel layers (see the module doc);
+    plan=None: the model's published plan (Note [published plans])."""
+    if plan is None:
+        plan = published_plan(model)
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a dict of module-name pattern -> style (e.g. "
                         f"{{'layers.*.fc1': 'column'}}), got {type(plan).__name__}")
@@ -112,9 +186,10 @@ def parallelize(model: nn.Module, plan: dict, tp_group: dist.ProcessGroup | None
     modules = dict(model.named_modules())
     targets: dict[str, Column | Row] = {}
     for pattern, style in plan.items():
-        spec = _STYLES.get(style, style) if isinstance(style, str) else style
+        spec = (_STYLES.get(style) or HF_STYLES.get(style, style)) if isinstance(style, str) else style
         if not isinstance(spec, (Column, Row)):
-            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', Column(...) or Row(...)")
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', Column(...) or Row(...), "
+                             f"or a Hugging Face style: {sorted(HF_STYLES)}")
         matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not matched:
             raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}")

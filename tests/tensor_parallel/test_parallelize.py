@@ -39,9 +39,13 @@ def _build(kind):
         config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config), GPT2_PLAN
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    return transformers.LlamaForCausalLM(config), LLAMA_PLAN
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32)
+    if kind == "qwen2":  # biases on q, k, v
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)), LLAMA_PLAN
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**small)), LLAMA_PLAN
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)), LLAMA_PLAN
 
 
 def _rel(a, b):
@@ -52,9 +56,11 @@ def _full_params(model, group):
     return {n: gather_full(p, group) if hasattr(p, "tp_shard") else p.detach() for n, p in model.named_parameters()}
 
 
-def _hf_parity(rank, ws, kind, steps, directory=None):
+def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
     group = dist.group.WORLD
     ref, plan = _build(kind)
+    if plan_free:  # the model's published plan (GPT-2: the built-in one)
+        plan = None
     if directory is None:
         par = parallelize(copy.deepcopy(ref), plan, tp_group=group)
     else:  # both loaded from save_pretrained's files: parameters in memory-mapped storage
@@ -100,11 +106,40 @@ def test_hf_model_parallelized_matches_single_process(kind, pretrained, tmp_path
     if pretrained:
         _build(kind)[0].save_pretrained(tmp_path)
         directory = str(tmp_path)
-    for rank, (worst, sharded) in enumerate(run_distributed(_hf_parity, 2, args=(kind, 3, directory),
-                                                            timeout_s=300)):
-        assert sharded > 0
+    _check_parity(_hf_parity, (kind, 3, directory))
+
+
+def _check_parity(fn, args, min_sharded=1):
+    for rank, (worst, sharded) in enumerate(run_distributed(fn, 2, args=args, timeout_s=300)):
+        assert sharded >= min_sharded
         bad = {k: v for k, v in worst.items() if not v < RTOL}
         assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
+def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
+    # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
+    # "rowwise", the untied lm_head "colwise_gather_output"); GPT-2 publishes none and gets
+    # the built-in one. 2 layers x (q, k, v, o, gate, up, down) + lm_head = 15 sharded weights
+    # (plus q/k/v biases for Qwen2); GPT-2: 2 layers x (c_attn weight and bias, c_fc weight and
+    # bias, the two row weights) = 12 (row biases stay replicated; its head is tied).
+    _build(kind)[0].save_pretrained(tmp_path)
+    _check_parity(_hf_parity, (kind, 3, str(tmp_path), True), min_sharded=12 if kind == "gpt2" else 15)
+
+
+def test_hf_style_names_in_a_plan_and_refused_ones():
+    from parallel_layers.parallelize import published_plan
+
+    model, _ = _build("llama")
+    plan = published_plan(model)
+    assert plan["model.layers.*.self_attn.q_proj"] == Column() and plan["lm_head"] == Column(gather_output=True)
+    assert "model.embed_tokens" not in plan  # "embedding_rowwise": replicated for now
+    model._tp_plan = {**model._tp_plan, "model.norm": "sequence_parallel"}
+    with pytest.raises(ValueError, match="published plan asks 'sequence_parallel' for 'model.norm' "
+                                         r"\(e.g. \['model.norm'\]\); supported Hugging Face styles"):
+        published_plan(model)
+    with pytest.raises(ValueError, match="publishes no tensor-parallel plan"):
+        published_plan(nn.Sequential(nn.Linear(2, 2)))
 
 
 def _refusals(rank, ws):
@@ -129,5 +164,5 @@ def test_refuses_plans_that_would_be_wrong_on_every_rank():
 
 
 def test_bad_style():
-    with pytest.raises(ValueError, match="use 'column', 'row', Column"):
+    with pytest.raises(ValueError, match="use 'column', 'row', Column\\(...\\) or Row\\(...\\), or a Hugging Face style"):
         parallelize(nn.Sequential(nn.Linear(2, 2)), {"0": "diagonal"})
