@@ -32,7 +32,7 @@ from torch import Tensor
 
 from parallel_layers import fault
 from parallel_layers.tensor_parallel import comm
-from parallel_layers.tensor_parallel.sharding import TPShard, check_divisible, check_size, gather_full, shard
+from parallel_layers.tensor_parallel.sharding import check_divisible, check_size, gather_full, sharded_parameter
 
 _ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
 
@@ -56,12 +56,6 @@ def _init_full(out_features, in_features, bias, device, dtype, init_method):
             if b is not None:
                 nn.init.zeros_(b)
     return weight, b
-
-
-def _sharded_param(full: Tensor, dim: int, tp: int, rank: int, fused=None) -> nn.Parameter:
-    p = nn.Parameter(shard(full, dim, tp, rank, fused))
-    p.tp_shard = TPShard(dim=dim, parts=tp, index=rank, full_shape=tuple(full.shape), fused=fused)
-    return p
 
 
 def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) -> None:
@@ -264,8 +258,8 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
         self.activation, self.tp_group, self.fused_sizes = activation, tp_group, fused_sizes
         weight, b = _full if _full is not None else _init_full(out_features, in_features, bias, device, dtype,
                                                                 init_method)
-        self.weight = _sharded_param(weight, 0, tp, rank, fused_sizes)
-        self.bias = _sharded_param(b, 0, tp, rank, fused_sizes) if b is not None else None
+        self.weight = sharded_parameter(weight, 0, tp, rank, fused_sizes)
+        self.bias = sharded_parameter(b, 0, tp, rank, fused_sizes) if b is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features, "ColumnParallelLinear", "in_features")
@@ -300,7 +294,7 @@ class RowParallelLinear(_LinearConversions, nn.Module):
         self.input_is_parallel, self.sequence_parallel, self.tp_group = input_is_parallel, sequence_parallel, tp_group
         weight, b = _full if _full is not None else _init_full(out_features, in_features, bias, device, dtype,
                                                                 init_method)
-        self.weight = _sharded_param(weight, 1, tp, rank)
+        self.weight = sharded_parameter(weight, 1, tp, rank)
         self.bias = nn.Parameter(b.detach().clone()) if b is not None else None  # replicated
         if self.bias is not None and sequence_parallel:
             reduce_grad_over_tp(self.bias, tp_group)

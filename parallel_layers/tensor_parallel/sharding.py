@@ -13,10 +13,12 @@ import numbers
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import fault
 from parallel_layers.parallel_dims import divisors
+from parallel_layers.placement import Box, LocalLayout, set_local_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,34 @@ class TPShard:
     @property
     def blocks(self) -> tuple[int, ...]:
         return self.fused if self.fused is not None else (self.full_shape[self.dim],)
+
+    def layout(self, logical_rows: int | None = None) -> LocalLayout:
+        """The boxes of the logical tensor this rank's part holds (one per fused block); with
+        `logical_rows`, rows of dim 0 from there on are padding and are no part of it."""
+        nd = len(self.full_shape)
+        glob = list(self.full_shape)
+        if logical_rows is not None:
+            glob[0] = logical_rows
+        boxes, local_along, start = [], 0, 0
+        for block in self.blocks:
+            size = block // self.parts
+            lo, go, sz = [0] * nd, [0] * nd, list(self.full_shape)
+            go[self.dim], lo[self.dim], sz[self.dim] = start + self.index * size, local_along, size
+            if logical_rows is not None:  # crop the padding rows (dim 0)
+                sz[0] = max(0, min(go[0] + sz[0], logical_rows) - go[0])
+            boxes.append(Box(tuple(lo), tuple(go), tuple(sz)))
+            local_along, start = local_along + size, start + block
+        return LocalLayout(tuple(glob), tuple(boxes), replicated=self.parts == 1)
+
+
+def sharded_parameter(full: Tensor, dim: int, tp: int, rank: int, fused: tuple[int, ...] | None = None,
+                      logical_rows: int | None = None) -> nn.Parameter:
+    """Rank `rank`'s part of `full` as a parameter, with its TPShard and its placement
+    (parallel_layers.placement); `logical_rows`: dim 0 is padded beyond that many rows."""
+    p = nn.Parameter(shard(full, dim, tp, rank, fused))
+    p.tp_shard = TPShard(dim=dim, parts=tp, index=rank, full_shape=tuple(full.shape), fused=fused)
+    set_local_layout(p, p.tp_shard.layout(logical_rows))
+    return p
 
 
 def check_size(size, what: str) -> None:

@@ -25,8 +25,7 @@ from torch import Tensor
 
 from parallel_layers import fault
 from parallel_layers.tensor_parallel import comm
-from parallel_layers.tensor_parallel.layers import _sharded_param
-from parallel_layers.tensor_parallel.sharding import check_size
+from parallel_layers.tensor_parallel.sharding import check_size, sharded_parameter
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,7 +54,7 @@ class VocabParallelEmbedding(nn.Module):
                     with torch.no_grad():
                         full[padding_idx].zero_()
         pad = full.new_zeros(self.padded_num_embeddings - num_embeddings, embedding_dim)
-        self.weight = _sharded_param(torch.cat([full.detach(), pad]), 0, tp, rank)
+        self.weight = sharded_parameter(torch.cat([full.detach(), pad]), 0, tp, rank, logical_rows=num_embeddings)
 
     def forward(self, ids: Tensor) -> Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
