@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import fault
+from parallel_layers import fault, placement
 from parallel_layers._accumulation import LocalAccumulation
 
 _ALL_REDUCE = "DataParallel gradient all_reduce"
@@ -139,6 +139,10 @@ class DataParallel(LocalAccumulation, nn.Module):
     def _set_buckets(self, ordered: list[nn.Parameter]) -> None:
         self.buckets = _split_into_buckets(ordered, self._bucket_bytes, self._first_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
+        """Every rank holds the whole module (parallel_layers.placement)."""
+        return placement.describe(self.module, prefix)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

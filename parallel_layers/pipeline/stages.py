@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import fault
+from parallel_layers import fault, placement
 from parallel_layers.pipeline.schedule import check_arguments
 
 
@@ -155,3 +155,19 @@ class PipelineStages(nn.Module):
     def counted_once(self, p: nn.Parameter) -> bool:
         """False for the copies of a tied parameter that are not on its lowest stage's rank."""
         return all(q is not p or owner for q, _, owner in self._ties)
+
+    # ---- state (Note [pipeline names]) ---------------------------------------------------
+    def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
+        """This rank's layers under the names of the layer list they were cut from:
+        "chunks.<c>.<j>.<rest>" becomes prefix + "<i>.<rest>", i the layer's index in that list
+        (prefix "layers." makes it the unparallelized model's key). A tied weight's copies are
+        all described; only the lowest stage's is `counted` (gradient norm)."""
+        described = placement.describe_module(self)
+        renamed = {}
+        for key, tp in described.tensors.items():
+            _, chunk, j, rest = key.split(".", 3)
+            tp.name = f"{prefix}{self.bounds[self.stage_ids[int(chunk)]][0] + int(j)}.{rest}"
+            tp.counted = self.counted_once(tp.local)
+            renamed[tp.name] = tp
+        described.tensors = renamed
+        return described

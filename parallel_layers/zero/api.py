@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree
 
-from parallel_layers import fault
+from parallel_layers import fault, placement
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.zero._group import ParamGroup, check_dtypes
@@ -343,6 +343,34 @@ class ZeRO(LocalAccumulation, nn.Module):
             for p in g.params:
                 p.grad = None
 
+    # ---- state ----------------------------------------------------------------------------
+    def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
+        """What this rank holds of the model (parallel_layers.placement): each parameter as its
+        float32 master shard, a flat element range of the (TP-local) parameter; buffers as
+        the module has them. Writing into the shards must be followed by `after_load`."""
+        described = placement.describe(self.module, prefix)
+        shard_of = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        for tp in described.tensors.values():
+            if id(tp.local) not in shard_of:
+                continue
+            g, i = shard_of[id(tp.local)]
+            start = g.rank * g.shard_sizes[i]
+            tp.pieces = placement.flat_pieces(placement.local_layout(tp.local), tuple(tp.local.shape), start,
+                                              start + g.shard_sizes[i])
+            tp.local = g.shards[i]
+        described.shard_group = self.group if self.group is not None else dist.group.WORLD
+        described.after_load.append(self._shards_replaced)
+        return described
+
+    def _shards_replaced(self) -> None:
+        """The master shards were overwritten (a checkpoint load): the full parameters follow."""
+        for g in self.groups:
+            g.drop_prefetch()
+            if self.stage < 3 or g is self.root_group:
+                g.refresh_full()
+            else:
+                g.reshard()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter gathered (a collective)."""
         for g in self.groups:
@@ -398,10 +426,7 @@ class ZeRO(LocalAccumulation, nn.Module):
                 with torch.no_grad():
                     s.copy_(state["shards"][f"{g.name}/{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
-        for g in self.groups:
-            g.drop_prefetch()
-            if self.stage < 3 or g is self.root_group:
-                g.refresh_full()
+        self._shards_replaced()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: full params, full grads, master shards (not counting those
