@@ -115,33 +115,38 @@ def test_zero_flat_shards_round_trip(shapes, world, param, gather, seed):
        seed=st.integers(0, 10**6))
 def test_checkpoint_pieces_cover_every_element_once(cut, zero_world, crop, seed):
     # Every (TP part, ZeRO rank) describes what it holds as pieces of the logical tensor
-    # (parallel_layers/checkpoint/_layout.py); together they must tile it exactly, and writing
-    # each rank's local data into its pieces must rebuild the tensor. `crop` rows of dim 0 are
-    # padding (as in the vocabulary-parallel embedding) and belong to no piece.
-    from hypothesis import assume
-
-    from parallel_layers.checkpoint._layout import layout_of, piece_of, write_piece
+    # (parallel_layers/placement.py); together they must tile it exactly, and writing each
+    # rank's local data into its pieces must rebuild the tensor. `crop` rows of dim 0 are
+    # padding (as in the vocabulary-parallel embedding) and belong to no piece. Fused blocks
+    # split on any dim are described under ZeRO too (Note [flat pieces]).
+    from parallel_layers.placement import box_pieces, flat_pieces
 
     shape, dim, parts, fused = cut
-    assume(zero_world is None or fused is None or dim == 0)  # the one layout it refuses, with an error
     logical = (max(0, shape[0] - crop),) + shape[1:]
     full = _randn(shape, seed)
     full.narrow(0, logical[0], shape[0] - logical[0]).zero_()
     rebuilt = torch.full(logical, float("nan"), dtype=torch.float64)
     index = torch.arange(rebuilt.numel()).view(logical)
     hits = torch.zeros(rebuilt.numel(), dtype=torch.long)
+
+    def box(t, piece):
+        for d, (o, n) in enumerate(zip(piece.global_offsets, piece.sizes)):
+            t = t.narrow(d, o, n)
+        return t
+
     for i in range(parts):
-        spec = TPShard(dim=dim, parts=parts, index=i, full_shape=shape, fused=fused) if parts > 1 or fused else None
-        local = shard(full, dim, parts, i, fused) if spec is not None else full
+        spec = TPShard(dim=dim, parts=parts, index=i, full_shape=shape, fused=fused)
+        layout = spec.layout(logical_rows=logical[0] if crop else None)
+        local = shard(full, dim, parts, i, fused)
         for r in range(zero_world or 1):
-            store = local
+            store, pieces = local, box_pieces(layout)
             if zero_world is not None:
                 s = -(-local.numel() // zero_world)
                 store = F.pad(local.reshape(-1), (0, s * zero_world - local.numel()))[r * s:(r + 1) * s]
-            layout = layout_of("t", tuple(local.shape), spec, logical, (zero_world, r) if zero_world else None)
-            for slot in layout.slots:
-                write_piece(rebuilt, slot.piece, slot.view(store))
-                hits += torch.bincount(piece_of(index, slot.piece).reshape(-1), minlength=hits.numel())
+                pieces = flat_pieces(layout, tuple(local.shape), r * s, (r + 1) * s)
+            for piece in pieces:
+                box(rebuilt, piece).copy_(piece.view(store))
+                hits += torch.bincount(box(index, piece).reshape(-1), minlength=hits.numel())
     assert (hits == 1).all()
     assert torch.equal(rebuilt, full.narrow(0, 0, logical[0]))
 

@@ -9,6 +9,9 @@ torch.distributed initialised everything is rank 0 of 1 and nothing is communica
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch.distributed as dist
 
 from parallel_layers import fault
@@ -55,3 +58,14 @@ def raise_if_any(errors: list[str | None], mine: BaseException | None, what: str
         raise mine
     listed = "; ".join(f"rank {r}: {e}" for r, e in failed)
     raise RuntimeError(f"{what} failed on {len(failed)} rank(s): {listed}")
+
+
+def quiet(fn):
+    """`fn` (dcp.save / dcp.load) without DCP's warning that one process without
+    torch.distributed means a single-process checkpoint: that is what we asked for."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return fn(*args, **kwargs)
+    return call

@@ -1,39 +1,51 @@
-"""save(): every rank writes the pieces it owns; rank 0 commits (Note [atomic save]).
+"""save() and async_save(): every rank writes its pieces through DCP; rank 0 commits.
 
-Collectives, on the group (default: the world), in order: all-gather of the piece tables
-(with any local error), broadcast of the partial directory, all-gather of the write
-statuses, broadcast of the commit result. Each is also where errors meet (Note [errors on
-every rank]).
+Collectives, on the group (default: the world), in order: all-gather of each rank's local
+error and layout signature, broadcast of the partial directory, DCP's own (about ten: plan
+exchange, write results, metadata), broadcast of the commit result. Each is also where
+errors meet (Note [errors on every rank]); DCP raises its own failures on every rank.
 
-Note [replicated pieces]: a piece described identically by several ranks (the same box and
-range of the same logical tensor: DP replicas, TP-replicated LayerNorms, ...) is written
-once, by the lowest rank holding it. Every holder sends a CRC-32 of its copy, so replicas
-that drifted apart are reported (a warning; the lowest rank's copy is kept), and load
-checks each piece it reads against the same CRC.
+Replicated pieces (DP replicas, TP-replicated norms, Adam's `step`) are described the same
+way by every holder, and DCP writes identical chunks once.
+
+Note [asynchronous save]: `async_save` copies every tensor it will write to host memory
+(the staging: one copy of this rank's shards and optimizer state) and returns; a background
+thread then runs the DCP save and the commit on a process group of its own (gloo), so its
+collectives never interleave with the training loop's. Training may change the parameters
+as soon as `async_save` returns. One save is in flight at a time: the next save (either
+kind) first waits for the previous one.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
-import math
-import os
-import warnings
-import zlib
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from parallel_layers.checkpoint import _io
-from parallel_layers.checkpoint._dist import all_gather, broadcast, describe_error, raise_if_any, rank_world
-from parallel_layers.checkpoint._layout import Piece
-from parallel_layers.checkpoint._optim import flatten, merge
-from parallel_layers.checkpoint._state import describe
+from parallel_layers.checkpoint._dist import all_gather, broadcast, describe_error, quiet, raise_if_any, rank_world
+from parallel_layers.checkpoint._state import MODEL, OPTIMIZER, RNG, model_state, optimizer_state, rng_state
+from parallel_layers.placement import ModelPlacement, describe
 
 
-def crc32(t: Tensor) -> int:
-    t = t.detach().cpu().contiguous().reshape(-1)
-    return zlib.crc32(t.view(torch.uint8).numpy())
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, recording the size and CRC-32 of each file this rank wrote (Note
+    [atomic save] in _io.py)."""
+
+    def __init__(self, path: str, rank: int):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
+        self._pl_rank = rank
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        _io.record_written(str(self.path), self._pl_rank, {r.storage_data.relative_path for r in results})
+        return future
 
 
 def _check_extra(extra) -> dict:
@@ -47,102 +59,48 @@ def _check_extra(extra) -> dict:
         raise TypeError(f"extra must hold only JSON values (numbers, strings, lists, dicts): {e}") from e
 
 
-def rng_state() -> dict[str, Tensor]:
-    state = {"rng/cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["rng/cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def layout_signature(view, world: int) -> str:
-    """A digest of which model pieces this rank holds, and of the world size: equal on every
-    rank at save and at load <=> the same layout (then the RNG state is restored)."""
-    desc = [(name, [slot.piece.to_json() for slot in tr.layout.slots]) for name, tr in view.tensors.items()]
+def layout_signature(described: ModelPlacement, world: int) -> str:
+    """A digest of which pieces this rank holds, and of the world size: equal on every rank at
+    save and at load <=> the same layout (then the RNG state is restored)."""
+    desc = [(name, [(p.global_offsets, p.sizes, p.local_offsets, p.flat_offset) for p in tp.pieces])
+            for name, tp in described.tensors.items()]
     return hashlib.sha1(json.dumps([world, desc]).encode()).hexdigest()
 
 
-def _local_table(model, optimizer, world: int, prefix: str):
-    """This rank's piece table (JSON, with a CRC-32 per piece) and the pieces' data, by key."""
-    view = describe(model, prefix)
-    entries = [(f"model/{name}", tr.layout, tr.data) for name, tr in view.tensors.items()]
-    record = None
+def _staged_copies(described: ModelPlacement, optimizer) -> dict[int, Tensor]:
+    """id(tensor) -> a host copy, for every tensor an asynchronous save writes."""
+    tensors = [tp.local for tp in described.tensors.values()]
     if optimizer is not None:
-        opt_entries, record = flatten(optimizer, view.opt_params)
-        entries += opt_entries
-    table = {"tensors": {}, "keys": view.keys, "aliases": view.aliases, "optimizer": record,
-             "signature": layout_signature(view, world)}
-    data = {}
-    for logical, layout, local in entries:
-        pieces = []
-        for i, slot in enumerate(layout.slots):
-            key = f"{logical}#{i}"
-            data[key] = slot.view(local).detach()
-            pieces.append({**slot.piece.to_json(), "key": key, "crc32": crc32(data[key])})
-        table["tensors"][logical] = {"shape": list(layout.shape), "dtype": str(local.dtype), "pieces": pieces}
-    return table, data
+        tensors += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, Tensor)]
+    copies = {}
+    for t in tensors:
+        if id(t) not in copies:
+            copies[id(t)] = torch.empty_like(t, device="cpu").copy_(t.detach())
+    return copies
 
 
-def _merge(tables: list[dict], step: int, extra: dict, warn: bool) -> tuple[dict, list[set]]:
-    """One metadata dict from every rank's table, and the piece keys each rank writes
-    (Note [replicated pieces]). Deterministic: every rank computes the same."""
-    tensors, owner, owned, first = {}, {}, [set() for _ in tables], {}
-    for r, table in enumerate(tables):
-        for logical, info in table["tensors"].items():
-            merged = tensors.setdefault(logical, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
-            first.setdefault(logical, r)
-            if (merged["shape"], merged["dtype"]) != (info["shape"], info["dtype"]):
-                raise ValueError(f"ranks disagree on {logical}: rank {first[logical]} holds it as {merged['dtype']} "
-                                 f"{merged['shape']}, rank {r} as {info['dtype']} {info['shape']}")
-            for p in info["pieces"]:
-                desc = (logical, json.dumps([p["offsets"], p["sizes"], p["flat"]]))
-                if desc in owner:
-                    if owner[desc]["crc32"] != p["crc32"] and warn:
-                        warnings.warn(f"checkpoint save: ranks {owner[desc]['rank']} and {r} hold different values "
-                                      f"for the same part of {logical} (replicas out of sync?); saving rank "
-                                      f"{owner[desc]['rank']}'s", RuntimeWarning, stacklevel=3)
-                    continue
-                owner[desc] = {**p, "rank": r}
-                merged["pieces"].append(owner[desc])
-                owned[r].add(p["key"])
-    for logical, info in tensors.items():
-        covered, numel = sum(Piece.from_json(p).numel for p in info["pieces"]), math.prod(info["shape"])
-        if covered != numel:
-            raise ValueError(f"{logical}: the ranks' pieces cover {covered} of its {numel} elements; pieces overlap or "
-                             "are missing (pipeline stages must name parameters as the unparallelized model does)")
-    with_opt = [t["optimizer"] is not None for t in tables]
-    if any(with_opt) and not all(with_opt):
-        raise ValueError(f"an optimizer was passed on ranks {[r for r, o in enumerate(with_opt) if o]} only; pass "
-                         "this rank's optimizer on every rank, or none")
-    keys = list(dict.fromkeys(k for t in tables for k in t["keys"]))
-    meta = {"format": _io.FORMAT, "step": step, "world_size": len(tables), "extra": extra, "keys": keys,
-            "aliases": {k: v for t in tables for k, v in t["aliases"].items()}, "tensors": tensors,
-            "optimizer": merge([t["optimizer"] for t in tables]) if all(with_opt) else None,
-            "rng": {"signatures": [t["signature"] for t in tables]}}
-    return meta, owned
-
-
-def save(directory: str, step: int, model, optimizer=None, *, extra: dict | None = None, group=None,
-         prefix: str = "") -> str:
-    """Save `model` (and `optimizer`, RNG, `extra`) as <directory>/step_<step>; a collective.
-
-    model: the model as trained - plain, tensor parallel, DataParallel or ZeRO (then pass
-    zero.optimizer). extra: JSON values to get back from load (data position, step, epoch).
-    prefix: prepended to the model's keys (Note [pipeline names] in _state.py).
-    Returns the checkpoint's path once every rank's file and the metadata are durable.
-    """
+def _begin(directory: str, step: int, model, optimizer, extra, group, prefix: str, stage: bool):
+    """Checks, the state dict to write, the partial directory, what rank 0 will commit."""
     rank, world = rank_world(group)
-    mine = table = data = None
+    mine = state = signature = None
     try:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra = _check_extra(extra)
-        table, data = _local_table(model, optimizer, world, prefix)
+        described = describe(model, prefix)
+        copies = _staged_copies(described, optimizer) if stage else None
+        state = {MODEL: model_state(described, copies), RNG: rng_state(rank)}
+        if optimizer is not None:
+            state[OPTIMIZER] = optimizer_state(optimizer, described, copies)
+        signature = layout_signature(described, world)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
-    gathered = all_gather((describe_error(mine) if mine else None, table), group)
+    gathered = all_gather((describe_error(mine) if mine else None, signature, optimizer is not None), group)
     raise_if_any([g[0] for g in gathered], mine, "checkpoint save")
-    metadata, owned = _merge([g[1] for g in gathered], step, extra, warn=rank == 0)
-
+    with_opt = [g[2] for g in gathered]
+    if any(with_opt) and not all(with_opt):
+        raise ValueError(f"an optimizer was passed on ranks {[r for r, o in enumerate(with_opt) if o]} only; pass "
+                         "this rank's optimizer on every rank, or none")
     partial = err = None
     if rank == 0:
         try:
@@ -152,25 +110,95 @@ def save(directory: str, step: int, model, optimizer=None, *, extra: dict | None
     partial, err = broadcast((partial, err), group)
     if err is not None:
         raise RuntimeError(f"checkpoint save: rank 0 could not create a directory under {directory!r}: {err}")
+    ours = {"format": _io.FORMAT, "step": step, "world_size": world, "extra": extra,
+            "signatures": [g[1] for g in gathered], "optimizer": all(with_opt)}
+    return state, partial, ours
 
-    mine, size = None, None
-    try:
-        payload = {k: torch.empty(v.shape, dtype=v.dtype).copy_(v) for k, v in data.items() if k in owned[rank]}
-        payload.update(rng_state())
-        size = _io.write_tensors(os.path.join(partial, _io.rank_file(rank)), payload)
-    except Exception as e:  # noqa: BLE001
-        mine = e
-    statuses = all_gather((describe_error(mine) if mine else None, size), group)
-    raise_if_any([s[0] for s in statuses], mine, "checkpoint save")
 
+def _write_and_commit(state: dict, partial: str, ours: dict, group) -> str:
+    rank, _ = rank_world(group)
+    quiet(dcp.save)(state, storage_writer=_Writer(partial, rank), process_group=group, no_dist=not dist.is_initialized())
     final = err = None
     if rank == 0:
-        metadata["files"] = {_io.rank_file(r): s[1] for r, s in enumerate(statuses)}
         try:
-            final = _io.commit(partial, metadata)
+            final = _io.commit(partial, ours)
         except OSError as e:
             err = describe_error(e)
     final, err = broadcast((final, err), group)
     if err is not None:
         raise RuntimeError(f"checkpoint save: rank 0 could not commit {partial!r}: {err}")
     return final
+
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_in_flight: concurrent.futures.Future | None = None
+_async_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _wait_in_flight() -> None:
+    global _in_flight
+    if _in_flight is not None:
+        previous, _in_flight = _in_flight, None
+        previous.result()
+
+
+def save(directory: str, step: int, model, optimizer=None, *, extra: dict | None = None, group=None,
+         prefix: str = "") -> str:
+    """Save `model` (and `optimizer`, RNG, `extra`) as <directory>/step_<step>; a collective.
+
+    model: the model as trained - plain, tensor parallel, DataParallel, ZeRO (then pass
+    zero.optimizer) or PipelineStages. extra: JSON values to get back from load (data
+    position, step, epoch). prefix: prepended to the model's keys (pipeline stages, see
+    PipelineStages.state_placement). Returns the checkpoint's path once it is committed.
+    """
+    _wait_in_flight()
+    state, partial, ours = _begin(directory, step, model, optimizer, extra, group, prefix, stage=False)
+    return _write_and_commit(state, partial, ours, group)
+
+
+class AsyncSave:
+    """What `async_save` returns: `result()` waits for the commit and returns the path."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> str:
+        global _in_flight
+        path = self._future.result(timeout)
+        if _in_flight is self._future:
+            _in_flight = None
+        return path
+
+
+def _async_group(group) -> dist.ProcessGroup | None:
+    if not dist.is_initialized():
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if ranks not in _async_groups:
+        _async_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _async_groups[ranks]
+
+
+def async_save(directory: str, step: int, model, optimizer=None, *, extra: dict | None = None, group=None,
+               prefix: str = "") -> AsyncSave:
+    """`save`, with the writing in the background (Note [asynchronous save]); a collective.
+    Returns once this rank's tensors are copied to host memory."""
+    global _executor, _in_flight
+    _wait_in_flight()
+    background = _async_group(group)
+    state, partial, ours = _begin(directory, step, model, optimizer, extra, group, prefix, stage=True)
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+    _in_flight = _executor.submit(_write_and_commit, state, partial, ours, background)
+    return AsyncSave(_in_flight)
+
+
+def wait() -> None:
+    """Wait for an asynchronous save in flight, if any (raising its error)."""
+    _wait_in_flight()
+
+
+__all__ = ["AsyncSave", "async_save", "save", "wait"]

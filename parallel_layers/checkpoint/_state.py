@@ -1,110 +1,171 @@
-"""What a rank holds of the model: each state_dict entry's logical name, layout and storage.
+"""The state dict a checkpoint holds, built from a model's placement (parallel_layers.placement).
 
-Logical names are the unparallelized model's state_dict keys. A wrapped model (ZeRO,
-DataParallel, DistributedDataParallel) is looked through to its `.module`; under ZeRO a
-parameter's data is its float32 master shard (`group.shards`), not the module's
-parameter (freed under stage 3, possibly low precision under param_dtype). Tied weights
-(one tensor under two keys) are stored once; the second key is an alias.
+    {"model":     {<unparallelized state_dict key>: tensor, ...},
+     "optimizer": {"state.<key>.<name>": tensor or scalar,          # exp_avg, exp_avg_sq, step
+                   "param_groups.<key>.<setting>": value, ...},     # lr, betas, ... per parameter
+     "rng":       {"rank<r>": {"cpu": tensor, "cuda": tensor}}}
 
-Note [pipeline names]: pipeline stages contribute disjoint logical names. A PipelineStages
-module names its layers by chunk ("chunks.<c>.<j>.rest"); they are renamed to the index in
-the layer list it was cut from ("<i>.rest"), and `prefix` (e.g. "layers.") makes that the
-unparallelized model's key. A weight tied across stages (embedding and LM head) is held by
-two ranks under two keys, and so stored twice; a single-stage model stores it once, with
-an alias, and either form loads into the other.
+This is torchtitan's namespace, and the optimizer part is the flattened form of
+torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(flatten_optimizer_state_dict
+=True), which torchtitan uses: settings are recorded per parameter, so pipeline stages, each
+with its own optimizer, never collide, and any grouping of parameters maps back by name. An
+optimizer state shaped like its parameter is cut exactly like it (the same pieces); anything
+else of a parameter's state (Adam's 0-d `step`, Python numbers) is stored whole.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch.nn as nn
+import torch
 from torch import Tensor
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from parallel_layers.checkpoint._layout import TensorLayout, layout_of
-from parallel_layers.data_parallel import DataParallel
-from parallel_layers.pipeline.stages import PipelineStages
-from parallel_layers.zero.api import ZeRO
+from parallel_layers.checkpoint._present import present_placement
+from parallel_layers.placement import ModelPlacement, TensorPlacement
 
-
-@dataclasses.dataclass(frozen=True)
-class Tracked:
-    data: Tensor  # where this rank's values are read and written: the tensor, or its ZeRO shard
-    layout: TensorLayout
+MODEL, OPTIMIZER, RNG = "model", "optimizer", "rng"
 
 
-@dataclasses.dataclass
-class ModelView:
-    module: nn.Module
-    zero: ZeRO | None
-    tensors: dict[str, Tracked]  # logical name -> this rank's part
-    aliases: dict[str, str]  # tied key -> the key stored
-    keys: list[str]  # state_dict order
-    opt_params: dict[int, tuple[str, TensorLayout]]  # id(tensor an optimizer steps) -> (name, layout)
+def model_state(described: ModelPlacement, copies: dict[int, Tensor] | None = None) -> dict[str, Tensor]:
+    """Every state_dict entry this rank holds a piece of, presented to DCP; `copies` maps
+    id(local) to a staged copy to present instead (asynchronous save)."""
+    copies = copies or {}
+    return {name: present_placement(tp, copies.get(id(tp.local))) for name, tp in described.tensors.items()
+            if tp.pieces}
 
 
-def unwrap(model: nn.Module) -> tuple[nn.Module, ZeRO | None]:
-    if isinstance(model, ZeRO):
-        return model.module, model
-    from torch.nn.parallel import DistributedDataParallel
-    while isinstance(model, (DataParallel, DistributedDataParallel)):
-        model = model.module
-    return model, None
+def _placement_of(by_local: dict[int, TensorPlacement], p: Tensor) -> TensorPlacement:
+    if id(p) not in by_local:
+        raise ValueError(f"the optimizer steps a tensor of shape {tuple(p.shape)} that is not a parameter of the model "
+                         "(under ZeRO pass zero.optimizer, whose parameters are ZeRO's shards)")
+    return by_local[id(p)]
 
 
-def _padded_rows(module: nn.Module) -> dict[str, int]:
-    """state_dict key -> real rows, for weights whose dim 0 is padded (vocab-parallel embeddings:
-    duck-typed on `num_embeddings` < `padded_num_embeddings`)."""
-    rows = {}
-    for prefix, m in module.named_modules():
-        real, padded = getattr(m, "num_embeddings", None), getattr(m, "padded_num_embeddings", None)
-        if isinstance(real, int) and isinstance(padded, int) and padded != real:
-            rows[f"{prefix}.weight" if prefix else "weight"] = real
-    return rows
+def _params(optimizer: torch.optim.Optimizer):
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            yield gi, p
 
 
-def _logical_names(module: nn.Module, prefix: str):
-    """state_dict key -> logical name (Note [pipeline names])."""
-    if not isinstance(module, PipelineStages):
-        return lambda key: prefix + key
+def optimizer_state(optimizer: torch.optim.Optimizer, described: ModelPlacement,
+                    copies: dict[int, Tensor] | None = None) -> dict:
+    """The optimizer's state and settings by parameter name (the module doc's form)."""
+    by_local, copies, out = described.by_local(), copies or {}, {}
+    for gi, p in _params(optimizer):
+        tp = _placement_of(by_local, p)
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                if value.shape != p.shape:
+                    raise NotImplementedError(
+                        f"optimizer state {key!r} of {tp.name} has shape {tuple(value.shape)}, neither a scalar nor "
+                        f"the shape of the parameter it belongs to {tuple(p.shape)}; it cannot be resharded")
+                if tp.pieces:
+                    out[f"state.{tp.name}.{key}"] = present_placement(tp, copies.get(id(value), value))
+            elif isinstance(value, Tensor):
+                out[f"state.{tp.name}.{key}"] = copies.get(id(value), value)
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                out[f"state.{tp.name}.{key}"] = value
+            else:
+                raise TypeError(f"optimizer state {key!r} of {tp.name} is a {type(value).__name__}; only tensors "
+                                "and numbers can be checkpointed")
+        for key, value in optimizer.param_groups[gi].items():
+            if key != "params":
+                out[f"param_groups.{tp.name}.{key}"] = value
+    return out
 
-    def rename(key: str) -> str:
-        _, chunk, j, rest = key.split(".", 3)
-        return f"{prefix}{module.bounds[module.stage_ids[int(chunk)]][0] + int(j)}.{rest}"
-    return rename
+
+def _saved_optimizer_keys(metadata: Metadata) -> dict[str, dict[str, dict]]:
+    """name -> {"state": {key: storage metadata}, "param_groups": {setting: ...}} in a checkpoint."""
+    found: dict[str, dict[str, dict]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        for part in ("state", "param_groups"):
+            head = f"{OPTIMIZER}.{part}."
+            if fqn.startswith(head) and "." in fqn[len(head):]:
+                name, key = fqn[len(head):].rsplit(".", 1)
+                found.setdefault(name, {"state": {}, "param_groups": {}})[part][key] = md
+    return found
 
 
-def describe(model: nn.Module, prefix: str = "") -> ModelView:
-    module, zero = unwrap(model)
-    logical_name = _logical_names(module, prefix)
-    rows = {logical_name(k): v for k, v in _padded_rows(module).items()}
-    in_zero = {}  # id(param) -> (world, rank, shard)
-    if zero is not None:
-        for g in zero.groups:
-            for i, p in enumerate(g.params):
-                in_zero[id(p)] = (g.world, g.rank, g.shards[i])
-    view = ModelView(module, zero, {}, {}, [], {})
-    seen: dict[int, str] = {}
-    for key, t in module.state_dict(keep_vars=True).items():
-        name = logical_name(key)
-        if not isinstance(t, Tensor):
-            raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__}; only tensors can be checkpointed "
-                            "(move extra state into save(..., extra=...))")
-        view.keys.append(name)
-        if id(t) in seen:
-            view.aliases[name] = seen[id(t)]
-            continue
-        seen[id(t)] = name
-        spec = getattr(t, "tp_shard", None)
-        full = tuple(spec.full_shape) if spec is not None else tuple(t.shape)
-        logical = (rows[name],) + full[1:] if name in rows else full
-        if id(t) in in_zero:
-            world, rank, shard = in_zero[id(t)]
-            layout = layout_of(name, tuple(t.shape), spec, logical, (world, rank))
-            view.tensors[name] = Tracked(shard, layout)
-            view.opt_params[id(shard)] = (name, layout)
-        else:
-            layout = layout_of(name, tuple(t.shape), spec, logical)
-            view.tensors[name] = Tracked(t, layout)
-            view.opt_params[id(t)] = (name, layout)
-    return view
+def has_optimizer(metadata: Metadata) -> bool:
+    return any(k.startswith(f"{OPTIMIZER}.") for k in metadata.state_dict_metadata)
+
+
+class OptimizerLoad:
+    """The buffers a load fills for an optimizer (`template`), then `apply` loads them into it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, described: ModelPlacement, metadata: Metadata):
+        self.optimizer, self.template = optimizer, {}
+        saved = _saved_optimizer_keys(metadata)
+        by_local = described.by_local()
+        self._entries = []  # (group index, param, name, {state key: template key})
+        for gi, p in _params(optimizer):
+            tp = _placement_of(by_local, p)
+            keys = saved.get(tp.name, {"state": {}, "param_groups": {}})
+            state_keys = {}
+            for key, md in keys["state"].items():
+                tkey = f"state.{tp.name}.{key}"
+                if isinstance(md, TensorStorageMetadata) and len(md.size) > 0:
+                    if tuple(md.size) != tuple(tp.shape):
+                        raise ValueError(f"optimizer state {key!r} of {tp.name}: the checkpoint holds "
+                                         f"{tuple(md.size)}, the parameter is {tuple(tp.shape)}")
+                    buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if tp.pieces:  # a rank holding only padding reads nothing
+                        self.template[tkey] = present_placement(tp, buf)
+                    state_keys[key] = (tkey, buf)
+                elif isinstance(md, TensorStorageMetadata):
+                    self.template[tkey] = torch.zeros((), dtype=md.properties.dtype)
+                    state_keys[key] = (tkey, None)
+                else:
+                    self.template[tkey] = None  # a pickled Python value, replaced by dcp.load
+                    state_keys[key] = (tkey, None)
+            for setting in keys["param_groups"]:
+                self.template[f"param_groups.{tp.name}.{setting}"] = None
+            self._entries.append((gi, tp.name, state_keys, list(keys["param_groups"])))
+
+    def apply(self, loaded: dict) -> None:
+        """Load what dcp.load put into `loaded` (the template, filled) into the optimizer."""
+        state, settings = {}, {}
+        for index, (gi, name, state_keys, group_keys) in enumerate(self._entries):
+            entry = {key: buf if buf is not None else loaded[tkey] for key, (tkey, buf) in state_keys.items()}
+            if entry:
+                state[index] = entry
+            if group_keys:
+                values = {k: loaded[f"param_groups.{name}.{k}"] for k in group_keys}
+                first = settings.setdefault(gi, (name, values))
+                if first[1] != values:
+                    raise ValueError(f"the parameters {first[0]} and {name} share an optimizer param group here but "
+                                     f"were saved with different settings ({first[1]} vs {values}); build the "
+                                     "optimizer with the grouping it was saved with")
+        groups = []
+        for gi, cur in enumerate(self.optimizer.state_dict()["param_groups"]):
+            hyper = dict(cur)
+            for k, v in settings.get(gi, (None, {}))[1].items():
+                if k != "params":
+                    hyper[k] = tuple(v) if isinstance(cur.get(k), tuple) and isinstance(v, list) else v
+            hyper["params"] = cur["params"]
+            groups.append(hyper)
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_state(rank: int) -> dict[str, dict[str, Tensor]]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return {f"rank{rank}": state}
+
+
+def rng_template(rank: int, metadata: Metadata) -> dict[str, dict[str, Tensor]]:
+    """Buffers for this rank's saved RNG states, if the checkpoint has them."""
+    out = {}
+    for device in ("cpu", "cuda"):
+        md = metadata.state_dict_metadata.get(f"{RNG}.rank{rank}.{device}")
+        if isinstance(md, TensorStorageMetadata):
+            out[device] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    return {f"rank{rank}": out} if out else {}
+
+
+def set_rng(loaded: dict) -> None:
+    for state in loaded.values():
+        if "cpu" in state:
+            torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])

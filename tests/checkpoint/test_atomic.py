@@ -24,10 +24,11 @@ def _save_twice_and_crash(rank, ws, root, crash_rank, point):
     state_at_1 = full_params(run)
     train(run, 1, 2)
     if rank == crash_rank and point == "after_own_file":  # file written, peers not yet told
-        write = _io.write_tensors
-        _io.write_tensors = lambda *a: (write(*a), _die())
-    if rank == crash_rank and point == "before_rename":  # every file and metadata.json written
-        os.rename = _die
+        record = _io.record_written
+        _io.record_written = lambda *a: (record(*a), _die())
+    if rank == crash_rank and point == "before_rename":  # every file and parallel_layers.json written
+        rename = os.rename  # DCP renames its .metadata into place first: let that one through
+        os.rename = lambda src, dst: _die() if ".partial-" in os.path.basename(src) else rename(src, dst)
     if rank == crash_rank and point == "before_latest":  # renamed to step_2, `latest` not updated
         os.replace = _die
     checkpoint.save(root, 2, run.wrapped, run.optimizer, extra={"step": 2})
@@ -48,7 +49,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, crash_rank, point):
         return
     partial = [e for e in entries if ".partial-" in e]
     assert len(partial) == 1 and entries == sorted(["latest", partial[0], "step_1"]), entries
-    assert os.path.exists(os.path.join(root, partial[0], "metadata.json")) == (point == "before_rename")
+    assert os.path.exists(os.path.join(root, partial[0], _io.OURS)) == (point == "before_rename")
     assert checkpoint.latest_checkpoint(root) == step1
     with pytest.raises(FileNotFoundError, match="unfinished save"):
         checkpoint.load(os.path.join(root, partial[0]), TinyGPT())
@@ -74,8 +75,8 @@ def _state_at_step_1(rank, ws):
 def test_incomplete_directories_are_never_checkpoints(tmp_path):
     run = build(1, 1, "none", seed=0)
     checkpoint.save(str(tmp_path), 1, run.model)
-    os.makedirs(tmp_path / "step_9")  # a step directory without metadata.json (e.g. copied half-way)
-    torch.save({}, tmp_path / "step_9" / "rank0.pt")
+    os.makedirs(tmp_path / "step_9")  # a step directory without .metadata (e.g. copied half-way)
+    torch.save({}, tmp_path / "step_9" / "__0_0.distcp")
     assert checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_1")
     (tmp_path / "latest").write_text("step_9\n")  # `latest` naming an incomplete one is not trusted
     assert checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_1")

@@ -3,12 +3,12 @@
 training matches the uninterrupted run, bitwise at the same layout); export_state_dict feeds
 the plain model's load_state_dict(strict=True). Real gloo processes."""
 
-import json
-import os
 import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from parallel_layers import checkpoint
 from tests.checkpoint._model import (
@@ -61,23 +61,33 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_pieces_are_written_once(uninterrupted):
-    """tp=2 x dp=2, ZeRO-1: ranks (dp, tp) = 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1)."""
-    meta = json.load(open(os.path.join(uninterrupted[0][0], "metadata.json")))
-    owners = {name: sorted({p["rank"] for p in t["pieces"]}) for name, t in meta["tensors"].items()}
-    assert owners["model/layers.1.ln1.weight"] == [0, 2]  # TP-replicated: one copy per ZeRO shard
-    assert owners["model/layers.1.qkv.weight"] == [0, 1, 2, 3]
-    assert owners["optim/layers.1.qkv.weight/exp_avg"] == [0, 1, 2, 3]
-    assert meta["tensors"]["model/layers.0.tokens.weight"]["shape"] == [37, 10]  # vocab padding cropped
-    assert meta["aliases"] == {"layers.3.tokens.weight": "layers.0.tokens.weight"}  # tied head
-    assert meta["optimizer"]["scalars"]["layers.1.qkv.weight"]["step"] == {"value": BEFORE, "dtype": "torch.float32"}
-    for name, t in meta["tensors"].items():  # disjoint pieces that cover the tensor exactly
-        covered = torch.zeros(t["shape"]).reshape(-1)
-        for p in t["pieces"]:
-            index = torch.arange(covered.numel()).reshape(t["shape"])
-            for dim, (o, n) in enumerate(zip(p["offsets"], p["sizes"])):
-                index = index.narrow(dim, o, n)
-            index = index.reshape(-1)
-            covered[index if p["flat"] is None else index[p["flat"][0]:p["flat"][1]]] += 1
+    """tp=2 x dp=2, ZeRO-1: ranks (dp, tp) = 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1). The step
+    directory is a DCP checkpoint: every chunk is a box of the unparallelized tensor, stored
+    once, and the chunks of a tensor cover it exactly."""
+    path = uninterrupted[0][0]
+    meta = dcp.FileSystemReader(path).read_metadata()
+    owners = {}
+    for index, info in meta.storage_data.items():  # files are __<rank>_<i>.distcp
+        owners.setdefault(index.fqn, []).append(int(info.relative_path.split("_")[2]))
+    ln = owners["model.layers.1.ln1.weight"]  # TP-replicated: one copy per ZeRO shard (dp rank)
+    assert len(ln) == 2 and sorted(r // 2 for r in ln) == [0, 1], ln
+    assert sorted(set(owners["model.layers.1.qkv.weight"])) == [0, 1, 2, 3]  # three fused blocks each
+    assert sorted(set(owners["optimizer.state.layers.1.qkv.weight.exp_avg"])) == [0, 1, 2, 3]
+    md = meta.state_dict_metadata
+    assert tuple(md["model.layers.0.tokens.weight"].size) == (37, 10)  # vocab padding cropped
+    assert tuple(md["model.layers.3.tokens.weight"].size) == (37, 10)  # the tied head: its own key, as in state_dict()
+    step = {"state.layers.1.qkv.weight.step": torch.zeros(())}
+    dcp.load({"optimizer": step}, checkpoint_id=path, no_dist=True)
+    assert step["state.layers.1.qkv.weight.step"].item() == BEFORE
+    for name, t in md.items():  # disjoint chunks that cover the tensor exactly
+        if not isinstance(t, TensorStorageMetadata) or name.startswith("rng."):
+            continue
+        covered = torch.zeros(tuple(t.size))
+        for chunk in t.chunks:
+            region = covered
+            for dim, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                region = region.narrow(dim, o, n)
+            region += 1
         assert torch.equal(covered, torch.ones_like(covered)), name
 
 

@@ -1,14 +1,16 @@
 """Loading never runs pickled code and refuses what is not a checkpoint, with errors that name
-the values: non-tensor objects, corrupt pieces, missing tensors, shape mismatches, wrong
-directories, bad arguments. One process, no torch.distributed."""
+the values: planted objects, corrupt or truncated files (and latest_checkpoint falls back past
+them), missing tensors, shape mismatches, wrong directories, bad arguments. One process, no
+torch.distributed."""
 
-import json
 import os
 import pathlib
 import pickle
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 
 from parallel_layers import checkpoint
@@ -32,49 +34,68 @@ def _saved(tmp_path, model=None):
     return checkpoint.save(str(tmp_path), 1, model, opt), model
 
 
-def _replace_rank_file(path, obj):
-    """Rewrite rank0.pt and fix its size in metadata.json, as a crafted checkpoint would."""
-    torch.save(obj, os.path.join(path, "rank0.pt"))
-    meta_path = os.path.join(path, "metadata.json")
-    meta = json.load(open(meta_path))
-    meta["files"]["rank0.pt"] = os.path.getsize(os.path.join(path, "rank0.pt"))
-    json.dump(meta, open(meta_path, "w"))
+def _dcp_file(path):
+    files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    assert files, os.listdir(path)
+    return os.path.join(path, files[0])
 
 
 def test_pickled_objects_are_refused(tmp_path):
-    path, model = _saved(tmp_path / "ckpt")
-    original = torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
+    """DCP's own reader unpickles .metadata and optimizer settings freely; ours does not."""
     marker = tmp_path / "code_ran"
-    _replace_rank_file(path, {**original, "evil": Planted(str(marker))})
-    with pytest.raises(pickle.UnpicklingError, match="weights_only=True"):
+    # 1. A planted object in .metadata.
+    path, model = _saved(tmp_path / "ckpt")
+    meta_path = os.path.join(path, ".metadata")
+    meta = pickle.load(open(meta_path, "rb"))
+    meta.storage_meta.modules = [Planted(str(marker))]
+    pickle.dump(meta, open(meta_path, "wb"))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to unpickle pathlib.Path.touch"):
         checkpoint.load(path, model)
-    with pytest.raises(pickle.UnpicklingError, match="weights_only=True"):
+    with pytest.raises(pickle.UnpicklingError, match="refusing to unpickle pathlib.Path.touch"):
         checkpoint.export_state_dict(path)
     assert not marker.exists()
-    torch.load(os.path.join(path, "rank0.pt"), weights_only=False)  # the file really is malicious
+    pickle.load(open(meta_path, "rb"))  # the file really is malicious
     assert marker.exists()
+    marker.unlink()
+    # 2. A planted object as an optimizer setting (a value DCP stores with torch.save).
+    model = nn.Linear(3, 4)
+    planted = str(tmp_path / "planted")
+    os.makedirs(planted)
+    dcp.save({"model": model.state_dict(), "optimizer": {"param_groups.weight.lr": Planted(str(marker))}},
+             checkpoint_id=planted, no_dist=True)
+    with pytest.raises(CheckpointException, match="refusing to load 'optimizer.param_groups.weight.lr'.*weights_only"):
+        checkpoint.load(planted, model, torch.optim.SGD(model.parameters(), lr=1.0))
+    assert not marker.exists()
 
 
-def test_non_tensor_values_are_refused(tmp_path):
+def test_non_tensor_values_are_plain_values(tmp_path):
+    """Optimizer settings come back as the numbers and tuples they were."""
     path, model = _saved(tmp_path)
-    original = torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
-    _replace_rank_file(path, {**original, "note": "hello", "count": 3})
-    with pytest.raises(pickle.UnpicklingError, match=r"dict of str -> Tensor, found 'note': str, 'count': int"):
-        checkpoint.load(path, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, betas=(0.1, 0.2))
+    checkpoint.load(path, model, opt)
+    assert opt.param_groups[0]["lr"] == 0.001 and opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
 def test_corrupt_or_truncated_files_are_refused(tmp_path):
-    path, model = _saved(tmp_path)
-    original = torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
-    key = next(k for k in original if k.startswith("model/"))
-    original[key] = original[key] + 1
-    _replace_rank_file(path, original)
-    with pytest.raises(ValueError, match=f"{key}.*CRC-32"):
-        checkpoint.load(path, model)
-    with open(os.path.join(path, "rank0.pt"), "r+b") as f:
+    root = tmp_path / "ckpt"
+    first, model = _saved(root)
+    opt = torch.optim.AdamW(model.parameters())
+    path = checkpoint.save(str(root), 2, model, opt)
+    assert checkpoint.latest_checkpoint(str(root)) == path
+    target = _dcp_file(path)
+    data = bytearray(open(target, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, same size
+    open(target, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=f"{os.path.basename(target)} does not match the CRC-32"):
+        checkpoint.verify(path)
+    with pytest.warns(RuntimeWarning, match="step_2 is corrupt.*falling back"):
+        assert checkpoint.latest_checkpoint(str(root)) == first  # never the corrupt one
+    with open(target, "r+b") as f:
         f.truncate(100)
-    with pytest.raises(ValueError, match="has 100 bytes.*truncated"):
-        checkpoint.export_state_dict(path)
+    with pytest.raises(ValueError, match="has 100 bytes"):
+        checkpoint.load(path, model)
+    with pytest.warns(RuntimeWarning, match="step_2 is corrupt"):
+        assert checkpoint.latest_checkpoint(str(root)) == first
 
 
 def test_model_mismatches_name_the_tensors(tmp_path):
