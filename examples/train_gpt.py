@@ -106,12 +106,12 @@ def fault(rank: int, step: int, phase: str) -> None:
         return
     if phase == "train":
         os.kill(os.getpid(), signal.SIGKILL)
-    write = checkpoint_io.write_tensors
+    record = checkpoint_io.record_written  # called once this rank's files are written
 
-    def write_then_die(*a):
-        write(*a)
+    def record_then_die(*a):
+        record(*a)
         os.kill(os.getpid(), signal.SIGKILL)
-    checkpoint_io.write_tensors = write_then_die
+    checkpoint_io.record_written = record_then_die
 
 
 # ---- training -----------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def _train_with_restarts(ckpt_dir: Path, log: Path, kill_rank: int | None):
 
 def _final(ckpt_dir: Path):
     path = ckpt_dir / f"step_{STEPS}"
-    extra = json.loads((path / "metadata.json").read_text())["extra"]
+    extra = json.loads((path / "parallel_layers.json").read_text())["extra"]
     return checkpoint.export_state_dict(str(path)), extra["losses"]
 
 
