@@ -17,19 +17,12 @@ import torch
 
 from parallel_layers import checkpoint
 from tests.dist_harness import run_distributed
+from tests.hf._tiny import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ = 2, 12
 LAYOUTS = {"tp2": dict(tp=2, dp=1, stage=0), "tp2dp2-zero3": dict(tp=2, dp=2, stage=3)}
-
-
-def _save_tiny_llama(directory) -> None:
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def _ids(seed: int = 1):
@@ -78,7 +71,7 @@ def _load_plain_dcp(rank, world, directory, ckpt, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_plain_dcp_checkpoint_loads_into_our_layouts(tmp_path, layout):
-    _save_tiny_llama(tmp_path / "hf")
+    save_tiny_llama(tmp_path / "hf")
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():  # other weights than the pretrained ones the ranks start from
         for p in plain.parameters():
@@ -118,7 +111,7 @@ torch.save(state, sys.argv[3])
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_our_checkpoint_loads_with_plain_dcp(tmp_path, layout):
-    _save_tiny_llama(tmp_path / "hf")
+    save_tiny_llama(tmp_path / "hf")
     ws = LAYOUTS[layout]["tp"] * LAYOUTS[layout]["dp"]
     results = run_distributed(_train_and_save, ws, args=(str(tmp_path / "hf"), str(tmp_path / "ckpt"),
                                                          LAYOUTS[layout]), timeout_s=240)
@@ -154,7 +147,7 @@ def _async_save(rank, world, directory, root):
 
 
 def test_async_save_holds_the_values_at_the_call(tmp_path):
-    _save_tiny_llama(tmp_path / "hf")
+    save_tiny_llama(tmp_path / "hf")
     root = str(tmp_path / "ckpt")
     results = run_distributed(_async_save, 4, args=(str(tmp_path / "hf"), root), timeout_s=240)
     path, at_save, after, reloaded = results[0]

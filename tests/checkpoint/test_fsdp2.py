@@ -8,8 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from parallel_layers import checkpoint
-from tests.checkpoint.test_dcp import _build, _full_state, _ids, _save_tiny_llama
+from tests.checkpoint.test_dcp import _build, _full_state, _ids
 from tests.dist_harness import run_distributed
+from tests.hf._tiny import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 LR = 3e-3  # FSDP2's; ours is built with another and must take this one from the checkpoint
@@ -93,7 +94,7 @@ def _read_full(path, names) -> dict:
 
 
 def test_fsdp2_tp_checkpoint_loads_into_ours_and_back(tmp_path):
-    _save_tiny_llama(tmp_path / "hf")
+    save_tiny_llama(tmp_path / "hf")
     hf, fsdp_path = str(tmp_path / "hf"), str(tmp_path / "fsdp2")
     want = run_distributed(_fsdp2_save, 4, args=(hf, fsdp_path), timeout_s=240)[0]
     saved, ours = run_distributed(_ours_load_and_save, 4, args=(hf, fsdp_path, str(tmp_path / "ours")),
@@ -132,7 +133,7 @@ def _fsdp2_load(rank, world, directory, path):
 
 
 def test_our_checkpoint_loads_into_fsdp2_tp(tmp_path):
-    _save_tiny_llama(tmp_path / "hf")
+    save_tiny_llama(tmp_path / "hf")
     hf = str(tmp_path / "hf")
     path = run_distributed(_ours_train_and_save, 4, args=(hf, str(tmp_path / "ours")), timeout_s=240)[0]
     got = run_distributed(_fsdp2_load, 4, args=(hf, path), timeout_s=240)[0]

@@ -6,18 +6,11 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
+from tests.hf._tiny import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 STEPS, BATCH, SEQ = 3, 4, 16
-
-
-def _save_tiny_llama(directory) -> None:
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def _batches():
@@ -71,7 +64,7 @@ def _reference(directory):
 
 @pytest.mark.parametrize("wrapper", ["dp", "zero1", "zero2", "zero3"])
 def test_from_pretrained_model_matches_one_process(tmp_path, wrapper):
-    _save_tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path)
     ref_losses, ref_state = _reference(tmp_path)
     for losses, state in run_distributed(_train, 2, args=(str(tmp_path), wrapper), timeout_s=240):
         # float32; only the order of sums differs (two half batches averaged vs one batch):
