@@ -156,9 +156,9 @@ class PipelineStages(nn.Module):
         """False for the copies of a tied parameter that are not on its lowest stage's rank."""
         return all(q is not p or owner for q, _, owner in self._ties)
 
-    # ---- state (Note [pipeline names]) ---------------------------------------------------
+    # ---- state ---------------------------------------------------------------------------
     def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
-        """This rank's layers under the names of the layer list they were cut from:
+        """Note [pipeline names]: this rank's layers under the names of the layer list they were cut from:
         "chunks.<c>.<j>.<rest>" becomes prefix + "<i>.<rest>", i the layer's index in that list
         (prefix "layers." makes it the unparallelized model's key). A tied weight's copies are
         all described; only the lowest stage's is `counted` (gradient norm)."""
