@@ -107,11 +107,11 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
             optimizer_load.apply(state[OPTIMIZER])
         if RNG in state:
             set_rng(state[RNG])
-        for hook in described.after_load:
-            hook()
     except Exception as e:  # noqa: BLE001
         mine = e
     raise_if_any(all_gather(describe_error(mine) if mine else None, group), mine, "checkpoint load")
+    for hook in described.after_load:  # collectives of the wrappers (ZeRO's all-gathers): every rank, or none
+        hook()
     if restore_rng and not same_layout and rank == 0:
         why = ("it was written by another program" if ours is None else
                f"it was saved by {ours['world_size']} rank(s) in another layout than these {world} rank(s) have now")
