@@ -21,7 +21,7 @@ from parallel_layers.ops import shard_copy
 from parallel_layers.pipeline.schedule import build_schedule
 from parallel_layers.plan import ClusterSpec, ModelSpec, TrainSpec
 from parallel_layers.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from parallel_layers.zero.sharded_param import ShardedParam
+from parallel_layers.zero import ShardedParam
 from tests.dist_harness import run_distributed
 
 _ops = torch.ops.parallel_layers

@@ -4,8 +4,8 @@
     loss = loss_fn(zero(batch)); loss.backward(); zero.step(); zero.zero_grad()
 
 Stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (ZeRO
-paper). The optimizer only ever sees this rank's float32 shards (see _group.py, Note [ZeRO
-param group]), so any torch.optim optimizer works and its state is sharded in every stage.
+paper). The optimizer only ever sees this rank's float32 shards (see _param.py, Note [ZeRO
+sharded parameter]), so any torch.optim optimizer works and its state is sharded in every stage.
 
   stage 1  full params and full grads on every rank; at step(): reduce-scatter the grads
            into the shards, step the shards, all-gather the params.
@@ -71,7 +71,8 @@ import torch.utils._pytree
 from parallel_layers import fault, placement
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
-from parallel_layers.zero._group import ParamGroup, check_dtypes
+from parallel_layers.zero._group import ParamGroup
+from parallel_layers.zero._param import ShardedParam, check_dtypes
 
 
 @dataclasses.dataclass
@@ -125,6 +126,14 @@ class ZeRO(LocalAccumulation, nn.Module):
         self.module, self.stage, self.group = model, stage, group
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._forward_order: list[ParamGroup] = []  # groups as their forward ran, first step
+
+        def param_group(name: str, params: list[nn.Parameter], root: bool) -> ParamGroup:
+            # ZeRO-3 frees the wrapped modules' full parameters between uses; the root's and
+            # ZeRO-1/2's stay, and at ZeRO-1/2 a master shard may be a view of them.
+            return ParamGroup(name, [ShardedParam(p, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                  keep_full=stage < 3 or root, alias_full=stage < 3,
+                                                  offload=offload_optimizer) for p in params])
+
         wrap = wrap or _default_wrap(model)
         owned: set[int] = set()
         self.groups: list[ParamGroup] = []
@@ -135,13 +144,11 @@ class ZeRO(LocalAccumulation, nn.Module):
             params = [p for p in module.parameters() if id(p) not in owned]
             if params:
                 owned.update(id(p) for p in params)
-                g = ParamGroup(name, params, group, param_dtype, reduce_dtype, alias_full=stage < 3,
-                               offload=offload_optimizer)
+                g = param_group(name, params, root=False)
                 self.groups.append(g)
                 self._module_group[id(module)] = g
         rest = [p for p in model.parameters() if id(p) not in owned]
-        self.root_group = (ParamGroup("<root>", rest, group, param_dtype, reduce_dtype, alias_full=stage < 3,
-                                      offload=offload_optimizer) if rest else None)
+        self.root_group = param_group("<root>", rest, root=True) if rest else None
         if self.root_group is not None:
             self.groups.append(self.root_group)
         # Note [agreed reduction order]
@@ -152,19 +159,12 @@ class ZeRO(LocalAccumulation, nn.Module):
         # decided by what every rank's program does (stage, no_sync, step), not by p.grad.
         self._unreduced = stage == 1
         self._backward = {g: _BackwardState() for g in self.groups}
-        if param_dtype is not None:
-            for g in self.groups:
-                for p in g.params:
-                    p.data = p.data.to(param_dtype)
         self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
         self._hook_handles = []
         if stage == 2:
             self._install_grad_hooks()
         if stage == 3:
             self._install_module_hooks()
-            for g in self.groups:
-                if g is not self.root_group:
-                    g.reshard()
         self._callback_queued = False
 
     # ---- hooks ----------------------------------------------------------------------------
@@ -286,10 +286,9 @@ class ZeRO(LocalAccumulation, nn.Module):
             self._unreduced = False
         self._reduced = 0
         self._backward = {g: _BackwardState() for g in self.groups}
-        if self.stage == 3:
-            for g in self.groups:
-                if g is not self.root_group:
-                    g.reshard()
+        for g in self.groups:
+            if not g.keep_full:
+                g.reshard()
 
     # ---- public API -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -333,8 +332,8 @@ class ZeRO(LocalAccumulation, nn.Module):
             g.drop_prefetch()
         self.optimizer.step()
         for g in self.groups:
-            if self.stage < 3 or g is self.root_group:
-                g.refresh_full()  # stage 3 groups gather at their next use
+            if g.keep_full:
+                g.refresh_full()  # the others gather at their next use
         self._unreduced = self.stage == 1
 
     def zero_grad(self) -> None:
@@ -349,15 +348,15 @@ class ZeRO(LocalAccumulation, nn.Module):
         float32 master shard, a flat element range of the (TP-local) parameter; buffers as
         the module has them. Writing into the shards must be followed by `after_load`."""
         described = placement.describe(self.module, prefix)
-        shard_of = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        sharded = {id(sp.full): sp for g in self.groups for sp in g.members}
         for tp in described.tensors.values():
-            if id(tp.local) not in shard_of:
+            sp = sharded.get(id(tp.local))
+            if sp is None:
                 continue
-            g, i = shard_of[id(tp.local)]
-            start = g.rank * g.shard_sizes[i]
+            start = sp.rank * sp.shard_numel
             tp.pieces = placement.flat_pieces(placement.local_layout(tp.local), tuple(tp.local.shape), start,
-                                              start + g.shard_sizes[i])
-            tp.local = g.shards[i]
+                                              start + sp.shard_numel)
+            tp.local = sp.shard
         described.shard_group = self.group if self.group is not None else dist.group.WORLD
         described.after_load.append(self._shards_replaced)
         return described
@@ -366,7 +365,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         """The master shards were overwritten (a checkpoint load): the full parameters follow."""
         for g in self.groups:
             g.drop_prefetch()
-            if self.stage < 3 or g is self.root_group:
+            if g.keep_full:
                 g.refresh_full()
             else:
                 g.reshard()
@@ -376,10 +375,9 @@ class ZeRO(LocalAccumulation, nn.Module):
         for g in self.groups:
             g.refresh_full()
         state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        if self.stage == 3:
-            for g in self.groups:
-                if g is not self.root_group:
-                    g.reshard()
+        for g in self.groups:
+            if not g.keep_full:
+                g.reshard()
         return state
 
     def sharded_state_dict(self) -> dict:
@@ -431,12 +429,15 @@ class ZeRO(LocalAccumulation, nn.Module):
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: full params, full grads, master shards (not counting those
         that are views of full params), shard grads, optimizer state."""
-        full = sum(g.full_param_bytes() for g in self.groups)
-        full_grads = sum(p.grad.numel() * p.grad.element_size() for g in self.groups for p in g.params
-                         if p.grad is not None)
-        shards = sum(g.shard_bytes() for g in self.groups)
-        shard_grads = sum(s.grad.numel() * s.grad.element_size() for g in self.groups for s in g.shards
-                          if s.grad is not None)
+        members = [sp for g in self.groups for sp in g.members]
+        full = sum(sp.full.untyped_storage().size() for sp in members)
+        full_grads = sum(sp.full.grad.numel() * sp.full.grad.element_size() for sp in members
+                         if sp.full.grad is not None)
+        # A master shard that is a view of its full parameter (ZeRO-1/2) costs nothing extra.
+        shards = sum(sp.shard.numel() * sp.shard.element_size() for sp in members
+                     if sp.shard.untyped_storage().data_ptr() != sp.full.untyped_storage().data_ptr())
+        shard_grads = sum(sp.shard.grad.numel() * sp.shard.grad.element_size() for sp in members
+                          if sp.shard.grad is not None)
         opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"params": full, "grads": full_grads, "master_shards": shards, "shard_grads": shard_grads,

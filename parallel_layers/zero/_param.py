@@ -1,0 +1,178 @@
+"""`ShardedParam`: one parameter sharded over a process group, the unit ZeRO is built from.
+
+    sp = ShardedParam(layer.weight, group)     # the full tensor's storage is freed now
+    handle = sp.unshard(async_op=True)         # all-gather in flight
+    ...                                        # other work
+    handle.wait()                              # layer.weight holds the full values again
+    loss.backward(); sp.reduce_grad()          # averaged gradient lands in sp.shard.grad
+    sp.reshard()                               # frees the full storage again
+
+Note [ZeRO sharded parameter]: the parameter is flattened, padded to a multiple of the world
+size W and cut into W shards of ceil(numel / W) elements (the layout of
+parallel_layers/ops/shard_copy.py), whatever its shape: a [7, 15] weight over 4 ranks is 27
+elements each, where a dim-0 split would give 2 rows to three ranks and 1 real row plus
+padding to the last. This rank keeps its shard as a float32 master (`shard`, what the
+optimizer steps). The module keeps its ordinary nn.Parameter (`full`): where it is freed
+between uses (ZeRO-3), its storage is resized to zero and refilled by an all-gather -
+autograd's saved references to the same storage see the data again once it is refilled.
+
+A ShardedParam holds the per-parameter half of that: sizes, the master shard, freeing and
+refilling the full storage, and what the gather and reduction read and write for it. The
+collectives live in ParamGroup (_group.py), which batches many ShardedParams into one
+all-gather and one reduce-scatter; on its own (the usage above) a ShardedParam is a group
+of one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from parallel_layers.ops import shard_copy
+from parallel_layers.zero._group import ParamGroup
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the shard-copy kernels take
+
+
+def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> None:
+    """Raise unless the gather (param) and reduce dtypes are ones the shard-copy kernels take."""
+    if param_dtype is not None and param_dtype not in _DTYPES:
+        raise ValueError(f"param_dtype must be None (keep the parameters' dtype) or one of {list(_DTYPES)}, got "
+                         f"{param_dtype!r}")
+    if reduce_dtype not in _DTYPES:
+        raise ValueError(f"reduce_dtype must be one of {list(_DTYPES)}, got {reduce_dtype!r}")
+
+
+class UnshardHandle:
+    """What `ShardedParam.unshard(async_op=True)` returns: `wait()` completes the gather."""
+
+    def __init__(self, group: ParamGroup):
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.unshard()
+
+
+class ShardedParam:
+    """`param` sharded over `group` (Note [ZeRO sharded parameter]).
+
+    param_dtype: the dtype the full parameter is cast to and gathered in (None: keep its own);
+    the master shard is float32 either way. reduce_dtype: the dtype gradients are averaged in.
+    ZeRO's knobs, for the groups it builds:
+      keep_full   the full parameter stays allocated (ZeRO-1/2, and ZeRO-3's root group);
+                  by default it is freed now and between uses.
+      alias_full  with keep_full, the shard may be a view of the full parameter's own slice
+                  (ZeRO-1/2; see `_master_shard`).
+      offload     the shard and its gradient live on the CPU (ZeRO-Offload).
+    """
+
+    def __init__(self, param: nn.Parameter, group: dist.ProcessGroup | None = None, *,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+                 keep_full: bool = False, alias_full: bool = False, offload: bool = False):
+        check_dtypes(param_dtype, reduce_dtype)
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedParam needs torch.distributed to be initialised")
+        if alias_full and not keep_full:
+            raise ValueError("alias_full needs keep_full: a shard that is a view of the full parameter would be "
+                             "freed with it")
+        self.full, self.group = param, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.keep_full, self.offload = keep_full, offload
+        self.shard_numel = shard_copy.shard_numel(param.numel(), self.world)
+        if not alias_full:
+            self._own_storage()
+        self.shard = nn.Parameter(self._master_shard(alias_full and not offload), requires_grad=param.requires_grad)
+        if param_dtype is not None:
+            param.data = param.data.to(param_dtype)
+        self.is_unsharded = True  # `full` holds the current values (False: freed, or stale after a step)
+        self._alone: ParamGroup | None = None  # the group of one behind unshard / reduce_grad
+        if not keep_full:
+            self.free_full()
+
+    def _own_storage(self) -> None:
+        """Note [memory-mapped parameters]: `from_pretrained` hands out parameters whose storage is
+        the memory-mapped safetensors file, which cannot be resized ("Trying to resize storage that
+        is not resizable"). Stage 3 frees a full parameter by resizing its storage to zero, so such
+        a parameter is first copied into storage of its own - once, at construction, before any
+        forward has saved a reference to it."""
+        if not self.full.untyped_storage().resizable():
+            self.full.data = self.full.data.clone()
+
+    def _master_shard(self, alias: bool) -> Tensor:
+        """This rank's float32 master shard of the full parameter.
+
+        When the full parameter stays allocated (stages 1 and 2), is float32, contiguous and
+        divides evenly by the world size, the shard is a view of its own slice of the full
+        parameter rather than a copy: the optimizer updates that slice in place and the
+        all-gather after the step rewrites it with the same values. That keeps stage 1/2
+        memory at the ZeRO paper's figures instead of one extra float32 copy of 1/W.
+        """
+        p, s = self.full, self.shard_numel
+        if (alias and p.dtype == torch.float32 and p.is_contiguous() and p.numel() == s * self.world
+                and self.param_dtype in (None, torch.float32)):
+            return p.detach().view(-1)[self.rank * s:(self.rank + 1) * s]
+        flat = F.pad(p.detach().reshape(-1).float(), (0, s * self.world - p.numel()))
+        shard = flat[self.rank * s:(self.rank + 1) * s].clone()
+        if self.offload:
+            shard = shard.cpu().pin_memory() if torch.cuda.is_available() else shard.cpu()
+        return shard
+
+    # ---- the full parameter's storage ------------------------------------------------------
+    def free_full(self) -> None:
+        """Resize the full parameter's storage to zero (the shard stays)."""
+        self.full.untyped_storage().resize_(0)
+        self.is_unsharded = False
+
+    def refill_full(self) -> Tensor:
+        """Give the full parameter its storage back (values still to be written); returns the
+        tensor the all-gather's copy-out writes."""
+        storage = self.full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.full.numel() * self.full.element_size())
+        return self.full.data
+
+    # ---- what the collectives read and write -----------------------------------------------
+    def gather_input(self, device: torch.device) -> Tensor:
+        """The shard as the all-gather's copy-in reads it: on the compute device (a copy only
+        when offloaded)."""
+        return self.shard.detach().to(device, non_blocking=True)
+
+    def grad_to_reduce(self) -> Tensor:
+        """The full gradient as the reduce-scatter's copy-in reads it: zeros where this rank
+        has none (Note [ZeRO unused parameters] in api.py)."""
+        p = self.full
+        grad = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return grad.contiguous()
+
+    def shard_grad(self) -> Tensor:
+        """The shard's gradient, which the reduce-scatter's copy-out accumulates into."""
+        if self.shard.grad is None:
+            self.shard.grad = torch.zeros_like(self.shard)
+        return self.shard.grad
+
+    # ---- on its own: a group of one --------------------------------------------------------
+    def _group_of_one(self) -> ParamGroup:
+        if self._alone is None:
+            self._alone = ParamGroup("param", [self])
+        return self._alone
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle:
+        """Gather the full parameter; with async_op, return before the gather completes."""
+        group = self._group_of_one()
+        group.start_unshard()
+        handle = UnshardHandle(group)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reshard(self) -> None:
+        """Free the full parameter's storage (the shard stays)."""
+        self._group_of_one().reshard()
+
+    def reduce_grad(self) -> None:
+        """Average `full.grad` over the group into `shard.grad` (accumulating) and free it."""
+        self._group_of_one().reduce_grads(free_full_grads=True)
