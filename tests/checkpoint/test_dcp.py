@@ -34,7 +34,8 @@ def _adamw(params):
 
 
 def _build(directory, tp, dp, stage):
-    """The pretrained model at tp x dp (ZeRO `stage`, 0: none): (model, what trains, optimizer, ctx)."""
+    """The pretrained model at tp x dp (ZeRO `stage`, 0: none): (model, what trains, optimizer, ctx).
+    Train with `_step`: ZeRO's own step reduces, steps the shards and refreshes the parameters."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from parallel_layers import ZeRO, init_parallel, parallelize
@@ -56,6 +57,13 @@ def _full_state(model, wrapped, ctx) -> dict:
     state = wrapped.full_state_dict() if isinstance(wrapped, ZeRO) else model.state_dict()
     originals = model.state_dict(keep_vars=True)
     return {k: gather_full(v, ctx.tp_group, getattr(originals[k], "tp_shard", None)).tolist() for k, v in state.items()}
+
+
+def _step(wrapped, opt):
+    from parallel_layers import ZeRO
+
+    (wrapped if isinstance(wrapped, ZeRO) else opt).step()
+    (wrapped if isinstance(wrapped, ZeRO) else opt).zero_grad()
 
 
 def _logits(wrapped, ctx):
@@ -93,8 +101,7 @@ def _train_and_save(rank, world, directory, root, layout):
     for step in range(2):
         ids = _ids(10 + step).chunk(ctx.dims.dp)[ctx.coordinate("dp")]
         wrapped(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        _step(wrapped, opt)
     path = checkpoint.save(root, 2, wrapped, opt, extra={"step": 2})
     return path, _full_state(model, wrapped, ctx)
 
@@ -131,14 +138,12 @@ def _async_save(rank, world, directory, root):
     model, wrapped, opt, ctx = _build(directory, tp=2, dp=2, stage=3)
     ids = _ids(3).chunk(2)[ctx.coordinate("dp")]
     wrapped(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
+    _step(wrapped, opt)
     at_save = _full_state(model, wrapped, ctx)
     handle = checkpoint.async_save(root, 1, wrapped, opt, extra={"step": 1})
     for _ in range(2):  # training goes on while the checkpoint is written
         wrapped(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        _step(wrapped, opt)
     path = handle.result(timeout=120)
     after = _full_state(model, wrapped, ctx)
     # Loading the checkpoint brings back the values at the call, not the later ones.

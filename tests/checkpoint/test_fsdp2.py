@@ -112,7 +112,7 @@ def _ours_train_and_save(rank, world, directory, root):
     model, zero, opt, ctx = _build(directory, tp=2, dp=2, stage=3)
     ids = _ids(7).chunk(2)[ctx.coordinate("dp")]
     zero(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
+    zero.step()
     for group in opt.param_groups:
         group["lr"] = LR
     return checkpoint.save(root, 1, zero, opt)

@@ -13,3 +13,13 @@ def save_tiny_llama(directory) -> None:
                                       max_position_embeddings=64)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def save_tiny_gpt2(directory) -> None:
+    """A 2-layer GPT-2 (fused QKV in Conv1D layers, weights [in, out]; head tied), no dropout."""
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
