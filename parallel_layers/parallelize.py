@@ -1,216 +1,172 @@
-"""`parallelize(model, plan)`: turn the linear layers of an existing model into tensor-parallel
-ones, in place, keeping its weights.
+"""`parallelize(model, ctx, ...)`: apply every kind of parallelism to a single-device model, in
+one fixed order, and return what trains.
 
-    plan = {
-        "transformer.h.*.attn.c_attn": Column(fused=3),     # GPT-2 fused QKV (Conv1D)
-        "transformer.h.*.attn.c_proj": "row",
-        "transformer.h.*.mlp.c_fc": "column",
-        "transformer.h.*.mlp.c_proj": "row",
-    }
-    parallelize(model, plan, tp_group=ctx.tp_group)
+    ctx = init_parallel(dp=2, tp=2, pp=2)
+    torch.manual_seed(0)                                    # every rank builds the same model
+    model = GPT(GPTConfig())
+    par = parallelize(model, ctx, tp_plan=GPT_TP_PLAN, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                      loss_fn=model.loss, zero_stage=1, wrap=lambda m: isinstance(m, Block),
+                      pipeline_layers="layers", schedule="1f1b", microbatches=4)
+    for ids, targets in data:
+        loss = par.forward_backward(ids, targets)          # this replica's batch loss
+        par.clip_grad_norm_(1.0)
+        par.step(); par.zero_grad()
+    checkpoint.save(root, step, par.module, par.optimizer, prefix=par.prefix)
 
-Keys are fnmatch patterns over module names (`model.named_modules()`); every pattern must
-match at least one module. Values are "column", "row", or Column(...) / Row(...) for
-options. Supported modules: nn.Linear and Hugging Face's Conv1D (GPT-2's, weight [in, out]).
+Note [parallelize order]: the steps, innermost first, as torchtitan's `parallelize_llama`
+applies TP, then activation checkpointing, then FSDP, with the pipeline schedule on top:
 
-Fused projections: Column(fused=k) splits the weight into k equal logical sub-matrices
-(e.g. Q, K, V) and shards each one, so rank r computes [q_r, k_r, v_r]; Column(fused=(a, b))
-gives unequal sizes. A naive split of a fused weight would be silently wrong.
+  1. tensor parallelism (`tp_plan`, parallel_layers/tensor_parallel/plan.py) on the whole
+     model, in place. Every rank holds the whole model at this point, so plan patterns name
+     modules as the user wrote them, and the layers shard the same weights on every pipeline
+     rank (the same seed gives the same model).
+  2. activation checkpointing: not built yet (issue 16); it goes here, on the TP layers, so
+     that the recomputation re-runs their collectives and sits inside the data-parallel
+     wrapper's hooks (ZeRO-3 gathers parameters again for the recomputed forward).
+  3. the model moves to `ctx.device`; with a pipeline, this rank keeps its stages
+     (`PipelineStages` over the `pipeline_layers` list). The cut comes before step 4 because
+     the data-parallel wrapper must shard and reduce only the parameters this rank trains.
+  4. DataParallel (`zero_stage=0`, only when dp > 1) or ZeRO stage 1-3 over the dp axis, around
+     this rank's part of the model; it owns the optimizer (ZeRO) or the optimizer is built on
+     the wrapped parameters.
+  5. the pipeline schedule (`PipelineParallel`) outermost: it drives the microbatches through
+     the stages and tells the wrapper of step 4 to reduce gradients once per step, after the
+     last microbatch (its `no_sync()`).
 
-Attention modules: a column-sharded projection inside a module that has `head_dim` must
-cover whole heads on every rank (heads % tp == 0), else the plan is refused. The parent's
-per-rank head bookkeeping is fixed where it is stored: `num_heads` is divided by tp and a
-GPT-2 style `split_size` (the width at which the fused QKV output is split) becomes the
-local width. Llama-style attention reshapes with -1 heads and needs nothing.
-
-Everything that is not in the plan stays replicated; with tensor parallelism alone its
-gradients are identical on every rank, so replicated parameters stay in sync.
-
-Without a plan, a Hugging Face model's published one is used (Note [published plans]).
+A pipeline runs when pp > 1 or microbatches > 1 (at pp = 1 the schedule accumulates gradients
+over the microbatches). Its layers are `model.<pipeline_layers>`, a sequence of modules that
+each take one tensor and return one; it must hold every parameter of the model, so that a
+checkpoint of the stages names tensors as the unparallelized model does (`prefix`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-from collections.abc import Mapping
+import operator
+from typing import Callable
 
-import torch.distributed as dist
+import torch
 import torch.nn as nn
+from torch import Tensor
 
-from parallel_layers.parallel_dims import divisors
-from parallel_layers.tensor_parallel import comm
-from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-
-@dataclasses.dataclass(frozen=True)
-class Column:
-    fused: int | tuple[int, ...] | None = None
-    gather_output: bool = False
-    activation: str | None = None
+from parallel_layers.data_parallel import DataParallel
+from parallel_layers.grad_norm import clip_grad_norm_
+from parallel_layers.parallel_dims import ParallelContext
+from parallel_layers.pipeline import PipelineParallel, PipelineStages
+from parallel_layers.tensor_parallel import plan as tp_plan_module
+from parallel_layers.zero import ZeRO
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    input_is_parallel: bool = True
+@dataclasses.dataclass
+class Parallelized:
+    """What `parallelize` returns: one training step of the parallel model, and what a
+    checkpoint saves and loads: `checkpoint.save(root, step, module, optimizer, prefix=prefix)`."""
 
+    module: nn.Module  # as trained: the ZeRO / DataParallel wrapper, else the stages or the model
+    optimizer: torch.optim.Optimizer  # ZeRO's (over its shards) or the one built on `module`'s parameters
+    prefix: str  # prepended to the stages' keys: the unparallelized model's names ("layers.")
+    pipeline: PipelineParallel | None
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    ctx: ParallelContext
 
-_STYLES = {"column": Column(), "row": Row()}
+    def forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward and backward of this replica's batch, gradients reduced over dp; returns its
+        loss (detached; with a pipeline, on every pipeline rank)."""
+        if self.pipeline is not None:
+            return self.pipeline.step(inputs, targets)
+        loss = self.loss_fn(self.module(inputs), targets)
+        loss.backward()
+        return loss.detach()
 
-# Note [published plans]: Hugging Face configs publish `base_model_tp_plan` (keys relative to
-# the base model, whose attribute name is `model.base_model_prefix`); a model instance's
-# `_tp_plan` (transformers 5) is the whole plan, prefixed, LM head and embedding included.
-# With plan=None, parallelize uses it, with transformers' style names mapped to ours; a style
-# with no counterpart here is refused with the module it names. "embedding_rowwise" /
-# "embedding_colwise" entries leave the embedding replicated for now (correct, without the
-# memory saving of a vocabulary-parallel embedding). Families that publish no plan (GPT-2 in
-# transformers 5.23) get a built-in one. A head tied to the input embedding stays
-# replicated: sharding it would untie it.
-HF_STYLES = {
-    "colwise": Column(),
-    "colwise_gather_output": Column(gather_output=True),
-    "packed_colwise": Column(fused=2),  # [gate; up] packed in one weight
-    "rowwise": Row(),
-    "rowwise_split_input": Row(input_is_parallel=False),
-}
-_REPLICATED_FOR_NOW = ("embedding_rowwise", "embedding_colwise")
-BUILTIN_PLANS = {
-    "gpt2": {
-        "transformer.h.*.attn.c_attn": Column(fused=3),  # fused [q; k; v], Conv1D
-        "transformer.h.*.attn.c_proj": "row",
-        "transformer.h.*.mlp.c_fc": "column",
-        "transformer.h.*.mlp.c_proj": "row",
-    },
-}
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip by the global norm over every axis (tp, pp, the dp shards); call after backward."""
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm_(max_norm, tp_group=self.ctx.tp_group)
+        if isinstance(self.module, ZeRO):
+            return self.module.clip_grad_norm_(max_norm, tp_group=self.ctx.tp_group)
+        if isinstance(self.module, DataParallel):
+            return clip_grad_norm_(self.module.module, max_norm, data_parallel=self.module, tp_group=self.ctx.tp_group)
+        return clip_grad_norm_(self.module, max_norm, tp_group=self.ctx.tp_group)
 
+    def step(self) -> None:
+        """The optimizer step (ZeRO: on the shards, then the parameters are all-gathered)."""
+        (self.module if isinstance(self.module, ZeRO) else self.optimizer).step()
 
-def published_plan(model: nn.Module) -> dict:
-    """The plan a Hugging Face model publishes (or our built-in one for its family), in our styles."""
-    config = getattr(model, "config", None)
-    family = getattr(config, "model_type", None)
-    if family in BUILTIN_PLANS:
-        return dict(BUILTIN_PLANS[family])
-    plan = getattr(model, "_tp_plan", None)
-    if not plan:
-        prefix = getattr(model, "base_model_prefix", "")
-        plan = getattr(config, "base_model_tp_plan", None) or {}
-        if prefix and hasattr(model, prefix):
-            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
-    if not plan:
-        raise ValueError(f"parallelize: {type(model).__name__} publishes no tensor-parallel plan (no "
-                         f"config.base_model_tp_plan) and there is no built-in one for model_type {family!r} "
-                         f"(built-in: {sorted(BUILTIN_PLANS)}); pass plan= explicitly")
-    modules = dict(model.named_modules())
-    tied = _tied_to_input_embedding(model)
-    out = {}
-    for pattern, style in plan.items():
-        if style in _REPLICATED_FOR_NOW:
-            continue
-        if style not in HF_STYLES:
-            names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)][:3]
-            raise ValueError(f"parallelize: {type(model).__name__}'s published plan asks {style!r} for {pattern!r} "
-                             f"(e.g. {names}); supported Hugging Face styles: {sorted(HF_STYLES)}; pass plan= "
-                             "with 'column' / 'row' entries instead")
-        if any(fnmatch.fnmatchcase(n, pattern) for n in tied):
-            continue
-        out[pattern] = HF_STYLES[style]
-    return out
-
-
-def _tied_to_input_embedding(model: nn.Module) -> set[str]:
-    """Names of modules whose weight is the input embedding's (a tied LM head)."""
-    get = getattr(model, "get_input_embeddings", None)
-    embedding = get() if callable(get) else None
-    weight = getattr(embedding, "weight", None)
-    if weight is None:
-        return set()
-    return {n for n, m in model.named_modules() if m is not embedding and getattr(m, "weight", None) is weight}
-
-
-def _as_linear_weights(module: nn.Module):
-    """(weight [out, in], bias or None) of an nn.Linear or a HF Conv1D, without copying."""
-    if isinstance(module, nn.Linear):
-        return module.weight.detach(), module.bias.detach() if module.bias is not None else None
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
-        return module.weight.detach().t(), module.bias.detach() if module.bias is not None else None
-    raise TypeError(f"parallelize: {type(module).__name__} is not supported; plan entries must name nn.Linear or "
-                    "Hugging Face Conv1D modules")
-
-
-def _fused_sizes(fused, out_features: int, name: str):
-    if fused is None:
-        return None
-    if isinstance(fused, int):
-        if fused < 1 or out_features % fused:
-            raise ValueError(f"parallelize: {name} has out_features {out_features}, which cannot be fused={fused} "
-                             f"equal sub-matrices; valid values of fused are {divisors(out_features, 64)}, or a "
-                             "tuple of block sizes summing to out_features")
-        return (out_features // fused,) * fused
-    if sum(fused) != out_features:
-        raise ValueError(f"parallelize: {name} has out_features {out_features}, but fused={tuple(fused)} sums to "
-                         f"{sum(fused)}; the block sizes must sum to {out_features}")
-    return tuple(fused)
-
-
-def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int, ...], tp: int, fixed: set) -> None:
-    """Refuse shards that cut heads; fix the parent's per-rank head bookkeeping once."""
-    head_dim = getattr(parent, "head_dim", None)
-    if not isinstance(head_dim, int) or head_dim <= 0:
-        return
-    for block in blocks:
-        if (block // tp) % head_dim:
-            raise ValueError(
-                f"parallelize: {parent_name} has head_dim {head_dim}; sharding a projection block of {block} "
-                f"features ({block // head_dim} heads) over tp={tp} leaves {block / tp:g} features per rank, not a "
-                f"whole number of heads. The number of heads (and of key/value heads) must be divisible by tp={tp}.")
-    if id(parent) in fixed:
-        return
-    fixed.add(id(parent))
-    if isinstance(getattr(parent, "num_heads", None), int):
-        if parent.num_heads % tp:
-            raise ValueError(f"parallelize: {parent_name}.num_heads = {parent.num_heads} is not divisible by tp={tp}")
-        parent.num_heads //= tp
-    if isinstance(getattr(parent, "split_size", None), int):
-        parent.split_size //= tp
-
-
-def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Replace the modules named by `plan` with tensor-parallel layers (see the module doc);
-    plan=None: the model's published plan (Note [published plans])."""
-    if plan is None:
-        plan = published_plan(model)
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"parallelize: plan must be a dict of module-name pattern -> style (e.g. "
-                        f"{{'layers.*.fc1': 'column'}}), got {type(plan).__name__}")
-    tp = comm.group_size(tp_group)
-    modules = dict(model.named_modules())
-    targets: dict[str, Column | Row] = {}
-    for pattern, style in plan.items():
-        spec = (_STYLES.get(style) or HF_STYLES.get(style, style)) if isinstance(style, str) else style
-        if not isinstance(spec, (Column, Row)):
-            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', Column(...) or Row(...), "
-                             f"or a Hugging Face style: {sorted(HF_STYLES)}")
-        matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
-        if not matched:
-            raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}")
-        for name in matched:
-            targets[name] = spec
-    fixed_parents: set = set()
-    for name, spec in targets.items():
-        module = modules[name]
-        weight, bias = _as_linear_weights(module)
-        out_features, in_features = weight.shape
-        parent_name, _, child = name.rpartition(".")
-        parent = modules[parent_name] if parent_name else model
-        if isinstance(spec, Column):
-            fused = _fused_sizes(spec.fused, out_features, name)
-            _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)
-            layer = ColumnParallelLinear(
-                in_features, out_features, bias is not None, tp_group=tp_group, gather_output=spec.gather_output,
-                activation=spec.activation, fused_sizes=fused, _full=(weight, bias))
+    def zero_grad(self) -> None:
+        if isinstance(self.module, ZeRO):
+            self.module.zero_grad()
         else:
-            layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
-                                      input_is_parallel=spec.input_is_parallel, _full=(weight, bias))
-        setattr(parent, child, layer)
-    return model
+            self.optimizer.zero_grad(set_to_none=True)
 
+
+def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[list], torch.optim.Optimizer],
+                loss_fn: Callable[[Tensor, Tensor], Tensor], tp_plan: dict | str | None = None,
+                activation_checkpointing: bool = False, zero_stage: int = 0,
+                wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
+                schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
+                split_points: list[int] | None = None) -> Parallelized:
+    """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
+
+    optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
+    targets) -> the batch mean. tp_plan: module-name pattern -> style, as for
+    `tensor_parallel.parallelize`; "auto": the plan a Hugging Face model publishes; None: no
+    conversion (the model is used as built). zero_stage: 0 for DataParallel replicas,
+    1-3 for ZeRO over dp; wrap: ZeRO's parameter groups. pipeline_layers: name of the model's
+    attribute holding its layer list (dotted); schedule, microbatches (default 2 * pp with a
+    pipeline, else 1), virtual stages per rank (default 2 for "interleaved", else 1) and
+    split_points are those of PipelineStages / PipelineParallel.
+    """
+    if not isinstance(ctx, ParallelContext):
+        raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
+                        f"init_parallel(); got {type(ctx).__name__} for ctx. For tensor parallelism alone with a "
+                        "plan, call parallel_layers.tensor_parallel.parallelize(model, plan, tp_group=...)")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got {zero_stage!r}")
+    pp = ctx.dims.pp
+    microbatches = microbatches if microbatches is not None else (2 * pp if pp > 1 else 1)
+    virtual = virtual if virtual is not None else (2 if schedule == "interleaved" else 1)
+    pipelined = pp > 1 or microbatches > 1
+    if pipelined and pipeline_layers is None:
+        raise ValueError(f"a pipeline (pp={pp}, microbatches={microbatches}) needs pipeline_layers=, the name of the "
+                         "model's attribute holding its list of layers (e.g. 'layers')")
+
+    # 1. tensor parallelism
+    if tp_plan is not None:
+        tp_plan_module.parallelize(model, None if tp_plan == "auto" else tp_plan, tp_group=ctx.tp_group)
+    # 2. activation checkpointing
+    if activation_checkpointing:
+        raise NotImplementedError("parallelize: activation checkpointing is not implemented yet (issue 16)")
+    # 3. the device, and this rank's pipeline stages
+    model.to(ctx.device)
+    net, prefix = model, ""
+    if pipelined:
+        layers = operator.attrgetter(pipeline_layers)(model)
+        _check_layers_hold_every_parameter(model, layers, pipeline_layers)
+        net = PipelineStages(layers, group=ctx.pp_group, virtual=virtual, split_points=split_points)
+        prefix = pipeline_layers + "."
+    # 4. data parallelism over the dp axis
+    if zero_stage:
+        wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=wrap)
+        opt = wrapper.optimizer
+    else:
+        wrapper = DataParallel(net, group=ctx.dp_group) if ctx.dims.dp > 1 else None
+        opt = optimizer(list(net.parameters()))
+    # 5. the pipeline schedule
+    pipe = None
+    if pipelined:
+        pipe = PipelineParallel(net, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
+                                data_parallel=wrapper, device=ctx.device)
+    return Parallelized(module=wrapper or net, optimizer=opt, prefix=prefix, pipeline=pipe, loss_fn=loss_fn, ctx=ctx)
+
+
+def _check_layers_hold_every_parameter(model: nn.Module, layers, name: str) -> None:
+    """A parameter outside the layer list would be trained by no stage and missing from checkpoints."""
+    if not isinstance(layers, (nn.ModuleList, nn.Sequential, list, tuple)):
+        raise TypeError(f"parallelize: pipeline_layers={name!r} must name a list of layers (nn.ModuleList, "
+                        f"nn.Sequential), got {type(layers).__name__}")
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [n for n, p in model.named_parameters() if id(p) not in inside]
+    if outside:
+        raise ValueError(f"parallelize: pipeline_layers={name!r} must hold every parameter of "
+                         f"{type(model).__name__}, but {outside[:3]}{' ...' if len(outside) > 3 else ''} are outside "
+                         "it; make them part of a layer (e.g. the embedding's or the head's)")

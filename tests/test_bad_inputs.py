@@ -15,12 +15,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel_layers import (Column, ColumnParallelLinear, DataParallel, ParallelDims, PipelineParallel,
-                             PipelineStages, RowParallelLinear, ZeRO, checkpoint, clip_grad_norm_, init_parallel, ops,
-                             parallelize)
+                             PipelineStages, RowParallelLinear, ZeRO, checkpoint, clip_grad_norm_, init_parallel, ops)
 from parallel_layers.ops import shard_copy
 from parallel_layers.pipeline.schedule import build_schedule
 from parallel_layers.plan import ClusterSpec, ModelSpec, TrainSpec
-from parallel_layers.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from parallel_layers.tensor_parallel import VocabParallelEmbedding, parallelize, vocab_parallel_cross_entropy
 from parallel_layers.zero import ShardedParam
 from tests.dist_harness import run_distributed
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism: communication (comm), parameter sharding (sharding), layers (layers)."""
+"""Tensor parallelism: communication (comm), parameter sharding (sharding), layers (layers),
+plans that convert an existing model's layers (plan: `parallelize(model, plan, tp_group=...)`)."""
 
 from parallel_layers.tensor_parallel.comm import (
     copy_to_tp,
@@ -10,6 +11,7 @@ from parallel_layers.tensor_parallel.comm import (
     scatter_to_tp,
 )
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
+from parallel_layers.tensor_parallel.plan import Column, Row, parallelize, published_plan
 from parallel_layers.tensor_parallel.sharding import TPShard, gather_full
 from parallel_layers.tensor_parallel.vocab import (
     VocabParallelEmbedding,
@@ -18,7 +20,8 @@ from parallel_layers.tensor_parallel.vocab import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "TPShard", "copy_to_tp", "gather_from_sp", "gather_from_tp",
-    "gather_full", "reduce_from_tp", "reduce_grad_over_tp", "reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp",
-    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_logits",
+    "Column", "ColumnParallelLinear", "Row", "RowParallelLinear", "TPShard", "copy_to_tp", "gather_from_sp",
+    "gather_from_tp", "gather_full", "parallelize", "published_plan", "reduce_from_tp", "reduce_grad_over_tp",
+    "reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "vocab_parallel_logits",
 ]

@@ -38,7 +38,8 @@ def _build(directory, tp, dp, stage):
     Train with `_step`: ZeRO's own step reduces, steps the shards and refreshes the parameters."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from parallel_layers import ZeRO, init_parallel, parallelize
+    from parallel_layers import ZeRO, init_parallel
+    from parallel_layers.tensor_parallel import parallelize
 
     ctx = init_parallel(tp=tp, dp=dp, device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)

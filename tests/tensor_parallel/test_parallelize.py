@@ -1,6 +1,6 @@
-"""parallelize() on real Hugging Face models built from small configs (no weights are
-downloaded): GPT-2 (Conv1D, fused QKV) and Llama (separate q/k/v, grouped KV heads) at
-tp=2 give the single-process logits and loss, and the same parameters after AdamW steps."""
+"""tensor_parallel.parallelize() on real Hugging Face models built from small configs (no
+weights are downloaded): GPT-2 (Conv1D, fused QKV) and Llama (separate q/k/v, grouped KV heads)
+at tp=2 give the single-process logits and loss, and the same parameters after AdamW steps."""
 
 import copy
 
@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import Column, parallelize
-from parallel_layers.tensor_parallel import gather_full
+from parallel_layers.tensor_parallel import Column, gather_full, parallelize
 from tests.dist_harness import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -128,7 +127,7 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
 
 
 def test_hf_style_names_in_a_plan_and_refused_ones():
-    from parallel_layers.parallelize import published_plan
+    from parallel_layers.tensor_parallel import published_plan
 
     model, _ = _build("llama")
     plan = published_plan(model)

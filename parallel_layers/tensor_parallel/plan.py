@@ -1,0 +1,218 @@
+"""`tensor_parallel.parallelize(model, plan)`: turn the linear layers of an existing model into
+tensor-parallel ones, in place, keeping its weights. This is the TP step of the composing
+`parallel_layers.parallelize(model, ctx, tp_plan=...)` (parallel_layers/parallelize.py), and
+usable alone when tensor parallelism is all a model needs.
+
+    plan = {
+        "transformer.h.*.attn.c_attn": Column(fused=3),     # GPT-2 fused QKV (Conv1D)
+        "transformer.h.*.attn.c_proj": "row",
+        "transformer.h.*.mlp.c_fc": "column",
+        "transformer.h.*.mlp.c_proj": "row",
+    }
+    tensor_parallel.parallelize(model, plan, tp_group=ctx.tp_group)
+
+Keys are fnmatch patterns over module names (`model.named_modules()`); every pattern must
+match at least one module. Values are "column", "row", or Column(...) / Row(...) for
+options. Supported modules: nn.Linear and Hugging Face's Conv1D (GPT-2's, weight [in, out]).
+
+Fused projections: Column(fused=k) splits the weight into k equal logical sub-matrices
+(e.g. Q, K, V) and shards each one, so rank r computes [q_r, k_r, v_r]; Column(fused=(a, b))
+gives unequal sizes. A naive split of a fused weight would be silently wrong.
+
+Attention modules: a column-sharded projection inside a module that has `head_dim` must
+cover whole heads on every rank (heads % tp == 0), else the plan is refused. The parent's
+per-rank head bookkeeping is fixed where it is stored: `num_heads` is divided by tp and a
+GPT-2 style `split_size` (the width at which the fused QKV output is split) becomes the
+local width. Llama-style attention reshapes with -1 heads and needs nothing.
+
+Everything that is not in the plan stays replicated; with tensor parallelism alone its
+gradients are identical on every rank, so replicated parameters stay in sync.
+
+Without a plan, a Hugging Face model's published one is used (Note [published plans]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel_layers.parallel_dims import divisors
+from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    fused: int | tuple[int, ...] | None = None
+    gather_output: bool = False
+    activation: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    input_is_parallel: bool = True
+
+
+_STYLES = {"column": Column(), "row": Row()}
+
+# Note [published plans]: Hugging Face configs publish `base_model_tp_plan` (keys relative to
+# the base model, whose attribute name is `model.base_model_prefix`); a model instance's
+# `_tp_plan` (transformers 5) is the whole plan, prefixed, LM head and embedding included.
+# With plan=None, parallelize uses it, with transformers' style names mapped to ours; a style
+# with no counterpart here is refused with the module it names. "embedding_rowwise" /
+# "embedding_colwise" entries leave the embedding replicated for now (correct, without the
+# memory saving of a vocabulary-parallel embedding). Families that publish no plan (GPT-2 in
+# transformers 5.23) get a built-in one. A head tied to the input embedding stays
+# replicated: sharding it would untie it.
+HF_STYLES = {
+    "colwise": Column(),
+    "colwise_gather_output": Column(gather_output=True),
+    "packed_colwise": Column(fused=2),  # [gate; up] packed in one weight
+    "rowwise": Row(),
+    "rowwise_split_input": Row(input_is_parallel=False),
+}
+_REPLICATED_FOR_NOW = ("embedding_rowwise", "embedding_colwise")
+BUILTIN_PLANS = {
+    "gpt2": {
+        "transformer.h.*.attn.c_attn": Column(fused=3),  # fused [q; k; v], Conv1D
+        "transformer.h.*.attn.c_proj": "row",
+        "transformer.h.*.mlp.c_fc": "column",
+        "transformer.h.*.mlp.c_proj": "row",
+    },
+}
+
+
+def published_plan(model: nn.Module) -> dict:
+    """The plan a Hugging Face model publishes (or our built-in one for its family), in our styles."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family in BUILTIN_PLANS:
+        return dict(BUILTIN_PLANS[family])
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = getattr(config, "base_model_tp_plan", None) or {}
+        if prefix and hasattr(model, prefix):
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    if not plan:
+        raise ValueError(f"parallelize: {type(model).__name__} publishes no tensor-parallel plan (no "
+                         f"config.base_model_tp_plan) and there is no built-in one for model_type {family!r} "
+                         f"(built-in: {sorted(BUILTIN_PLANS)}); pass plan= explicitly")
+    modules = dict(model.named_modules())
+    tied = _tied_to_input_embedding(model)
+    out = {}
+    for pattern, style in plan.items():
+        if style in _REPLICATED_FOR_NOW:
+            continue
+        if style not in HF_STYLES:
+            names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)][:3]
+            raise ValueError(f"parallelize: {type(model).__name__}'s published plan asks {style!r} for {pattern!r} "
+                             f"(e.g. {names}); supported Hugging Face styles: {sorted(HF_STYLES)}; pass plan= "
+                             "with 'column' / 'row' entries instead")
+        if any(fnmatch.fnmatchcase(n, pattern) for n in tied):
+            continue
+        out[pattern] = HF_STYLES[style]
+    return out
+
+
+def _tied_to_input_embedding(model: nn.Module) -> set[str]:
+    """Names of modules whose weight is the input embedding's (a tied LM head)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    weight = getattr(embedding, "weight", None)
+    if weight is None:
+        return set()
+    return {n for n, m in model.named_modules() if m is not embedding and getattr(m, "weight", None) is weight}
+
+
+def _as_linear_weights(module: nn.Module):
+    """(weight [out, in], bias or None) of an nn.Linear or a HF Conv1D, without copying."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach(), module.bias.detach() if module.bias is not None else None
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
+        return module.weight.detach().t(), module.bias.detach() if module.bias is not None else None
+    raise TypeError(f"parallelize: {type(module).__name__} is not supported; plan entries must name nn.Linear or "
+                    "Hugging Face Conv1D modules")
+
+
+def _fused_sizes(fused, out_features: int, name: str):
+    if fused is None:
+        return None
+    if isinstance(fused, int):
+        if fused < 1 or out_features % fused:
+            raise ValueError(f"parallelize: {name} has out_features {out_features}, which cannot be fused={fused} "
+                             f"equal sub-matrices; valid values of fused are {divisors(out_features, 64)}, or a "
+                             "tuple of block sizes summing to out_features")
+        return (out_features // fused,) * fused
+    if sum(fused) != out_features:
+        raise ValueError(f"parallelize: {name} has out_features {out_features}, but fused={tuple(fused)} sums to "
+                         f"{sum(fused)}; the block sizes must sum to {out_features}")
+    return tuple(fused)
+
+
+def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int, ...], tp: int, fixed: set) -> None:
+    """Refuse shards that cut heads; fix the parent's per-rank head bookkeeping once."""
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return
+    for block in blocks:
+        if (block // tp) % head_dim:
+            raise ValueError(
+                f"parallelize: {parent_name} has head_dim {head_dim}; sharding a projection block of {block} "
+                f"features ({block // head_dim} heads) over tp={tp} leaves {block / tp:g} features per rank, not a "
+                f"whole number of heads. The number of heads (and of key/value heads) must be divisible by tp={tp}.")
+    if id(parent) in fixed:
+        return
+    fixed.add(id(parent))
+    if isinstance(getattr(parent, "num_heads", None), int):
+        if parent.num_heads % tp:
+            raise ValueError(f"parallelize: {parent_name}.num_heads = {parent.num_heads} is not divisible by tp={tp}")
+        parent.num_heads //= tp
+    if isinstance(getattr(parent, "split_size", None), int):
+        parent.split_size //= tp
+
+
+def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Replace the modules named by `plan` with tensor-parallel layers (see the module doc);
+    plan=None: the model's published plan (Note [published plans])."""
+    if plan is None:
+        plan = published_plan(model)
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize: plan must be a dict of module-name pattern -> style (e.g. "
+                        f"{{'layers.*.fc1': 'column'}}), got {type(plan).__name__}")
+    tp = comm.group_size(tp_group)
+    modules = dict(model.named_modules())
+    targets: dict[str, Column | Row] = {}
+    for pattern, style in plan.items():
+        spec = (_STYLES.get(style) or HF_STYLES.get(style, style)) if isinstance(style, str) else style
+        if not isinstance(spec, (Column, Row)):
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', Column(...) or Row(...), "
+                             f"or a Hugging Face style: {sorted(HF_STYLES)}")
+        matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}")
+        for name in matched:
+            targets[name] = spec
+    fixed_parents: set = set()
+    for name, spec in targets.items():
+        module = modules[name]
+        weight, bias = _as_linear_weights(module)
+        out_features, in_features = weight.shape
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        if isinstance(spec, Column):
+            fused = _fused_sizes(spec.fused, out_features, name)
+            _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)
+            layer = ColumnParallelLinear(
+                in_features, out_features, bias is not None, tp_group=tp_group, gather_output=spec.gather_output,
+                activation=spec.activation, fused_sizes=fused, _full=(weight, bias))
+        else:
+            layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
+                                      input_is_parallel=spec.input_is_parallel, _full=(weight, bias))
+        setattr(parent, child, layer)
+    return model
+

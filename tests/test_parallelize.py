@@ -1,0 +1,139 @@
+"""`parallelize(model, ctx, ...)`, the composing entry: at tp=2, dp=2 with ZeRO-3, tp2 x dp2 and
+pp=2 it trains the GPT to the losses and parameters of the same training in one process; and
+the bad calls it refuses."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import run_distributed
+
+STEPS = 3
+# qkv_bias=False: the key bias has a zero true gradient, which only rounding noise moves
+# (parallel_layers/models/gpt.py); SGD keeps that noise small anyway.
+CFG = dict(vocab=64, seq_len=16, d_model=32, heads=4, layers=2, qkv_bias=False)
+# float32, same seed and batches: the layouts differ from one process only in the order of sums
+# (TP all-reduces, dp averaging, microbatch accumulation); measured up to 6.4e-7 relative (parameters;
+# losses 1.1e-7) over 3 SGD steps at lr 0.5. 2e-5 leaves margin and still catches a wrong gradient (~1e-2).
+RTOL = 2e-5
+
+
+def _data(batch):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, CFG["vocab"], (STEPS, batch, CFG["seq_len"] + 1), generator=g)
+    return ids[..., :-1], ids[..., 1:]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _single_process(solo, batch):
+    from parallel_layers.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG), tp_group=solo)
+    opt = _sgd(model.parameters())
+    ids, targets = _data(batch)
+    losses = []
+    for step in range(STEPS):
+        loss = model.loss(model(ids[step]), targets[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _trained(rank, world, tp, dp, pp, zero_stage, microbatches):
+    from parallel_layers import ZeRO, init_parallel, parallelize
+    from parallel_layers.models import GPT, Block, GPTConfig
+    from parallel_layers.tensor_parallel import gather_full
+
+    ctx = init_parallel(tp=tp, dp=dp, pp=pp, device="cpu")
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG), tp_group=ctx.tp_group)
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=model.loss, zero_stage=zero_stage,
+                      wrap=lambda m: isinstance(m, Block), pipeline_layers="layers", microbatches=microbatches)
+    per_replica = 2 * (microbatches or 1)
+    ids, targets = _data(per_replica * dp)
+    rows = slice(ctx.coordinate("dp") * per_replica, (ctx.coordinate("dp") + 1) * per_replica)
+    losses = []
+    for step in range(STEPS):
+        loss = par.forward_backward(ids[step][rows], targets[step][rows]).clone()
+        par.step()
+        par.zero_grad()
+        dist.all_reduce(loss, group=ctx.dp_group)
+        losses.append(loss.item() / dp)
+    # The parameters this rank trains, gathered over tp, under the unparallelized model's names.
+    originals = model.state_dict(keep_vars=True)
+    held = {id(p) for p in par.module.parameters()}
+    state = par.module.full_state_dict() if isinstance(par.module, ZeRO) else \
+        {n: t for n, t in originals.items() if id(t) in held}
+    params = {n: gather_full(t, ctx.tp_group, getattr(originals[n], "tp_shard", None)) for n, t in state.items()}
+    ref_losses, ref_params = _single_process(solo, per_replica * dp)
+    loss_diff = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    param_diff = max(((params[n] - ref_params[n]).abs().max() / ref_params[n].abs().max()).item() for n in params)
+    return loss_diff, param_diff, len(params), type(par.module).__name__, par.prefix
+
+
+@pytest.mark.parametrize("tp,dp,pp,zero_stage,microbatches,wrapper", [
+    (2, 1, 1, 0, None, "GPT"),              # tensor parallel alone: no data-parallel wrapper at dp=1
+    (1, 2, 1, 3, None, "ZeRO"),             # ZeRO-3 over dp=2
+    (2, 2, 1, 1, None, "ZeRO"),             # tp2 x dp2, ZeRO-1
+    (2, 2, 1, 0, None, "DataParallel"),     # tp2 x dp2, DataParallel
+    (1, 1, 2, 0, 4, "PipelineStages"),      # pp=2, 1f1b over 4 microbatches
+])
+def test_composed_layouts_match_one_process(tp, dp, pp, zero_stage, microbatches, wrapper):
+    results = run_distributed(_trained, tp * dp * pp, args=(tp, dp, pp, zero_stage, microbatches), timeout_s=240)
+    for loss_diff, param_diff, n_params, module, prefix in results:
+        assert loss_diff < RTOL and param_diff < RTOL, results
+        assert module == wrapper and prefix == ("layers." if pp > 1 else "")
+        assert n_params > 0
+    if pp == 1:  # every rank holds every tensor: embeddings, 11 per block (no qkv bias), head (tied: both keys)
+        assert all(r[2] == 2 + 11 * CFG["layers"] + 3 for r in results), results
+
+
+def _with_extra(model):
+    model.extra = torch.nn.Linear(2, 2)  # outside model.layers: no stage would train it
+    return model
+
+
+def _refusals(rank, world):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.models import GPT, GPTConfig
+    from parallel_layers.tensor_parallel import Column
+
+    ctx = init_parallel(pp=2, device="cpu")
+    messages = []
+    calls = [
+        lambda m: parallelize(m, {"layers.*.qkv": Column(fused=3)}, optimizer=_sgd, loss_fn=m.loss),
+        lambda m: parallelize(m, ctx, optimizer=_sgd, loss_fn=m.loss),
+        lambda m: parallelize(_with_extra(m), ctx, optimizer=_sgd, loss_fn=m.loss, pipeline_layers="layers"),
+        lambda m: parallelize(m, ctx, optimizer=_sgd, loss_fn=m.loss, pipeline_layers="layers.1.ln1"),
+        lambda m: parallelize(m, ctx, optimizer=_sgd, loss_fn=m.loss, pipeline_layers="layers",
+                              activation_checkpointing=True),
+        lambda m: parallelize(m, ctx, optimizer=_sgd, loss_fn=m.loss, pipeline_layers="layers", zero_stage=4),
+    ]
+    for call in calls:
+        try:
+            call(GPT(GPTConfig(**CFG)))
+        except (TypeError, ValueError, NotImplementedError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    return messages
+
+
+def test_refusals_name_the_fix():
+    for messages in run_distributed(_refusals, 2, timeout_s=120):
+        assert len(messages) == 6, messages
+        assert messages[0].startswith("TypeError: parallelize(model, ctx, ...) composes") and \
+            "parallel_layers.tensor_parallel.parallelize(model, plan, tp_group=...)" in messages[0]
+        assert "a pipeline (pp=2, microbatches=4) needs pipeline_layers=" in messages[1]
+        assert "pipeline_layers='layers' must hold every parameter of GPT, but ['extra.weight', 'extra.bias'] " \
+            "are outside it" in messages[2]
+        assert "pipeline_layers='layers.1.ln1' must name a list of layers (nn.ModuleList, nn.Sequential), got " \
+            "LayerNorm" in messages[3]
+        assert messages[4] == "NotImplementedError: parallelize: activation checkpointing is not implemented yet " \
+            "(issue 16)"
+        assert "zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got 4" in messages[5]
