@@ -69,7 +69,7 @@ class ParamGroup:
         self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
         self._gloo = dist.get_backend(self.group) == "gloo"
 
-    # Views for code that walks parameters and shards side by side (checkpoint, tests).
+    # The members' full parameters and master shards, in order (the optimizer, hooks, tests).
     @property
     def params(self) -> list[nn.Parameter]:
         return [sp.full for sp in self.members]

@@ -143,7 +143,7 @@ class ShardedParam:
 
     def grad_to_reduce(self) -> Tensor:
         """The full gradient as the reduce-scatter's copy-in reads it: zeros where this rank
-        has none (Note [ZeRO unused parameters] in api.py)."""
+        has none (Note [ZeRO unused parameters] in _hooks.py)."""
         p = self.full
         grad = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
         return grad.contiguous()

@@ -1,0 +1,243 @@
+"""What ZeRO does during forward and backward: stage 2's gradient hooks, stage 3's module
+hooks (gather before forward and backward, free after), the prefetch order, and which groups
+are reduced when (`ZeROHooks`).
+
+Note [agreed reduction order]: NCCL matches collectives by issue order, so every rank must
+issue the same reduce-scatters in the same order whatever its gradients do. Every group is
+reduce-scattered once per reduction, in one fixed order: the wrapped groups in reverse
+registration order (a guess at the backward order), then the root. Stage 1 (and any
+reduction after `no_sync()`) reduces all of them at the first of `step()` /
+`clip_grad_norm_()` / `reduce_gradients()` after the backward; whether to is decided by the
+calls every rank makes alike (the stage, `no_sync()`, `step()`), never by this rank's own
+gradients. At stages 2/3 a group is reduced once its
+backward is done and every group before it in the order was reduced; the end of backward
+reduces the rest, in order. A group whose backward ends out of that order keeps its full
+gradients until the groups before it are reduced: correct, with more memory; registering
+the wrapped modules in forward order avoids it. Stage 3 cannot use its params' gradient
+hooks to decide that a group is done, as stage 2 does: they are local (a param unused on one
+rank never fires), and stage 3 interleaves its backward all-gathers with the reduce-scatters,
+so a reduce-scatter issued early on one rank and late on another would cross an all-gather.
+It uses the module's backward instead (an identity autograd node on the module's inputs,
+`_AfterBackward`), an event every rank sees at the same point. Whether an input requires
+grad can itself depend on the data, so when none does, the first floating input is marked
+through a leaf that does (its gradient is then computed, the price of agreement); only a
+module with no floating input at all (token ids) is reduced at the end of backward, on
+every rank alike. Collectives of other code on the data-parallel group during backward (a
+SyncBatchNorm on the same group, say) may still fall between these reductions differently
+on each rank when parameters go unused: give them a group of their own.
+
+Note [ZeRO unused parameters]: a parameter with no gradient on this rank (data-dependent
+control flow; a sub-module skipped) contributes zeros to the average over all ranks. A whole
+wrapped module skipped in forward on one rank only is not supported at stage 3: its
+all-gathers would not match across ranks. With PARALLEL_LAYERS_DEBUG=1 that is an error on
+every rank (the agreement check before each all-gather); without, a hang or a CollectiveError.
+
+Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first forward.
+Afterwards, while group i computes, the all-gather of the group after it runs (forward) or
+of the group before it (backward, which runs in reverse): one collective waited on, one in
+flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree
+
+from parallel_layers.zero._group import ParamGroup
+
+
+@dataclasses.dataclass
+class _BackwardState:
+    """Where one group is in the current backward (Note [agreed reduction order])."""
+    pending_grads: int = 0  # stage 2: params still to receive their gradient
+    open_calls: int = 0  # stage 3: forward calls of the module whose backward has not run yet
+    input_without_grad: bool = False  # stage 3: a call no backward event marks; wait for the end
+    done: bool = False
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity forward on a module's inputs; backward calls `callback` once the gradients of
+    all of them are computed. The node is created before the module's own, so the autograd
+    engine runs it after all of them, and after their parameters' gradient accumulation
+    (which it runs first, when ready)."""
+
+    @staticmethod
+    def forward(ctx, callback, anchors, *xs):
+        # The first `anchors` of xs are leaves that only make the outputs require grad.
+        ctx.callback, ctx.anchors = callback, anchors
+        return xs[anchors:]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, None, *([None] * ctx.anchors), *grads)
+
+
+class ZeROHooks:
+    """The hooks of one ZeRO wrapper and the state they share across a step.
+
+    `groups` in registration order, the root (if any) last; `module_group`: id(module) ->
+    its group, for stage 3's module hooks; `syncing()`: False inside `no_sync()`.
+    """
+
+    def __init__(self, module: nn.Module, groups: list[ParamGroup], module_group: dict[int, ParamGroup],
+                 root: ParamGroup | None, stage: int, *, prefetch: bool, reshard_after_forward: bool,
+                 syncing: Callable[[], bool]):
+        self.groups, self.stage, self.syncing = groups, stage, syncing
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        # Note [agreed reduction order]
+        self.order = [g for g in reversed(groups) if g is not root] + ([root] if root is not None else [])
+        self.reduced = 0  # groups of self.order reduced in this backward
+        # Full gradients may wait for a reduction at step() (Note [agreed reduction order]):
+        # decided by what every rank's program does (stage, no_sync, step), not by p.grad.
+        self.unreduced = stage == 1
+        self.backward = {g: _BackwardState() for g in groups}
+        self.forward_order: list[ParamGroup] = []  # groups as their forward ran, first step (Note [ZeRO prefetch])
+        self.callback_queued = False
+        self.handles = []
+        if stage == 2:
+            self._install_grad_hooks()
+        if stage == 3:
+            self._install_module_hooks(module, module_group)
+
+    # ---- reductions (Note [agreed reduction order]) --------------------------------------
+    def defer_reduction(self) -> None:
+        """Gradients now accumulate locally (`no_sync()`): reduce them at the next chance."""
+        self.unreduced = True
+
+    def reduce_remaining(self) -> None:
+        """Full gradients not yet reduced (stage 1, or after no_sync) -> shard gradients, every
+        group in the agreed order. Whether to reduce is decided by the calls every rank makes
+        alike, never by this rank's gradients."""
+        if self.unreduced:
+            for g in self.order:
+                g.reduce_grads(free_full_grads=True)
+            self.unreduced = False
+
+    def after_step(self) -> None:
+        self.unreduced = self.stage == 1
+
+    def _backward_done(self, g: ParamGroup) -> None:
+        """Reduce, in the agreed order, the groups whose backward is done."""
+        self.backward[g].done = True
+        while self.syncing() and self.reduced < len(self.order) and self.backward[self.order[self.reduced]].done:
+            self.order[self.reduced].reduce_grads(free_full_grads=True)
+            self.reduced += 1
+
+    def _queue_finalize(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _finalize_backward(self) -> None:
+        """End of backward: the groups not reduced yet are reduced now, in the agreed order."""
+        self.callback_queued = False
+        if self.syncing():
+            for g in self.order[self.reduced:]:
+                g.reduce_grads(free_full_grads=True)
+            self.unreduced = False
+        self.reduced = 0
+        self.backward = {g: _BackwardState() for g in self.groups}
+        for g in self.groups:
+            if not g.keep_full:
+                g.reshard()
+
+    # ---- stage 2: a group is done when all its params' gradients arrived -----------------
+    def _install_grad_hooks(self) -> None:
+        for g in self.groups:
+            for p in g.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g)))
+
+    def _make_grad_hook(self, g: ParamGroup):
+        def hook(_param):
+            self._queue_finalize()
+            state = self.backward[g]
+            if state.pending_grads == 0:  # first gradient of this group in this backward
+                state.pending_grads = sum(p.requires_grad for p in g.params)
+            state.pending_grads -= 1
+            if state.pending_grads == 0:
+                self._backward_done(g)
+        return hook
+
+    # ---- stage 3: gather around each module's forward and backward -----------------------
+    def _install_module_hooks(self, module: nn.Module, module_group: dict[int, ParamGroup]) -> None:
+        for m in module.modules():
+            g = module_group.get(id(m))
+            if g is None:
+                continue
+            self.handles.append(m.register_forward_pre_hook(
+                lambda m, args, kwargs, g=g: self._pre_forward(g, args, kwargs), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._make_post_forward(g)))
+
+    def _neighbour(self, g: ParamGroup, step: int) -> ParamGroup | None:
+        """The group `step` places after g in forward order, to prefetch (Note [ZeRO prefetch])."""
+        if not self.prefetch or g not in self.forward_order:
+            return None
+        i = self.forward_order.index(g) + step
+        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+
+    def _pre_forward(self, g: ParamGroup, args, kwargs):
+        if g not in self.forward_order:
+            self.forward_order.append(g)
+        g.unshard()
+        nxt = self._neighbour(g, +1)
+        if nxt is not None:
+            nxt.start_unshard()
+        if not torch.is_grad_enabled():
+            return None
+        # The module's backward is done when its inputs' gradients are (Note [agreed reduction order]).
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        anchor = []
+        if not at:
+            # Whether an input requires grad can depend on the data (a branch on one rank), so
+            # a floating input that does not is marked anyway, through a leaf that does: the
+            # marker then fires at the same point of backward on every rank (at the cost of
+            # that input's gradient). Only modules without floating inputs wait for the end.
+            at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()][:1]
+            anchor = [torch.zeros((), device=flat[at[0]].device, requires_grad=True)] if at else []
+        state = self.backward[g]
+        if not at:
+            state.input_without_grad = True
+            return None
+        state.open_calls += 1
+        marked = _AfterBackward.apply(lambda: self._module_backward_done(g), len(anchor), *anchor,
+                                      *(flat[i] for i in at))
+        for i, t in zip(at, marked):
+            flat[i] = t
+        return torch.utils._pytree.tree_unflatten(flat, spec)
+
+    def _module_backward_done(self, g: ParamGroup) -> None:
+        state = self.backward[g]
+        state.open_calls -= 1
+        if state.open_calls == 0 and not state.input_without_grad:
+            g.reshard()
+            self._backward_done(g)
+
+    def _make_post_forward(self, g: ParamGroup):
+        def post_forward(module, args, output):
+            if not torch.is_grad_enabled():
+                if self.reshard_after_forward:
+                    g.reshard()
+                return output
+            tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
+                       and t.requires_grad]
+            if tensors:
+                # Before this module's backward runs, its parameters must be back.
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(g), mode="any")
+            if self.reshard_after_forward:
+                g.reshard()
+            return output
+        return post_forward
+
+    def _pre_backward(self, g: ParamGroup) -> None:
+        self._queue_finalize()
+        g.unshard()
+        prev = self._neighbour(g, -1)
+        if prev is not None:
+            prev.start_unshard()
