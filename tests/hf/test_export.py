@@ -20,7 +20,8 @@ def _ids(seed):
 
 
 def _train_and_export(rank, world, source, target, tp, dp, stage):
-    from parallel_layers import ZeRO, hf, init_parallel, parallelize
+    from parallel_layers import ZeRO, hf, init_parallel
+    from parallel_layers.tensor_parallel import parallelize
 
     ctx = init_parallel(tp=tp, dp=dp, device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(source)
