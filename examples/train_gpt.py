@@ -5,36 +5,35 @@ parallelism, and check it against the same training in one process.
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --pp 2 --microbatches 4
     torchrun --standalone --nproc-per-node 1 examples/train_gpt.py            # the reference
 
-The model (parallel_layers.models.GPT) uses the library's layers: a vocabulary-parallel
-embedding and tied head with vocabulary-parallel cross-entropy, attention with a fused
-column-parallel QKV and a row-parallel output projection, and a Column(GeLU) -> Row MLP.
-Data: byte-level tokens of a text generated from a fixed seed (nothing is downloaded),
-served by a DataLoader with a DistributedSampler keyed on the data-parallel rank, so the TP
-and PP peers of one replica see the same batch. Layout, applied in the order of docs/parallelism.md:
-pipeline stages (--pp, --schedule, --microbatches, --virtual), TP layers inside them (--tp),
-then DataParallel (--zero 0) or ZeRO (--zero 1-3; 1 is the default with a pipeline) over the
-dp axis. --dtype bfloat16 runs forward and backward under autocast (float32 master weights).
-At the end rank 0 replays the same global batches with the same model in one process (same
-seed, same dtype) and prints PASS if the losses agree.
+A training loop over `parallel_layers.parallelize(model, ctx, ...)`, which applies the layout
+in the order of docs/parallelism.md: TP layers (--tp), this rank's pipeline stages (--pp,
+--schedule, --microbatches, --virtual), DataParallel (--zero 0) or ZeRO (--zero 1-3; 1 is the
+default with a pipeline) over the dp axis, and the pipeline schedule. The model
+(parallel_layers.models.GPT) has a vocabulary-parallel embedding and tied head with
+vocabulary-parallel cross-entropy, attention with a fused column-parallel QKV and a
+row-parallel output projection, and a Column(GeLU) -> Row MLP. Data: byte-level tokens of a
+text generated from a fixed seed (nothing is downloaded), served by a DataLoader with a
+DistributedSampler keyed on the data-parallel rank, so the TP and PP peers of one replica see
+the same batch. --dtype bfloat16 runs forward and backward under autocast (float32 master
+weights). At the end rank 0 replays the same global batches with the same model in one process
+(same seed, same dtype) and prints PASS if the losses agree. Fault injection and a collective
+timer for this script: parallel_layers/_debug.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import resource
-import signal
 import time
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from parallel_layers import DataParallel, ZeRO, checkpoint, init_parallel
-from parallel_layers.checkpoint import _io as checkpoint_io
+from parallel_layers import checkpoint, init_parallel, parallelize
 from parallel_layers.models import GPT, Block, GPTConfig
-from parallel_layers.pipeline import SCHEDULES, PipelineParallel, PipelineStages
+from parallel_layers.pipeline import SCHEDULES
 
 # float32, same seed and batches: the parallel run differs from the single process only in
 # the order of sums (TP reductions, gradient averaging, microbatches); over the demo's steps
@@ -97,79 +96,36 @@ def batches(dataset, args, dp: int, dp_rank: int, start_step: int = 0, num_worke
     return iter(DataLoader(dataset, batch_size=b, sampler=sampler, num_workers=num_workers))
 
 
-# ---- faults, for the crash-and-resume tests ---------------------------------------------------
-# TRAIN_GPT_FAULT="<rank>:<step>:train" SIGKILLs that rank as it starts that step (1-based);
-# "<rank>:<step>:save" SIGKILLs it in the middle of that step's checkpoint save, right after
-# it wrote its own file (before the checkpoint is committed).
-def fault(rank: int, step: int, phase: str) -> None:
-    if os.environ.get("TRAIN_GPT_FAULT") != f"{rank}:{step}:{phase}":
-        return
-    if phase == "train":
-        os.kill(os.getpid(), signal.SIGKILL)
-    record = checkpoint_io.record_written  # called once this rank's files are written
-
-    def record_then_die(*a):
-        record(*a)
-        os.kill(os.getpid(), signal.SIGKILL)
-    checkpoint_io.record_written = record_then_die
-
-
 # ---- training -----------------------------------------------------------------------------
-class CollectiveTimer:
-    """Wall time spent inside blocking collective calls (async ones count when waited)."""
-
-    NAMES = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single", "broadcast",
-             "all_gather_object", "recv")
-
-    def __init__(self):
-        self.seconds = 0.0
-        for name in self.NAMES:
-            original = getattr(dist, name)
-
-            def timed(*args, _original=original, **kwargs):
-                start = time.perf_counter()
-                out = _original(*args, **kwargs)
-                if kwargs.get("async_op"):
-                    return out
-                self.seconds += time.perf_counter() - start
-                return out
-            setattr(dist, name, timed)
+def gpt(args, tp_group) -> GPT:
+    torch.manual_seed(args.seed)  # initialised on the CPU: the same weights at every layout
+    return GPT(GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
+                         layers=args.layers), tp_group=tp_group)
 
 
-def build(args, ctx_groups, zero_stage: int, dp: int, pipelined: bool, device: torch.device):
-    """The GPT in this layout: train_step(ids, targets) -> this replica's batch loss, and
-    what a checkpoint saves and loads (model as trained, optimizer, name prefix)."""
-    tp_group, pp_group, dp_group = ctx_groups
-    torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
-                          layers=args.layers), tp_group=tp_group).to(device)  # initialised on the CPU: same weights
-    net = PipelineStages(model.layers, group=pp_group, virtual=args.virtual) if pipelined else model
-    make_opt = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.0)  # noqa: E731
-    if zero_stage:
-        wrapped = ZeRO(net, make_opt, stage=zero_stage, group=dp_group, wrap=lambda m: isinstance(m, Block))
-        step, zero_grad, opt = wrapped.step, wrapped.zero_grad, wrapped.optimizer
-    else:
-        wrapped = DataParallel(net, group=dp_group) if dp > 1 else None
-        opt = make_opt(net.parameters())
-        step, zero_grad = opt.step, lambda: opt.zero_grad(set_to_none=True)
-    if pipelined:
-        pipe = PipelineParallel(net, schedule=args.schedule, microbatches=args.microbatches, loss_fn=model.loss,
-                                data_parallel=wrapped)
-        forward_backward = pipe.step
-    else:
-        def forward_backward(ids, targets):
-            loss = model.loss((wrapped or model)(ids), targets)
+def adamw(args):
+    return lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+
+
+def autocast(args):
+    return torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+
+
+def reference_losses(dataset, args, dp: int, solo, device: torch.device) -> list[float]:
+    """The same training in this one process: the model unparallelized, the global batches whole."""
+    model = gpt(args, solo).to(device)
+    opt = adamw(args)(model.parameters())
+    losses = []
+    for per_rank in global_batches(dataset, args, dp):
+        ids = torch.cat([b[0] for b in per_rank]).to(device)
+        targets = torch.cat([b[1] for b in per_rank]).to(device)
+        with autocast(args):
+            loss = model.loss(model(ids), targets)
             loss.backward()
-            return loss.detach()
-
-    def train_step(ids, targets):
-        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-            loss = forward_backward(ids, targets)
-        step()
-        zero_grad()
-        return loss
-    # Checkpoints name tensors as the unparallelised GPT does ("layers.<i>..."), whatever the layout.
-    return train_step, (wrapped or net, opt, "layers." if pipelined else "")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 def global_batches(dataset, args, dp: int):
@@ -218,37 +174,39 @@ def main():
     if args.batch_size % (dp * args.microbatches):
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp}) * microbatches "
                          f"({args.microbatches}) = {dp * args.microbatches}")
-    timer = CollectiveTimer()
     solo = [dist.new_group([r]) for r in range(world)][rank]  # a group of one, for the reference
     dataset = Windows(generated_text(200_000), args.seq_len)
-    train_step, (ckpt_model, ckpt_opt, prefix) = build(args, (ctx.tp_group, ctx.pp_group, ctx.dp_group), args.zero,
-                                                       dp, pipelined, ctx.device)
+    model = gpt(args, ctx.tp_group)
+    par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=model.loss, zero_stage=args.zero,
+                      wrap=lambda m: isinstance(m, Block), pipeline_layers="layers", schedule=args.schedule,
+                      microbatches=args.microbatches, virtual=args.virtual)
+    # Checkpoints name tensors as the unparallelized GPT does ("layers.<i>..."), whatever the layout.
     losses, first = [], 0
     latest = checkpoint.latest_checkpoint(args.checkpoint_dir) if args.resume else None
     if latest is not None:
-        extra = checkpoint.load(latest, ckpt_model, ckpt_opt, prefix=prefix)
+        extra = checkpoint.load(latest, par.module, par.optimizer, prefix=par.prefix)
         losses, first = extra["losses"], extra["step"]
         if rank == 0:
             print(f"resumed from {latest} (step {first})")
     data = batches(dataset, args, dp, ctx.coordinate("dp"), first, args.num_workers)
     start = time.perf_counter()
     for i in range(first, args.steps):
-        fault(rank, i + 1, "train")
         ids, targets = (t.to(ctx.device) for t in next(data))
-        mean = train_step(ids, targets).float().clone()
+        with autocast(args):
+            mean = par.forward_backward(ids, targets).float().clone()
+        par.step()
+        par.zero_grad()
         dist.all_reduce(mean, group=ctx.dp_group)
         losses.append(mean.item() / dp)
         if args.checkpoint_dir and ((args.checkpoint_every and (i + 1) % args.checkpoint_every == 0)
                                     or i + 1 == args.steps):
-            fault(rank, i + 1, "save")
-            checkpoint.save(args.checkpoint_dir, i + 1, ckpt_model, ckpt_opt, prefix=prefix,
+            checkpoint.save(args.checkpoint_dir, i + 1, par.module, par.optimizer, prefix=par.prefix,
                             extra={"step": i + 1, "losses": losses})
         if rank == 0 and (i % max(1, args.steps // 10) == 0 or i == args.steps - 1):
             tok_s = (i + 1 - first) * args.batch_size * args.seq_len / (time.perf_counter() - start)
             bar = "#" * ((i + 1) * 30 // args.steps)
             print(f"\r[{bar:<30}] step {i + 1:4d}/{args.steps}  loss {losses[-1]:.4f}  {tok_s:8.0f} tok/s", flush=True)
     elapsed = time.perf_counter() - start
-    comm = timer.seconds
     # Peak memory: the process's resident set on the CPU, the allocator's peak on a GPU.
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20 if ctx.device.type == "cuda"
                          else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], device=ctx.device)
@@ -257,12 +215,7 @@ def main():
 
     verdict = torch.zeros(1, device=ctx.device)
     if rank == 0:
-        ref_step, _ = build(args, (solo, solo, solo), 0, 1, pipelined=False, device=ctx.device)
-        ref_losses = []
-        for per_rank in global_batches(dataset, args, dp):
-            ids = torch.cat([b[0] for b in per_rank]).to(ctx.device)
-            targets = torch.cat([b[1] for b in per_rank]).to(ctx.device)
-            ref_losses.append(ref_step(ids, targets).item())
+        ref_losses = reference_losses(dataset, args, dp, solo, ctx.device)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         tolerance = PARITY_RTOL[args.dtype]
         ok = diff <= tolerance
@@ -278,9 +231,6 @@ def main():
         print(f"{'throughput':28s} {ran * args.batch_size * args.seq_len / elapsed:.0f} tokens/s "
               f"({elapsed / ran * 1e3:.1f} ms/step)")
         print(f"{'peak memory per rank (MiB)':28s} " + ", ".join(f"{p.item():.0f}" for p in peaks))
-        print(f"{'time in communication':28s} {comm:.2f} s of {elapsed:.2f} s on rank 0 "
-              f"({100 * comm / elapsed:.0f}%; blocking collectives and receives, waiting for peers included), "
-              f"compute and the rest {elapsed - comm:.2f} s")
         print(f"parity vs single process: final loss {losses[-1]:.6f} vs {ref_losses[-1]:.6f}, max relative "
               f"difference over {args.steps} steps {diff:.2e} (tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}")
     dist.broadcast(verdict, src=0)

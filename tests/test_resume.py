@@ -17,11 +17,11 @@ STEPS, EVERY = 8, 2
 
 
 def train(ckpt_dir, *flags, fault=None, nproc=2, layout=("--dp", "2", "--zero", "1")):
+    """The main job; `fault` ("RANK:STEP:train|save") runs it under parallel_layers._debug's
+    fault injection, which SIGKILLs that rank as it starts that step or inside that step's save."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("TRAIN_GPT_FAULT", None)
-    if fault:
-        env["TRAIN_GPT_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    debug = ["-m", "parallel_layers._debug", "--fault", fault] if fault else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *debug,
            str(ROOT / "examples" / "train_gpt.py"), *layout, "--steps", str(STEPS), "--checkpoint-dir",
            str(ckpt_dir), "--checkpoint-every", str(EVERY), *flags]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
