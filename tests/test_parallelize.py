@@ -1,10 +1,13 @@
 """`parallelize(model, ctx, ...)`, the composing entry: at tp=2, dp=2 with ZeRO-3, tp2 x dp2 and
-pp=2 it trains the GPT to the losses and parameters of the same training in one process; and
-the bad calls it refuses."""
+pp=2 it trains the GPT to the losses and parameters of the same training in one process; a
+single-device model of nn.Embedding / nn.Linear layers, converted by a TP plan, does the same
+at tp2 x dp2 (ZeRO-1, ZeRO-3) and tp2 x pp2; and the bad calls it refuses."""
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 from tests.dist_harness import run_distributed
 
@@ -28,11 +31,47 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def _single_process(solo, batch):
-    from parallel_layers.models import GPT, GPTConfig
+class Residual(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x)), approximate="tanh"))
+
+
+class Plain(nn.Module):
+    """Single-device model code, a list of layers: embedding, residual MLPs, head."""
+
+    def __init__(self):
+        super().__init__()
+        d, vocab = CFG["d_model"], CFG["vocab"]
+        self.layers = nn.ModuleList([nn.Embedding(vocab, d), Residual(d), Residual(d), nn.Linear(d, vocab)])
+
+    def forward(self, ids):
+        x = ids
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def loss(self, logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+PLAIN_PLAN = {"layers.*.up": "column", "layers.*.down": "row"}
+
+
+def _model(kind, tp_group):
+    from parallel_layers.models import GPT, Block, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG), tp_group=solo)
+    if kind == "plain":
+        return Plain(), PLAIN_PLAN, Residual
+    return GPT(GPTConfig(**CFG), tp_group=tp_group), None, Block
+
+
+def _single_process(kind, solo, batch):
+    model = _model(kind, solo)[0]
     opt = _sgd(model.parameters())
     ids, targets = _data(batch)
     losses = []
@@ -45,17 +84,15 @@ def _single_process(solo, batch):
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def _trained(rank, world, tp, dp, pp, zero_stage, microbatches):
+def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
     from parallel_layers import ZeRO, init_parallel, parallelize
-    from parallel_layers.models import GPT, Block, GPTConfig
     from parallel_layers.tensor_parallel import gather_full
 
     ctx = init_parallel(tp=tp, dp=dp, pp=pp, device="cpu")
     solo = [dist.new_group([r]) for r in range(world)][rank]
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG), tp_group=ctx.tp_group)
-    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=model.loss, zero_stage=zero_stage,
-                      wrap=lambda m: isinstance(m, Block), pipeline_layers="layers", microbatches=microbatches)
+    model, plan, block = _model(kind, ctx.tp_group)
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=model.loss, tp_plan=plan, zero_stage=zero_stage,
+                      wrap=lambda m: isinstance(m, block), pipeline_layers="layers", microbatches=microbatches)
     per_replica = 2 * (microbatches or 1)
     ids, targets = _data(per_replica * dp)
     rows = slice(ctx.coordinate("dp") * per_replica, (ctx.coordinate("dp") + 1) * per_replica)
@@ -72,10 +109,11 @@ def _trained(rank, world, tp, dp, pp, zero_stage, microbatches):
     state = par.module.full_state_dict() if isinstance(par.module, ZeRO) else \
         {n: t for n, t in originals.items() if id(t) in held}
     params = {n: gather_full(t, ctx.tp_group, getattr(originals[n], "tp_shard", None)) for n, t in state.items()}
-    ref_losses, ref_params = _single_process(solo, per_replica * dp)
+    ref_losses, ref_params = _single_process(kind, solo, per_replica * dp)
     loss_diff = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     param_diff = max(((params[n] - ref_params[n]).abs().max() / ref_params[n].abs().max()).item() for n in params)
-    return loss_diff, param_diff, len(params), type(par.module).__name__, par.prefix
+    tp_layers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("ParallelLinear")})
+    return loss_diff, param_diff, len(params), type(par.module).__name__, par.prefix, tp_layers
 
 
 @pytest.mark.parametrize("tp,dp,pp,zero_stage,microbatches,wrapper", [
@@ -86,13 +124,24 @@ def _trained(rank, world, tp, dp, pp, zero_stage, microbatches):
     (1, 1, 2, 0, 4, "PipelineStages"),      # pp=2, 1f1b over 4 microbatches
 ])
 def test_composed_layouts_match_one_process(tp, dp, pp, zero_stage, microbatches, wrapper):
-    results = run_distributed(_trained, tp * dp * pp, args=(tp, dp, pp, zero_stage, microbatches), timeout_s=240)
-    for loss_diff, param_diff, n_params, module, prefix in results:
+    results = run_distributed(_trained, tp * dp * pp, args=("gpt", tp, dp, pp, zero_stage, microbatches),
+                              timeout_s=240)
+    for loss_diff, param_diff, n_params, module, prefix, _ in results:
         assert loss_diff < RTOL and param_diff < RTOL, results
         assert module == wrapper and prefix == ("layers." if pp > 1 else "")
         assert n_params > 0
     if pp == 1:  # every rank holds every tensor: embeddings, 11 per block (no qkv bias), head (tied: both keys)
         assert all(r[2] == 2 + 11 * CFG["layers"] + 3 for r in results), results
+
+
+@pytest.mark.parametrize("tp,dp,pp,zero_stage,microbatches", [(2, 2, 1, 1, None), (2, 2, 1, 3, None),
+                                                             (2, 1, 2, 0, 2)])
+def test_a_single_device_model_through_a_plan_matches_one_process(tp, dp, pp, zero_stage, microbatches):
+    results = run_distributed(_trained, tp * dp * pp, args=("plain", tp, dp, pp, zero_stage, microbatches),
+                              timeout_s=240)
+    for loss_diff, param_diff, n_params, _, _, tp_layers in results:
+        assert loss_diff < RTOL and param_diff < RTOL, results
+        assert tp_layers == ["ColumnParallelLinear", "RowParallelLinear"] and n_params > 0
 
 
 def _with_extra(model):
