@@ -1,7 +1,8 @@
 """`parallelize(model, ctx, ...)`, the composing entry: at tp=2, dp=2 with ZeRO-3, tp2 x dp2 and
-pp=2 it trains the GPT to the losses and parameters of the same training in one process; a
-single-device model of nn.Embedding / nn.Linear layers, converted by a TP plan, does the same
-at tp2 x dp2 (ZeRO-1, ZeRO-3) and tp2 x pp2; and the bad calls it refuses."""
+pp=2 it trains the GPT to the losses, clipped gradient norms and parameters of the same
+training in one process; a single-device model of nn.Embedding / nn.Linear layers, converted
+by a TP plan, does the same at tp2 x dp2 (ZeRO-1, ZeRO-3) and tp2 x pp2; and the bad calls it
+refuses."""
 
 import pytest
 import torch
@@ -16,9 +17,11 @@ STEPS = 3
 # (parallel_layers/models/gpt.py); SGD keeps that noise small anyway.
 CFG = dict(vocab=64, seq_len=16, d_model=32, heads=4, layers=2, qkv_bias=False)
 # float32, same seed and batches: the layouts differ from one process only in the order of sums
-# (TP all-reduces, dp averaging, microbatch accumulation); measured up to 6.4e-7 relative (parameters;
-# losses 1.1e-7) over 3 SGD steps at lr 0.5. 2e-5 leaves margin and still catches a wrong gradient (~1e-2).
+# (TP all-reduces, dp averaging, microbatch accumulation); measured up to 7.5e-7 relative (parameters;
+# losses and gradient norms 1.8e-7) over 3 SGD steps at lr 0.5. 2e-5 leaves margin and still catches
+# a wrong gradient (~1e-2).
 RTOL = 2e-5
+CLIP = 0.5  # below the first step's gradient norm (asserted), so clipping changes the training
 
 
 def _data(batch):
@@ -74,14 +77,15 @@ def _single_process(kind, solo, batch):
     model = _model(kind, solo)[0]
     opt = _sgd(model.parameters())
     ids, targets = _data(batch)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         loss = model.loss(model(ids[step]), targets[step])
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
@@ -96,9 +100,10 @@ def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
     per_replica = 2 * (microbatches or 1)
     ids, targets = _data(per_replica * dp)
     rows = slice(ctx.coordinate("dp") * per_replica, (ctx.coordinate("dp") + 1) * per_replica)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         loss = par.forward_backward(ids[step][rows], targets[step][rows]).clone()
+        norms.append(par.clip_grad_norm_(CLIP).item())
         par.step()
         par.zero_grad()
         dist.all_reduce(loss, group=ctx.dp_group)
@@ -109,8 +114,9 @@ def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
     state = par.module.full_state_dict() if isinstance(par.module, ZeRO) else \
         {n: t for n, t in originals.items() if id(t) in held}
     params = {n: gather_full(t, ctx.tp_group, getattr(originals[n], "tp_shard", None)) for n, t in state.items()}
-    ref_losses, ref_params = _single_process(kind, solo, per_replica * dp)
-    loss_diff = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    ref_losses, ref_norms, ref_params = _single_process(kind, solo, per_replica * dp)
+    assert ref_norms[0] > CLIP
+    loss_diff = max(abs(a - b) / b for a, b in zip(losses + norms, ref_losses + ref_norms))
     param_diff = max(((params[n] - ref_params[n]).abs().max() / ref_params[n].abs().max()).item() for n in params)
     tp_layers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("ParallelLinear")})
     return loss_diff, param_diff, len(params), type(par.module).__name__, par.prefix, tp_layers
