@@ -2,7 +2,7 @@
 
     model = GPT(GPTConfig(vocab=256, seq_len=64, d_model=64, heads=4, layers=2), tp_group=ctx.tp_group)
     loss = model.loss(model(ids), targets)                  # one process or tensor parallel
-    stages = PipelineStages(model.layers, group=ctx.pp_group)  # or cut into pipeline stages
+    par = parallelize(model, ctx, optimizer=..., loss_fn=model.loss, pipeline_layers="layers", ...)  # any layout
 
 Layers: `Embed` (vocabulary-parallel token embedding + learned positions; ids [batch, seq] ->
 x [seq, batch, d]), `Block`s (attention with a fused column-parallel QKV and a row-parallel
