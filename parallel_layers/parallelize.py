@@ -1,11 +1,12 @@
-"""`parallelize(model, ctx, ...)`: apply every kind of parallelism to a single-device model, in
-one fixed order, and return what trains.
+"""`parallelize(model, ctx, ...)`: apply every kind of parallelism to a model, in one fixed
+order, and return what trains.
 
     ctx = init_parallel(dp=2, tp=2, pp=2)
-    torch.manual_seed(0)                                    # every rank builds the same model
-    model = GPT(GPTConfig())
-    par = parallelize(model, ctx, tp_plan=GPT_TP_PLAN, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-                      loss_fn=model.loss, zero_stage=1, wrap=lambda m: isinstance(m, Block),
+    torch.manual_seed(0)                       # every rank builds the same single-device model
+    model = MyModel()                          # its layers in model.layers: embedding, Blocks, head
+    par = parallelize(model, ctx, tp_plan={"layers.*.up": "column", "layers.*.down": "row"},
+                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), loss_fn=model.loss,
+                      zero_stage=1, wrap=lambda m: isinstance(m, Block),
                       pipeline_layers="layers", schedule="1f1b", microbatches=4)
     for ids, targets in data:
         loss = par.forward_backward(ids, targets)          # this replica's batch loss
