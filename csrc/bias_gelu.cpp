@@ -37,11 +37,9 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
   return {y.view(x.sizes()), z.view(x.sizes())};
 }
 
-namespace {
-
-// (dz, dz^T [n, rows] if transposed else undefined, dbias) from one pass over the data.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dgelu_dbias(const at::Tensor& grad_out, const at::Tensor& preact,
-                                                           std::string_view approximate, bool transposed) {
+std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
+                                                      const at::Tensor& preact,
+                                                      std::string_view approximate) {
   const GeluApprox approx = parse_gelu_approx(approximate);
   const int64_t n = check_bias_gelu_backward_args(grad_out, preact, at::kCPU);
   const int64_t rows = leading_rows(preact);
@@ -49,27 +47,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dgelu_dbias(const at::Tensor& gra
   const at::Tensor dy = grad_out.contiguous().view({rows, n});
   const at::Tensor z = preact.contiguous().view({rows, n});
   at::Tensor dz = at::empty_like(z);
-  at::Tensor dz_t = transposed ? at::empty({n, rows}, z.options()) : at::Tensor();
-  at::Tensor dbias = dgelu_parallel(dy, z, dz, dz_t, /*want_dbias=*/true, approx);
-  return {dz.view(preact.sizes()), dz_t, dbias};
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
-                                                      const at::Tensor& preact,
-                                                      std::string_view approximate) {
-  auto [dz, dz_t, dbias] = dgelu_dbias(grad_out, preact, approximate, /*transposed=*/false);
-  return {dz, dbias};
-}
-
-// The tile-wise transposed write is the one of linear_gelu_backward (Note [transposed dz for
-// 16-bit weight gradients], csrc/linear_gelu.cpp): it costs a fraction of a separate
-// transpose copy because each tile of dz is still in L2.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Tensor& grad_out,
-                                                                    const at::Tensor& preact,
-                                                                    std::string_view approximate) {
-  return dgelu_dbias(grad_out, preact, approximate, /*transposed=*/true);
+  at::Tensor dbias = dgelu_parallel(dy, z, dz, at::Tensor(), /*want_dbias=*/true, approx);
+  return {dz.view(preact.sizes()), dbias};
 }
 
 }  // namespace parallel_layers::cpu
@@ -77,5 +56,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Te
 TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
   m.impl("bias_gelu", &parallel_layers::cpu::bias_gelu);
   m.impl("bias_gelu_backward", &parallel_layers::cpu::bias_gelu_backward);
-  m.impl("bias_gelu_backward_t", &parallel_layers::cpu::bias_gelu_backward_t);
 }

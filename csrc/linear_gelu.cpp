@@ -108,14 +108,42 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
   return {y.view(out_shape), save_preact ? z.view(out_shape) : z};
 }
 
-// Note [transposed dz for 16-bit weight gradients]: ATen's bfloat16/float16 CPU GEMM
-// (oneDNN) is fast when its first operand is row-major and 2-2.5x slower when that operand is
-// a transposed view - which is what dweight = dz^T @ x hands it (eager autograd included). At
-// 2048x1024x4096 bfloat16, dz.t() @ x took 15.2 ms and the same GEMM from a row-major dz^T
-// 6.8 ms (4096x4096x1024: 24.7 vs 14.6 ms); torch's own transpose copy of dz cost 6.9 ms,
-// most of that gain. So for 16-bit dtypes the dgelu pass writes dz^T as well, from a tile of
-// rows still in L2, and dweight = dz^T @ x. float32 GEMMs run equally fast either way (MKL),
-// so float32 keeps the plain dz.
+}  // namespace parallel_layers::cpu
+
+namespace parallel_layers {
+
+// Note [weight-gradient operand layout]: the one rule for the layout in which the GEMM
+// dweight = dz^T @ x gets dz^T, on every path that computes a linear layer's weight gradient
+// (linear_gelu_backward and linear_weight_grad, CPU and CUDA; the tensor-parallel layers call
+// the latter). On CPU in bfloat16 it gets a row-major [N, M] copy of dz^T; everywhere else it
+// reads the transposed view of dz, as eager autograd does.
+// - bfloat16 on CPU: ATen's oneDNN GEMM runs 2-2.5x slower from a transposed first operand on
+//   a CPU with AMX (M x K x N = 2048x1024x4096: dz.t() @ x 15.2 ms, a row-major dz^T 6.8 ms;
+//   4096x4096x1024: 24.7 vs 14.6 ms; the TP benchmark's dz [1024, 2048], x [1024, 1024], one
+//   thread: 5.9 vs 2.7 ms) and 4-5% slower on an AVX-512-BF16 CPU without AMX (2048x1024x4096:
+//   86.9 vs 83.3 ms, one thread). linear_gelu_backward's dgelu pass writes dz^T from tiles of
+//   rows still in L2; linear_weight_grad, handed a ready dz, copies it with transpose_2d. For
+//   dz [1024, 2048], one thread: on the AMX CPU ~0.7 ms more than writing dz alone, and 0.33 ms
+//   per [1024, 1024] for the copy; on the other, 0.86 and 0.94 ms.
+// - float16 on CPU: the GEMM ran 2.1-2.7x slower from a row-major dz^T than from the transposed
+//   view on the AVX-512 CPU (256x256x512: 29.5 vs 14.1 ms; 512x512x1024: 306 vs 115 ms, one
+//   thread), and gained less than any copy costs on the AMX one (5.3 vs 5.9 ms): it keeps the view.
+// - float32 and float64 (MKL) read either layout at the same speed, and so does cuBLAS.
+// Both layouts accumulate the GEMM in float32 for 16-bit dtypes (the BLAS's own accumulation)
+// and round dweight once; dz is rounded to the dtype first, as eager's gelu_backward does.
+bool weight_grad_wants_dz_t(const at::Tensor& dz) {
+  return dz.device().is_cpu() && dz.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& dz_t, const at::Tensor& x2) {
+  if (dz_t.defined()) return at::mm(dz_t, x2);
+  if (weight_grad_wants_dz_t(dz)) return at::mm(cpu::transpose_2d(dz), x2);
+  return at::mm(dz.t(), x2);
+}
+
+}  // namespace parallel_layers
+
+namespace parallel_layers::cpu {
 namespace {
 
 // Note [backward scratch on CPU]: dz (and dz^T) live only inside linear_gelu_backward, between
@@ -186,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
   // Unasked gradients: distinct empty tensors (outputs must not alias).
   const auto empty = [&] { return at::empty({0}, x.options()); };
 
-  const bool transposed = need_dw && at::isReducedFloatingType(x.scalar_type());
+  const bool transposed = need_dw && weight_grad_wants_dz_t(dy);  // Note [weight-gradient operand layout]
   // Note [backward scratch on CPU]
   const bool want_dz = need_dx || (need_dw && !transposed);
   std::optional<Scratch> dz_buf, dz_t_buf;
@@ -201,8 +229,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
     db = dgelu_parallel(dy, z, dz_buf->tensor(), at::Tensor(), /*want_dbias=*/true, approx);
   }
   at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
-  at::Tensor dw = need_dw ? (transposed ? at::mm(dz_t, x2) : at::mm(dz.t(), x2)) : empty();
+  at::Tensor dw = need_dw ? weight_grad(dz, dz_t, x2) : empty();
   return {dx, dw, need_db ? db : empty()};
+}
+
+at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x) {
+  const auto [M, K, N] = check_linear_weight_grad_args(grad_out, x, at::kCPU);
+  return weight_grad(grad_out.reshape({M, N}), at::Tensor(), x.reshape({M, K}));
 }
 
 }  // namespace parallel_layers::cpu
@@ -210,4 +243,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
 TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
   m.impl("linear_gelu", &parallel_layers::cpu::linear_gelu);
   m.impl("linear_gelu_backward", &parallel_layers::cpu::linear_gelu_backward);
+  m.impl("linear_weight_grad", &parallel_layers::cpu::linear_weight_grad);
 }

@@ -41,9 +41,6 @@ TORCH_LIBRARY(parallel_layers, m) {
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> (Tensor y, Tensor z)");
   // dz = grad_out * gelu'(preact), dbias = dz summed over all leading dims.
   m.def("bias_gelu_backward(Tensor grad_out, Tensor preact, str approximate) -> (Tensor dz, Tensor dbias)");
-  // The same, plus dz_t = dz as [rows, n] transposed, contiguous [n, rows]: the row-major
-  // operand a weight gradient dz^T @ x wants from ATen's 16-bit CPU GEMM.
-  m.def("bias_gelu_backward_t(Tensor grad_out, Tensor preact, str approximate) -> (Tensor dz, Tensor dz_t, Tensor dbias)");
   // y = gelu(x @ weight^T + bias); preact = x @ weight^T + bias when save_preact, else an
   // empty [0] (inference skips writing it). x [..., k], weight [n, k], bias [n].
   m.def("linear_gelu(Tensor x, Tensor weight, Tensor? bias, str approximate, bool save_preact) -> (Tensor y, Tensor preact)");
@@ -52,6 +49,11 @@ TORCH_LIBRARY(parallel_layers, m) {
   // (dx, dweight, dbias) to compute, the others are returned as empty [0] tensors.
   m.def("linear_gelu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor preact, str approximate, "
         "bool[3] output_mask) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+  // dweight = grad_out^T @ x of a linear layer y = x @ weight^T (+ bias, then any activation):
+  // grad_out [..., n] the gradient of its pre-activation, x [..., k] its input -> [n, k]. The
+  // operand layout is linear_gelu_backward's (Note [weight-gradient operand layout]); for
+  // callers that split the backward, e.g. to overlap a collective with this GEMM.
+  m.def("linear_weight_grad(Tensor grad_out, Tensor x) -> Tensor");
   // x.t().contiguous() for a 2-D x (on CPU, 16-bit types through SSE2 register blocks).
   m.def("transpose_2d(Tensor x) -> Tensor");
   // Shard copies (layout in parallel_layers/shard_layout.h; buffers are [world_size, S]):

@@ -1,8 +1,7 @@
 // transpose_2d on CPU: x.t().contiguous() for a 2-D x, with 16-bit types in 8 x 8 SSE2
 // register blocks (parallel_layers/cpu/transpose.h), in parallel over blocks of output rows.
-// The tensor-parallel row layer uses it for the row-major dy^T that ATen's bfloat16 GEMM
-// wants for dW = dy^T @ x (Note [row-major dy^T for bfloat16 weight gradients on CPU],
-// parallel_layers/tensor_parallel/layers.py).
+// linear_weight_grad uses it for the row-major dz^T that ATen's bfloat16 GEMM wants for
+// dW = dz^T @ x (Note [weight-gradient operand layout], csrc/linear_gelu.cpp).
 #include <algorithm>
 
 #include <ATen/ATen.h>

@@ -134,23 +134,9 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out
   return {dz, dbias};
 }
 
-// cuBLAS reads a transposed operand at full speed, so nothing here needs dz^T; the op exists
-// on CUDA for one schema across backends, and transposes with ATen.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Tensor& grad_out,
-                                                                    const at::Tensor& preact,
-                                                                    std::string_view approximate) {
-  auto [dz, dbias] = bias_gelu_backward(grad_out, preact, approximate);
-  const int64_t n = preact.size(-1);
-  // clone, not contiguous(): with one row or n == 1 the transposed view is contiguous, and
-  // outputs must not share memory.
-  at::Tensor dz_t = dz.view({leading_rows(preact), n}).t().clone(at::MemoryFormat::Contiguous);
-  return {dz, dz_t, dbias};
-}
-
 }  // namespace parallel_layers::cuda
 
 TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
   m.impl("bias_gelu", &parallel_layers::cuda::bias_gelu);
   m.impl("bias_gelu_backward", &parallel_layers::cuda::bias_gelu_backward);
-  m.impl("bias_gelu_backward_t", &parallel_layers::cuda::bias_gelu_backward_t);
 }

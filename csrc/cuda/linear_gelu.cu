@@ -185,8 +185,9 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
 int64_t lt_matmul_calls() { return g_lt_matmul_calls.load(std::memory_order_relaxed); }
 
 // Backward: our fused dgelu + bias-gradient kernel (csrc/cuda/bias_gelu.cu), then the two
-// GEMMs that are needed (cuBLAS reads dz transposed natively, so no dz^T is written as on
-// CPU). cuBLASLt's DGELU_BGRAD epilogue fuses dgelu into the GEMM that produces grad_y - the
+// GEMMs that are needed, the weight gradient's through the shared weight_grad (on CUDA it reads
+// dz transposed in place: Note [weight-gradient operand layout], csrc/linear_gelu.cpp).
+// cuBLASLt's DGELU_BGRAD epilogue fuses dgelu into the GEMM that produces grad_y - the
 // next layer's input-gradient GEMM - so it does not apply inside this op, which is handed a
 // ready grad_y.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Tensor& grad_y, const at::Tensor& x,
@@ -203,8 +204,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
   if (!need_dx && !need_dw && !need_db) return {empty(), empty(), empty()};
   auto [dz, db] = bias_gelu_backward(grad_y.reshape({M, N}), preact.reshape({M, N}), approximate);
   at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
-  at::Tensor dw = need_dw ? at::mm(dz.t(), x.reshape({M, K})) : empty();
+  at::Tensor dw = need_dw ? weight_grad(dz, at::Tensor(), x.reshape({M, K})) : empty();
   return {dx, dw, need_db ? db : empty()};
+}
+
+at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x) {
+  const auto [M, K, N] = check_linear_weight_grad_args(grad_out, x, at::kCUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return weight_grad(grad_out.reshape({M, N}), at::Tensor(), x.reshape({M, K}));
 }
 
 }  // namespace parallel_layers::cuda
@@ -212,4 +219,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
 TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
   m.impl("linear_gelu", &parallel_layers::cuda::linear_gelu);
   m.impl("linear_gelu_backward", &parallel_layers::cuda::linear_gelu_backward);
+  m.impl("linear_weight_grad", &parallel_layers::cuda::linear_weight_grad);
 }

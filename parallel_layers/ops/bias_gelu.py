@@ -7,8 +7,6 @@ bias alike); math in float32 (float64 for float64 inputs). Backward is one fused
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -23,6 +21,18 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     """
     y, _ = torch.ops.parallel_layers.bias_gelu(x, bias, approximate)
     return y
+
+
+def bias_gelu_backward(grad_out: Tensor, preact: Tensor, approximate: str = "none") -> tuple[Tensor, Tensor]:
+    """`(dz, dbias)`: dz = grad_out * gelu'(preact) and dbias = dz summed over all leading dims,
+    from one pass over the data.
+
+    grad_out and preact [..., n] of one dtype -> dz [..., n], dbias [n]. dbias sums the values of
+    dz as rounded to their dtype, in float32 (float64 for float64), and is rounded once. Not
+    differentiable; for callers that write a backward of their own (the tensor-parallel column
+    layer, which then hands dz to `linear_weight_grad`).
+    """
+    return torch.ops.parallel_layers.bias_gelu_backward(grad_out, preact, approximate)
 
 
 def check_approximate(approximate: str) -> None:
@@ -48,13 +58,6 @@ def _bias_gelu_backward_fake(grad_out: Tensor, preact: Tensor, approximate: str)
     return preact.new_empty(preact.shape), preact.new_empty(preact.shape[-1:])
 
 
-@torch.library.register_fake("parallel_layers::bias_gelu_backward_t")
-def _bias_gelu_backward_t_fake(grad_out: Tensor, preact: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor]:
-    dz, dbias = _bias_gelu_backward_fake(grad_out, preact, approximate)
-    rows = math.prod(preact.shape[:-1])
-    return dz, preact.new_empty((preact.shape[-1], rows)), dbias
-
-
 def _setup_context(ctx, inputs, output) -> None:
     _, _, approximate = inputs
     _, preact = output
@@ -68,7 +71,7 @@ def _backward(ctx, grad_y: Tensor | None, grad_z: Tensor | None):
     (preact,) = ctx.saved_tensors
     grad_pre, grad_bias = None, None
     if grad_y is not None:
-        grad_pre, grad_bias = torch.ops.parallel_layers.bias_gelu_backward(grad_y, preact, ctx.approximate)
+        grad_pre, grad_bias = bias_gelu_backward(grad_y, preact, ctx.approximate)
     if grad_z is not None:  # the pre-activation itself was used downstream
         grad_pre = grad_z if grad_pre is None else grad_pre + grad_z
         grad_bias = grad_pre.sum(dim=tuple(range(grad_pre.dim() - 1)))

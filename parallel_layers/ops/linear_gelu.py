@@ -4,9 +4,13 @@ Shapes: x [..., K], weight [N, K], bias [N] or None -> y [..., N]. Dtypes: float
 bfloat16, float16 (all alike). Unlike `torch._addmm_activation`, the forward keeps the
 pre-activation `x @ weight.T + bias` for backward, and skips writing it when no gradient
 is needed. Backward (`linear_gelu_backward`) runs the fused dgelu + bias-gradient pass, then
-only the GEMMs whose gradients are needed (`dx = dz @ W`, `dW = dz.T @ x`; 16-bit GEMMs
-accumulate in float32 in the BLAS; on CPU the 16-bit pass also writes dz transposed, see
-Note [transposed dz for 16-bit weight gradients] in csrc/linear_gelu.cpp).
+only the GEMMs whose gradients are needed (`dx = dz @ W`, `dW = dz.T @ x`).
+
+The backward rule is decided once, in C++: the weight gradient's operand layout is Note
+[weight-gradient operand layout] in csrc/linear_gelu.cpp. A caller that writes its own autograd
+Function around the op - the tensor-parallel column layer, which overlaps a collective with the
+weight-gradient GEMM - composes `linear_gelu_forward`, `bias_gelu_backward` and
+`linear_weight_grad`, which follow the same rule.
 """
 
 from __future__ import annotations
@@ -14,15 +18,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parallel_layers.ops.bias_gelu import check_approximate
+from parallel_layers.ops.bias_gelu import bias_gelu_backward, check_approximate
 
 
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "tanh") -> Tensor:
     """Return `F.gelu(F.linear(x, weight, bias), approximate=approximate)` from one fused op."""
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    y, _ = torch.ops.parallel_layers.linear_gelu(x, weight, bias, approximate, needs_grad)
+    y, _ = linear_gelu_forward(x, weight, bias, approximate, needs_grad)
     return y
+
+
+def linear_gelu_forward(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
+                        save_preact: bool) -> tuple[Tensor, Tensor]:
+    """`(y, preact)`: y as `linear_gelu` returns it and, when save_preact, the pre-activation
+    `x @ weight.T + bias` [..., N] that `bias_gelu_backward` takes (else an empty [0] tensor)."""
+    return torch.ops.parallel_layers.linear_gelu(x, weight, bias, approximate, save_preact)
+
+
+def linear_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
+    """`grad_out^T @ x`: the weight gradient of `y = x @ weight.T` (+ bias, then any activation).
+
+    grad_out [..., N] (the gradient of the pre-activation) and x [..., K] (the input) with the
+    same leading dims and one dtype -> [N, K]. The GEMM gets its operands in the layout that
+    `linear_gelu`'s own backward uses (a row-major grad_out^T for bfloat16 on CPU: Note
+    [weight-gradient operand layout], csrc/linear_gelu.cpp), so for the same dz both give the
+    same bits; 16-bit dtypes accumulate in float32 inside the GEMM. Not differentiable.
+    """
+    return torch.ops.parallel_layers.linear_weight_grad(grad_out, x)
 
 
 @torch.library.register_fake("parallel_layers::linear_gelu")
@@ -60,6 +83,14 @@ def _linear_gelu_backward_fake(grad_y: Tensor, x: Tensor, weight: Tensor, preact
             x.new_empty((weight.shape[0],) if need_db else (0,)))
 
 
+@torch.library.register_fake("parallel_layers::linear_weight_grad")
+def _linear_weight_grad_fake(grad_out: Tensor, x: Tensor) -> Tensor:
+    torch._check(grad_out.dim() >= 1 and x.dim() >= 1 and grad_out.shape[:-1] == x.shape[:-1],
+                 lambda: f"linear_weight_grad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} must have "
+                         "the same leading dims (all but the last)")
+    return x.new_empty((grad_out.shape[-1], x.shape[-1]))
+
+
 def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
     x, weight, bias, preact = ctx.saved_tensors
     n = weight.shape[0]
@@ -78,10 +109,10 @@ def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
     # gradient adds to dz, so dz is formed here and the GEMMs run on the sum.
     dz = grad_preact
     if grad_y is not None:
-        dz = dz + torch.ops.parallel_layers.bias_gelu_backward(grad_y, preact, ctx.approximate)[0]
+        dz = dz + bias_gelu_backward(grad_y, preact, ctx.approximate)[0]
     dz2 = dz.reshape(-1, n)
     dx = (dz2 @ weight).view(x.shape) if need_dx else None
-    dw = dz2.t() @ x.reshape(-1, x.shape[-1]) if need_dw else None
+    dw = linear_weight_grad(dz2, x.reshape(-1, x.shape[-1])) if need_dw else None
     db = dz2.sum(0) if need_db else None
     return dx, dw, db, None, None
 

@@ -1,9 +1,10 @@
 """`transpose_2d(x)`: `x.t().contiguous()` for a 2-D tensor, as one op.
 
 On CPU, 16-bit tensors go through SSE2 8 x 8 register blocks (csrc/transpose.cpp), a few
-times faster than ATen's element-wise transpose copy; the tensor-parallel row layer uses it
-for the row-major dy^T that ATen's bfloat16 GEMM wants in dW = dy^T @ x. Other dtypes and
-CUDA use ATen's copy. Differentiable (the gradient is the transposed gradient).
+times faster than ATen's element-wise transpose copy; `linear_weight_grad` uses it for the
+row-major dz^T that ATen's bfloat16 CPU GEMM wants in dW = dz^T @ x (Note [weight-gradient
+operand layout], csrc/linear_gelu.cpp). Other dtypes and CUDA use ATen's copy.
+Differentiable (the gradient is the transposed gradient).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _transpose_2d_fake(x: Tensor) -> Tensor:
 
 
 def _backward(ctx, grad: Tensor):
-    return torch.ops.parallel_layers.transpose_2d(grad)
+    return transpose_2d(grad)
 
 
 torch.library.register_autograd("parallel_layers::transpose_2d", _backward)

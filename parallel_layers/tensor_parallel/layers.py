@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers import fault
+from parallel_layers.ops import bias_gelu_backward, linear_gelu_forward, linear_weight_grad
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import check_divisible, check_size, gather_full, sharded_parameter
 
@@ -76,26 +77,6 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
     param._pl_tp_grad_hook = True
 
 
-# Note [row-major dy^T for bfloat16 weight gradients on CPU]: dW = dy^T @ x hands the GEMM a
-# transposed first operand, which ATen's bfloat16 CPU GEMM (oneDNN) runs 2-2.5x slower than
-# a row-major one. At this package's TP benchmark shapes on one thread (dy [1024, 2048],
-# x [1024, 1024]): dy.t() @ x 5.9 ms; dy.t().contiguous() 1.6 ms, then the GEMM 2.7 ms. The
-# column layer's dgelu pass writes dz^T from tiles still in cache (bias_gelu_backward_t,
-# ~0.7 ms more than dz alone); the row layer copies with transpose_2d (0.33 ms for
-# [1024, 1024] against 0.81 for dy.t().contiguous()). float32 (MKL) and CUDA (cuBLAS) GEMMs
-# read either layout at the same speed, and float16's GEMM gains less than any copy costs
-# (5.3 ms row-major vs 5.9 transposed), so only CPU bfloat16 takes this path.
-def _row_major_transpose_pays(t: Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.bfloat16
-
-
-def _weight_grad(dy2: Tensor, x2: Tensor, dy2_t: Tensor | None = None) -> Tensor:
-    """dW = dy2^T @ x2 for dy2 [rows, out], x2 [rows, in]; dy2_t is dy2^T already row-major."""
-    if dy2_t is None and _row_major_transpose_pays(dy2):
-        dy2_t = torch.ops.parallel_layers.transpose_2d(dy2)
-    return dy2_t @ x2 if dy2_t is not None else dy2.t() @ x2
-
-
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -120,6 +101,12 @@ def _autocast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Te
     return cast(x), cast(weight), cast(bias)
 
 
+# The two Functions below write their own backward, to overlap collectives with the GEMMs;
+# the linear + GeLU backward rule stays the op's: backward computes dz, dbias and the weight
+# gradient with bias_gelu_backward and linear_weight_grad (Note [weight-gradient operand
+# layout], csrc/linear_gelu.cpp).
+
+
 class _ColumnLinear(torch.autograd.Function):
     """y = act(gather_sp(x) @ W^T + b); backward overlaps the grad-input collective with dW."""
 
@@ -130,7 +117,7 @@ class _ColumnLinear(torch.autograd.Function):
         if approximate is None:
             y, preact = F.linear(x_full, weight, bias), None
         else:
-            y, preact = torch.ops.parallel_layers.linear_gelu(x_full, weight, bias, approximate, needs_grad)
+            y, preact = linear_gelu_forward(x_full, weight, bias, approximate, needs_grad)
         if needs_grad:
             ctx.save_for_backward(x_full, weight, preact)
         ctx.approximate, ctx.group, ctx.sequence_parallel = approximate, group, sequence_parallel
@@ -141,13 +128,10 @@ class _ColumnLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x_full, weight, preact = ctx.saved_tensors
         n, k = weight.shape
-        dz_t = None
         if ctx.approximate is None:
             dz, db = dy, (dy.reshape(-1, n).sum(0) if ctx.has_bias else None)
-        elif ctx.needs_input_grad[1] and _row_major_transpose_pays(dy):  # dgelu's pass also writes dz^T
-            dz, dz_t, db = torch.ops.parallel_layers.bias_gelu_backward_t(dy, preact, ctx.approximate)
         else:
-            dz, db = torch.ops.parallel_layers.bias_gelu_backward(dy, preact, ctx.approximate)
+            dz, db = bias_gelu_backward(dy, preact, ctx.approximate)
         dz2 = dz.reshape(-1, n)
         dx, handle = None, None
         if ctx.needs_input_grad[0]:
@@ -157,7 +141,7 @@ class _ColumnLinear(torch.autograd.Function):
                     dx, handle = comm.reduce_scatter(dx, ctx.group, async_op=True)
                 else:
                     handle = comm.all_reduce(dx, ctx.group, async_op=True)
-        dw = _weight_grad(dz2, x_full.reshape(-1, k), dz_t) if ctx.needs_input_grad[1] else None
+        dw = linear_weight_grad(dz2, x_full.reshape(-1, k)) if ctx.needs_input_grad[1] else None
         db = db if ctx.has_bias and ctx.needs_input_grad[2] else None
         fault.wait(handle, "ColumnParallelLinear backward " + ("reduce_scatter" if ctx.sequence_parallel else
                                                                   "all_reduce"), ctx.group)
@@ -194,7 +178,7 @@ class _RowLinear(torch.autograd.Function):
         d = comm.all_gather(dy, 0, ctx.group) if ctx.sequence_parallel else dy
         d2 = d.reshape(-1, weight.shape[0])
         dx = (d2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = _weight_grad(d2, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
+        dw = linear_weight_grad(d2, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel_layers  # noqa: F401  (registers the ops)
-from parallel_layers.ops import linear_gelu
+from parallel_layers.ops import bias_gelu_backward, linear_gelu, linear_weight_grad, transpose_2d
 from tests.ops.numerics import devices, max_abs_error
 
 APPROX = ["none", "tanh"]
@@ -227,6 +227,80 @@ def test_backward_op_mask_selects_without_changing_values(dtype, device):
                 assert torch.equal(value, expected)
             else:
                 assert value.numel() == 0
+
+
+# The split backward (bias_gelu_backward, then linear_weight_grad), which callers with an
+# autograd Function of their own use (the tensor-parallel column layer), and the fused op give
+# the same bits: one layout rule for the weight-gradient GEMM (Note [weight-gradient operand
+# layout], csrc/linear_gelu.cpp), however dz^T is produced. Rows and columns on and off the
+# CPU pass's 32-row tiles and 8 x 8 transpose blocks; 3-D; empty.
+SPLIT_CASES = [((0, 4), 5), ((1, 3), 1), ((70, 13), 24), ((3, 11, 40), 17), ((257, 31), 1031)]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_shape, n", SPLIT_CASES)
+def test_split_backward_matches_the_fused_op_bitwise(x_shape, n, dtype, device):
+    x, w, _ = _inputs(x_shape, n, dtype, device)
+    g = torch.Generator().manual_seed(5)
+    dy, z = (torch.randn(*x_shape[:-1], n, generator=g).to(device, dtype) for _ in range(2))
+    op = torch.ops.parallel_layers.linear_gelu_backward
+    dz, db = bias_gelu_backward(dy, z, "tanh")
+    dz2, x2 = dz.reshape(-1, n), x.reshape(-1, x_shape[-1])
+    split = ((dz2 @ w).view(x.shape), linear_weight_grad(dz2, x2), db)
+    for mask in ([True, True, True], [False, True, False]):  # dweight alone: the CPU pass writes dz^T only
+        for need, fused, mine in zip(mask, op(dy, x, w, z, "tanh", mask), split):
+            if need:
+                assert torch.equal(fused, mine)
+
+
+@pytest.mark.parametrize("dtype, row_major", [(torch.bfloat16, True), (torch.float16, False),
+                                              (torch.float32, False), (torch.float64, False)])
+def test_weight_grad_layout_rule_on_cpu(dtype, row_major):
+    """Note [weight-gradient operand layout]: on CPU only bfloat16 hands the GEMM a row-major dz^T;
+    the others read the transposed view, as eager autograd does."""
+    x, w, _ = _inputs((70, 24), 40, dtype, "cpu")
+    dz = torch.randn(70, 40, generator=torch.Generator().manual_seed(6)).to(dtype)
+    expected = transpose_2d(dz) @ x if row_major else dz.t() @ x
+    assert torch.equal(linear_weight_grad(dz, x), expected)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_weight_grad_no_worse_than_twice_eager(dtype, device):
+    x, w, _ = _inputs((3, 50, 24), 40, dtype, device)
+    dz = torch.randn(3, 50, 40, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+    ref = dz.double().reshape(-1, 40).t() @ x.double().reshape(-1, 24)
+    eager = dz.reshape(-1, 40).t() @ x.reshape(-1, 24)
+    ours = linear_weight_grad(dz, x)
+    assert ours.shape == (40, 24) and ours.dtype == dtype
+    assert max_abs_error(ours, ref) <= 2 * max_abs_error(eager, ref) + 1e-12  # + 0 when both are exact
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# (1, 5) and (4, 1): dz transposed is a contiguous view of dz, and the bfloat16 copy must still copy.
+@pytest.mark.parametrize("dz_shape, k", [((0, 4), 3), ((1, 5), 3), ((4, 1), 3), ((2, 3, 8), 16), ((70, 9), 33)])
+def test_linear_weight_grad_opcheck(dz_shape, k, dtype, device):
+    g = torch.Generator().manual_seed(8)
+    dz = torch.randn(dz_shape, generator=g).to(device, dtype)
+    x = torch.randn(*dz_shape[:-1], k, generator=g).to(device, dtype)
+    torch.library.opcheck(torch.ops.parallel_layers.linear_weight_grad.default, (dz, x))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (lambda: (torch.randn(3, 4), torch.randn(2, 5)),
+         r"linear_weight_grad: grad_out \[3, 4\] and x \[2, 5\] must have the same leading dims"),
+        (lambda: (torch.randn(3, 4), torch.randn(3, 5, dtype=torch.float64)), "x has dtype Double but grad_out has dtype Float"),
+        (lambda: (torch.randn(3, 4), torch.tensor(1.0)),
+         r"linear_weight_grad: grad_out and x must have at least 1 dimension, got shapes \[3, 4\] and \[\]"),
+    ],
+)
+def test_linear_weight_grad_bad_input_messages(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        linear_weight_grad(*args())
 
 
 def test_backward_scratch_reuse_leaves_earlier_results_alone():

@@ -88,9 +88,9 @@ def test_mlp_matches_single_process(tp, sequence_parallel):
 def _mlp_bf16_errors(rank, ws, sequence_parallel):
     """Max relative errors against float64 of ours (bfloat16, tp=ws) and of eager bfloat16 in
     one process, for the same bfloat16 parameters and inputs. On CPU our bfloat16 weight
-    gradients take other GEMM operand layouts than eager (Note [row-major dy^T for bfloat16
-    weight gradients on CPU], layers.py), so they round differently: they must be as close
-    to float64 as eager's own."""
+    gradients take other GEMM operand layouts than eager (Note [weight-gradient operand
+    layout], csrc/linear_gelu.cpp), so they round differently: they must be as close to
+    float64 as eager's own."""
     group = dist.group.WORLD
     torch.manual_seed(0)
     eager = RefMLP().to(torch.bfloat16)

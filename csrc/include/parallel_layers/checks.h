@@ -116,4 +116,19 @@ inline LinearShape check_linear_gelu_backward_args(const at::Tensor& grad_y, con
   return s;
 }
 
+// linear_weight_grad(grad_out [..., n], x [..., k]): the same leading dims (the rows of the
+// GEMM); returns {rows, k, n}.
+inline LinearShape check_linear_weight_grad_args(const at::Tensor& grad_out, const at::Tensor& x,
+                                                 at::DeviceType expected) {
+  check_floating(x, "x");
+  check_same_device_dtype(x, "x", grad_out, "grad_out");
+  check_device_type(x, "x", expected, "linear_weight_grad");
+  TORCH_CHECK(x.dim() >= 1 && grad_out.dim() >= 1, "linear_weight_grad: grad_out and x must have at least 1 "
+              "dimension, got shapes ", grad_out.sizes(), " and ", x.sizes());
+  TORCH_CHECK(grad_out.sizes().slice(0, grad_out.dim() - 1) == x.sizes().slice(0, x.dim() - 1),
+              "linear_weight_grad: grad_out ", grad_out.sizes(), " and x ", x.sizes(),
+              " must have the same leading dims (all but the last)");
+  return LinearShape{leading_rows(x), x.size(-1), grad_out.size(-1)};
+}
+
 }  // namespace parallel_layers

@@ -12,6 +12,15 @@
 
 namespace parallel_layers {
 
+// The weight gradient of a linear layer, dweight = dz^T @ x2 (dz [M, N]: the gradient of its
+// pre-activation; x2 [M, K]: its input), shared by both backends' linear_gelu_backward and
+// linear_weight_grad. weight_grad_wants_dz_t is the rule of Note [weight-gradient operand
+// layout] (csrc/linear_gelu.cpp): whether the GEMM gets dz^T as a row-major [N, M] copy.
+// weight_grad follows it: from dz_t when a dgelu pass has written it, else from dz, copied
+// to dz^T first when the rule asks for it (dz_t undefined).
+bool weight_grad_wants_dz_t(const at::Tensor& dz);
+at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& dz_t, const at::Tensor& x2);
+
 namespace cpu {
 // x [..., n], bias [n] -> (gelu(x + bias), x + bias), both shaped like x.
 std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tensor& bias,
@@ -20,10 +29,6 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
                                                       const at::Tensor& preact,
                                                       std::string_view approximate);
-// The same plus dz^T: (dz, dz as [rows, n] transposed into a contiguous [n, rows], dbias).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Tensor& grad_out,
-                                                                    const at::Tensor& preact,
-                                                                    std::string_view approximate);
 // x [..., k], weight [n, k], bias [n] -> (gelu(x @ weight^T + bias) [..., n], the pre-activation
 // [..., n] if save_preact else an empty [0]).
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
@@ -36,6 +41,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
+// grad_out [..., n], x [..., k] with the same leading dims -> grad_out^T @ x [n, k].
+at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 // x [rows, cols] -> x^T as a contiguous [cols, rows].
 at::Tensor transpose_2d(const at::Tensor& x);
 }  // namespace cpu
@@ -46,9 +53,6 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
                                                       const at::Tensor& preact,
                                                       std::string_view approximate);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_gelu_backward_t(const at::Tensor& grad_out,
-                                                                    const at::Tensor& preact,
-                                                                    std::string_view approximate);
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                std::string_view approximate, bool save_preact);
@@ -57,6 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
+at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 at::Tensor transpose_2d(const at::Tensor& x);
 // gelu(z), no bias, no pre-activation written (linear_gelu's fallback after its addmm).
 at::Tensor gelu_only(const at::Tensor& z, std::string_view approximate);
