@@ -54,6 +54,11 @@ TORCH_LIBRARY(parallel_layers, m) {
   // operand layout is linear_gelu_backward's (Note [weight-gradient operand layout]); for
   // callers that split the backward, e.g. to overlap a collective with this GEMM.
   m.def("linear_weight_grad(Tensor grad_out, Tensor x) -> Tensor");
+  // Autocast's policy for linear_gelu's inputs, for callers that run linear_gelu or F.linear
+  // inside an autograd Function of their own: inside torch.autocast, x, weight and bias as
+  // linear_gelu's autocast kernel casts them (csrc/autocast.cpp); outside it, the inputs
+  // themselves (hence the may-alias annotations).
+  m.def("linear_autocast_inputs(Tensor(a) x, Tensor(b) weight, Tensor(c)? bias) -> (Tensor(a), Tensor(b), Tensor(c)?)");
   // x.t().contiguous() for a 2-D x (on CPU, 16-bit types through SSE2 register blocks).
   m.def("transpose_2d(Tensor x) -> Tensor");
   // Shard copies (layout in parallel_layers/shard_layout.h; buffers are [world_size, S]):

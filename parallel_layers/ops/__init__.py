@@ -2,8 +2,9 @@
 
 from parallel_layers.ops import shard_copy
 from parallel_layers.ops.bias_gelu import bias_gelu, bias_gelu_backward
-from parallel_layers.ops.linear_gelu import linear_gelu, linear_gelu_forward, linear_weight_grad
+from parallel_layers.ops.linear_gelu import (linear_autocast_inputs, linear_gelu, linear_gelu_forward,
+                                             linear_weight_grad)
 from parallel_layers.ops.transpose import transpose_2d
 
-__all__ = ["bias_gelu", "bias_gelu_backward", "linear_gelu", "linear_gelu_forward", "linear_weight_grad",
-           "shard_copy", "transpose_2d"]
+__all__ = ["bias_gelu", "bias_gelu_backward", "linear_autocast_inputs", "linear_gelu", "linear_gelu_forward",
+           "linear_weight_grad", "shard_copy", "transpose_2d"]

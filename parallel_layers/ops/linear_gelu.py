@@ -6,11 +6,12 @@ pre-activation `x @ weight.T + bias` for backward, and skips writing it when no 
 is needed. Backward (`linear_gelu_backward`) runs the fused dgelu + bias-gradient pass, then
 only the GEMMs whose gradients are needed (`dx = dz @ W`, `dW = dz.T @ x`).
 
-The backward rule is decided once, in C++: the weight gradient's operand layout is Note
-[weight-gradient operand layout] in csrc/linear_gelu.cpp. A caller that writes its own autograd
-Function around the op - the tensor-parallel column layer, which overlaps a collective with the
-weight-gradient GEMM - composes `linear_gelu_forward`, `bias_gelu_backward` and
-`linear_weight_grad`, which follow the same rule.
+Its contracts are decided once, in C++ (docs/kernels.md): the weight gradient's operand layout
+(Note [weight-gradient operand layout], csrc/linear_gelu.cpp) and the autocast policy
+(csrc/autocast.cpp). A caller that writes its own autograd Function around the op - the
+tensor-parallel column layer, which overlaps a collective with the weight-gradient GEMM -
+composes `linear_autocast_inputs`, `linear_gelu_forward`, `bias_gelu_backward` and
+`linear_weight_grad`, which follow the same two rules.
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ def linear_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
     same bits; 16-bit dtypes accumulate in float32 inside the GEMM. Not differentiable.
     """
     return torch.ops.parallel_layers.linear_weight_grad(grad_out, x)
+
+
+def linear_autocast_inputs(x: Tensor, weight: Tensor,
+                           bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`(x, weight, bias)` as `linear_gelu` computes with them under the current autocast state.
+
+    Inside `torch.autocast` (CPU or CUDA): each cast to the autocast dtype, as `F.linear`'s
+    inputs are (float64 stays float64), by differentiable casts that autocast caches for the
+    region; outside it: the tensors themselves. For callers that run `linear_gelu_forward` or
+    `F.linear` inside an autograd Function of their own: cast before the Function, it saves and
+    computes in that dtype, so its backward also runs after the autocast region has closed,
+    and float32 parameters get float32 gradients. The policy is the op's (csrc/autocast.cpp).
+    """
+    return torch.ops.parallel_layers.linear_autocast_inputs(x, weight, bias)
 
 
 @torch.library.register_fake("parallel_layers::linear_gelu")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers import fault
-from parallel_layers.ops import bias_gelu_backward, linear_gelu_forward, linear_weight_grad
+from parallel_layers.ops import bias_gelu_backward, linear_autocast_inputs, linear_gelu_forward, linear_weight_grad
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import check_divisible, check_size, gather_full, sharded_parameter
 
@@ -77,34 +77,11 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
     param._pl_tp_grad_hook = True
 
 
-_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _autocast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Autocast's rule for F.linear, applied to this module's own autograd Functions.
-
-    Inside torch.autocast, x, weight and bias are cast to the autocast dtype here, before the
-    Function, as differentiable casts: the Function then saves and computes in that dtype, so
-    its backward works wherever it runs (PyTorch recommends running backward outside the
-    autocast region), and the casts' own backward returns the float32 parameters' gradients
-    in float32 - what nn.Linear does under autocast. Unlike autocast's own kernels the casts
-    are not cached across calls in one region: a module run for several microbatches inside one
-    autocast block casts (and saves) its weight once per call.
-    """
-    device = x.device.type
-    if device == "meta" or not torch.is_autocast_enabled(device):  # meta: no autocast state to ask
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t: Tensor | None) -> Tensor | None:  # autocast's eligibility: float64 stays float64
-        return t.to(dtype) if t is not None and t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t
-    return cast(x), cast(weight), cast(bias)
-
-
 # The two Functions below write their own backward, to overlap collectives with the GEMMs;
-# the linear + GeLU backward rule stays the op's: backward computes dz, dbias and the weight
-# gradient with bias_gelu_backward and linear_weight_grad (Note [weight-gradient operand
-# layout], csrc/linear_gelu.cpp).
+# the kernel contracts stay the op's (docs/kernels.md): the layers cast their inputs with
+# linear_autocast_inputs before the Function (the autocast policy), and backward computes dz,
+# dbias and the weight gradient with bias_gelu_backward and linear_weight_grad (the linear +
+# GeLU backward rule).
 
 
 class _ColumnLinear(torch.autograd.Function):
@@ -247,7 +224,7 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features, "ColumnParallelLinear", "in_features")
-        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        x, weight, bias = linear_autocast_inputs(x, self.weight, self.bias)
         y = _ColumnLinear.apply(x, weight, bias, _ACTIVATIONS[self.activation], self.tp_group,
                                 self.sequence_parallel and comm.group_size(self.tp_group) > 1)
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
@@ -290,7 +267,7 @@ class RowParallelLinear(_LinearConversions, nn.Module):
         else:
             _check_input(x, self.in_features, "RowParallelLinear", "in_features")
             x = comm.scatter_to_tp(x, self.tp_group)
-        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        x, weight, bias = linear_autocast_inputs(x, self.weight, self.bias)
         return _RowLinear.apply(x, weight, bias, self.tp_group, self.sequence_parallel and tp > 1)
 
     def extra_repr(self) -> str:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel_layers  # noqa: F401  (registers the ops)
-from parallel_layers.ops import bias_gelu_backward, linear_gelu, linear_weight_grad, transpose_2d
+from parallel_layers.ops import bias_gelu_backward, linear_autocast_inputs, linear_gelu, linear_weight_grad, transpose_2d
 from tests.ops.numerics import devices, max_abs_error
 
 APPROX = ["none", "tanh"]
@@ -407,6 +407,39 @@ def test_autocast_runs_in_the_autocast_dtype_like_linear(compiled, device):
     assert [t.dtype for t in eager] == [t.dtype for t in ours]
     for name, o, e, r in zip(("y", "grad x", "grad weight", "grad bias"), ours, eager, ref):
         assert max_abs_error(o, r) <= 2 * max_abs_error(e, r), name
+
+
+@pytest.mark.parametrize("device", devices())
+def test_linear_autocast_inputs_are_the_casts_linear_gelu_makes(device):
+    """linear_autocast_inputs hands out the op's own autocast policy: inside the region, what
+    linear_gelu computes with (same bits, the same cached weight cast), float64 left alone;
+    differentiable casts, so float32 leaves get float32 gradients; outside, the tensors themselves."""
+    autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    x, w, b = _inputs((6, 8), 5, torch.float32, device)
+    w.requires_grad_()
+    assert all(o is i for o, i in zip(linear_autocast_inputs(x, w, b), (x, w, b)))
+    assert linear_autocast_inputs(x, w)[2] is None
+    with torch.autocast(device, dtype=autocast_dtype):
+        xc, wc, bc = linear_autocast_inputs(x, w, b)
+        assert [t.dtype for t in (xc, wc, bc)] == [autocast_dtype] * 3
+        assert linear_autocast_inputs(x, w, b)[1].data_ptr() == wc.data_ptr()  # autocast's cache
+        y = linear_gelu(x, w, b)
+        x64, w64, _ = _inputs((6, 8), 5, torch.float64, device)
+        assert all(t.dtype == torch.float64 for t in linear_autocast_inputs(x64, w64)[:2])
+    assert torch.equal(y, linear_gelu(xc, wc, bc))
+    linear_gelu(xc, wc, bc).sum().backward()  # outside the region
+    assert w.grad.dtype == torch.float32
+
+
+def test_linear_autocast_inputs_under_torch_compile():
+    def f(x, w, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.linear(*linear_autocast_inputs(x, w, b))
+
+    x, w, b = _inputs((6, 8), 5, torch.float32, "cpu")
+    out = torch.compile(f, fullgraph=True)(x, w, b)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, f(x, w, b))
 
 
 def _offset_view(t, offset):
