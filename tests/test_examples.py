@@ -1,6 +1,8 @@
-"""The main job (examples/train_gpt.py) runs under torchrun and passes its own parity check."""
+"""The main job (examples/train_gpt.py) runs under torchrun and passes its own parity check,
+also when run through parallel_layers._debug."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +39,15 @@ def test_pipeline_dtype_and_bad_layout():
     r = run(1, "--microbatches", "3")
     assert r.returncode != 0
     assert "--batch-size 16 must be divisible by dp (1) * microbatches (3) = 3" in r.stderr
+
+
+def test_collective_timer_runs_the_job_from_outside():
+    # parallel_layers._debug wraps the script (the example itself times nothing): every rank
+    # reports its time in blocking collectives, and the job still passes its parity check.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "parallel_layers._debug", "--time-collectives", str(ROOT / "examples" / "train_gpt.py"),
+                        "--dp", "2", "--steps", "2"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and ": PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: \d+\.\d\d s of \d+\.\d\d s in blocking collectives", r.stdout), r.stdout
