@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import fault, placement
+from parallel_layers import placement
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
+from parallel_layers.zero import _state
 from parallel_layers.zero._group import ParamGroup
 from parallel_layers.zero._hooks import ZeROHooks
 from parallel_layers.zero._param import ShardedParam, check_dtypes
@@ -140,106 +141,31 @@ class ZeRO(LocalAccumulation, nn.Module):
             for p in g.params:
                 p.grad = None
 
-    # ---- state ----------------------------------------------------------------------------
+    # ---- state (_state.py) -----------------------------------------------------------------
     def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
         """What this rank holds of the model (parallel_layers.placement): each parameter as its
         float32 master shard, a flat element range of the (TP-local) parameter; buffers as
         the module has them. Writing into the shards must be followed by `after_load`."""
-        described = placement.describe(self.module, prefix)
-        sharded = {id(sp.full): sp for g in self.groups for sp in g.members}
-        for tp in described.tensors.values():
-            sp = sharded.get(id(tp.local))
-            if sp is None:
-                continue
-            start = sp.rank * sp.shard_numel
-            tp.pieces = placement.flat_pieces(placement.local_layout(tp.local), tuple(tp.local.shape), start,
-                                              start + sp.shard_numel)
-            tp.local = sp.shard
-        described.shard_group = self.group if self.group is not None else dist.group.WORLD
-        described.after_load.append(self._shards_replaced)
-        return described
-
-    def _shards_replaced(self) -> None:
-        """The master shards were overwritten (a checkpoint load): the full parameters follow."""
-        for g in self.groups:
-            g.drop_prefetch()
-            if g.keep_full:
-                g.refresh_full()
-            else:
-                g.reshard()
+        return _state.state_placement(self, prefix)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter gathered (a collective)."""
-        for g in self.groups:
-            g.refresh_full()
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for g in self.groups:
-            if not g.keep_full:
-                g.reshard()
-        return state
+        return _state.full_state_dict(self)
 
     def sharded_state_dict(self) -> dict:
         """This rank's shards and optimizer state (no collective): save one per rank, load it
         back with `load_sharded_state_dict` at the same world size and wrap policy."""
-        shards = {f"{g.name}/{i}": s.detach().clone() for g in self.groups for i, s in enumerate(g.shards)}
-        return {"world_size": self.groups[0].world if self.groups else 1, "rank": self.groups[0].rank
-                if self.groups else 0, "shards": shards, "optimizer": self.optimizer.state_dict()}
-
-    def _sharded_state_problem(self, state) -> str | None:
-        """Why `state` cannot be loaded on this rank, or None."""
-        keys = ("world_size", "rank", "shards", "optimizer")
-        if not isinstance(state, dict) or any(k not in state for k in keys):
-            found = list(state)[:10] if isinstance(state, dict) else type(state).__name__
-            return (f"load_sharded_state_dict expects the dict sharded_state_dict() returns, with keys {list(keys)}; "
-                    f"got {found}")
-        world = self.groups[0].world if self.groups else 1
-        if state["world_size"] != world:
-            return (f"sharded state dict was saved at world size {state['world_size']}, this ZeRO runs at {world}; "
-                    "load the full state dict instead to change the world size")
-        for g in self.groups:
-            for i, s in enumerate(g.shards):
-                key = f"{g.name}/{i}"
-                if key not in state["shards"] or state["shards"][key].shape != s.shape:
-                    return (f"sharded state dict has no shard {key!r} of shape {tuple(s.shape)}; was it saved with "
-                            "another model or wrap policy?")
-        return None
+        return _state.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state: dict) -> None:
-        # Each rank reads its own file, so a bad one may be on one rank only: agree first, so
-        # that every rank raises instead of the others waiting in the all-gather below.
-        problem = self._sharded_state_problem(state)
-        problems = [problem]
-        if self.groups and self.groups[0].world > 1:
-            problems = [None] * self.groups[0].world
-            with fault.collective("ZeRO sharded state check all_gather_object", self.group):
-                dist.all_gather_object(problems, problem, group=self.group)
-        failed = [(r, p) for r, p in enumerate(problems) if p is not None]
-        if failed:
-            raise ValueError(problem if problem is not None else
-                             "load_sharded_state_dict failed on rank(s) " + "; ".join(f"{r}: {p}" for r, p in failed))
-        for g in self.groups:
-            for i, s in enumerate(g.shards):
-                with torch.no_grad():
-                    s.copy_(state["shards"][f"{g.name}/{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._shards_replaced()
+        """Load what `sharded_state_dict` returned on this rank (a collective: every rank
+        raises if any rank's state does not fit)."""
+        _state.load_sharded_state_dict(self, state)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: full params, full grads, master shards (not counting those
         that are views of full params), shard grads, optimizer state."""
-        members = [sp for g in self.groups for sp in g.members]
-        full = sum(sp.full.untyped_storage().size() for sp in members)
-        full_grads = sum(sp.full.grad.numel() * sp.full.grad.element_size() for sp in members
-                         if sp.full.grad is not None)
-        # A master shard that is a view of its full parameter (ZeRO-1/2) costs nothing extra.
-        shards = sum(sp.shard.numel() * sp.shard.element_size() for sp in members
-                     if sp.shard.untyped_storage().data_ptr() != sp.full.untyped_storage().data_ptr())
-        shard_grads = sum(sp.shard.grad.numel() * sp.shard.grad.element_size() for sp in members
-                          if sp.shard.grad is not None)
-        opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
-                  if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"params": full, "grads": full_grads, "master_shards": shards, "shard_grads": shard_grads,
-                "optimizer_state": opt}
+        return _state.memory_bytes(self)
 
 
 __all__ = ["ZeRO"]
