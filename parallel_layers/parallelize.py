@@ -157,7 +157,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if pipelined:
         pipe = PipelineParallel(net, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
                                 data_parallel=wrapper, device=ctx.device)
-    return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe, loss_fn=loss_fn, ctx=ctx)
+    return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
+                        loss_fn=loss_fn, ctx=ctx)
 
 
 def _check_layers_hold_every_parameter(model: nn.Module, layers, name: str) -> None:
