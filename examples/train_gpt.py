@@ -9,9 +9,10 @@ A training loop over `parallel_layers.parallelize(model, ctx, ...)`, which appli
 in the order of docs/parallelism.md: TP layers (--tp), this rank's pipeline stages (--pp,
 --schedule, --microbatches, --virtual), DataParallel (--zero 0) or ZeRO (--zero 1-3; 1 is the
 default with a pipeline) over the dp axis, and the pipeline schedule. The model
-(parallel_layers.models.GPT) has a vocabulary-parallel embedding and tied head with
-vocabulary-parallel cross-entropy, attention with a fused column-parallel QKV and a
-row-parallel output projection, and a Column(GeLU) -> Row MLP. Data: byte-level tokens of a
+(parallel_layers.models.GPT) is single-device code; its plan GPT_TP_PLAN makes the embedding
+and the head tied to it vocabulary-parallel (with vocabulary-parallel cross-entropy), the
+fused QKV column-parallel and the attention output row-parallel, and the MLP Column(GeLU) ->
+Row. Data: byte-level tokens of a
 text generated from a fixed seed (nothing is downloaded), served by a DataLoader with a
 DistributedSampler keyed on the data-parallel rank, so the TP and PP peers of one replica see
 the same batch. --dtype bfloat16 runs forward and backward under autocast (float32 master
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from parallel_layers import checkpoint, init_parallel, parallelize
-from parallel_layers.models import GPT, Block, GPTConfig
+from parallel_layers.models import GPT, GPT_TP_PLAN, Block, GPTConfig
 from parallel_layers.pipeline import SCHEDULES
 
 # float32, same seed and batches: the parallel run differs from the single process only in
@@ -97,10 +98,10 @@ def batches(dataset, args, dp: int, dp_rank: int, start_step: int = 0, num_worke
 
 
 # ---- training -----------------------------------------------------------------------------
-def gpt(args, tp_group) -> GPT:
+def gpt(args) -> GPT:
     torch.manual_seed(args.seed)  # initialised on the CPU: the same weights at every layout
     return GPT(GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, heads=args.heads,
-                         layers=args.layers), tp_group=tp_group)
+                         layers=args.layers))
 
 
 def adamw(args):
@@ -111,9 +112,9 @@ def autocast(args):
     return torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
 
 
-def reference_losses(dataset, args, dp: int, solo, device: torch.device) -> list[float]:
+def reference_losses(dataset, args, dp: int, device: torch.device) -> list[float]:
     """The same training in this one process: the model unparallelized, the global batches whole."""
-    model = gpt(args, solo).to(device)
+    model = gpt(args).to(device)
     opt = adamw(args)(model.parameters())
     losses = []
     for per_rank in global_batches(dataset, args, dp):
@@ -174,12 +175,11 @@ def main():
     if args.batch_size % (dp * args.microbatches):
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp}) * microbatches "
                          f"({args.microbatches}) = {dp * args.microbatches}")
-    solo = [dist.new_group([r]) for r in range(world)][rank]  # a group of one, for the reference
     dataset = Windows(generated_text(200_000), args.seq_len)
-    model = gpt(args, ctx.tp_group)
-    par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=model.loss, zero_stage=args.zero,
-                      wrap=lambda m: isinstance(m, Block), pipeline_layers="layers", schedule=args.schedule,
-                      microbatches=args.microbatches, virtual=args.virtual)
+    model = gpt(args)
+    par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=model.loss, tp_plan=GPT_TP_PLAN,
+                      zero_stage=args.zero, wrap=lambda m: isinstance(m, Block), pipeline_layers="layers",
+                      schedule=args.schedule, microbatches=args.microbatches, virtual=args.virtual)
     # Checkpoints name tensors as the unparallelized GPT does ("layers.<i>..."), whatever the layout.
     losses, first = [], 0
     latest = checkpoint.latest_checkpoint(args.checkpoint_dir) if args.resume else None
@@ -215,7 +215,7 @@ def main():
 
     verdict = torch.zeros(1, device=ctx.device)
     if rank == 0:
-        ref_losses = reference_losses(dataset, args, dp, solo, ctx.device)
+        ref_losses = reference_losses(dataset, args, dp, ctx.device)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         tolerance = PARITY_RTOL[args.dtype]
         ok = diff <= tolerance

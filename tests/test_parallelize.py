@@ -64,17 +64,17 @@ class Plain(nn.Module):
 PLAIN_PLAN = {"layers.*.up": "column", "layers.*.down": "row"}
 
 
-def _model(kind, tp_group):
-    from parallel_layers.models import GPT, Block, GPTConfig
+def _model(kind):
+    from parallel_layers.models import GPT, GPT_TP_PLAN, Block, GPTConfig
 
     torch.manual_seed(0)
     if kind == "plain":
         return Plain(), PLAIN_PLAN, Residual
-    return GPT(GPTConfig(**CFG), tp_group=tp_group), None, Block
+    return GPT(GPTConfig(**CFG)), GPT_TP_PLAN, Block
 
 
-def _single_process(kind, solo, batch):
-    model = _model(kind, solo)[0]
+def _single_process(kind, batch):
+    model = _model(kind)[0]
     opt = _sgd(model.parameters())
     ids, targets = _data(batch)
     losses, norms = [], []
@@ -93,8 +93,7 @@ def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
     from parallel_layers.tensor_parallel import gather_full
 
     ctx = init_parallel(tp=tp, dp=dp, pp=pp, device="cpu")
-    solo = [dist.new_group([r]) for r in range(world)][rank]
-    model, plan, block = _model(kind, ctx.tp_group)
+    model, plan, block = _model(kind)
     par = parallelize(model, ctx, optimizer=_sgd, loss_fn=model.loss, tp_plan=plan, zero_stage=zero_stage,
                       wrap=lambda m: isinstance(m, block), pipeline_layers="layers", microbatches=microbatches)
     per_replica = 2 * (microbatches or 1)
@@ -114,7 +113,7 @@ def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
     state = par.module.full_state_dict() if isinstance(par.module, ZeRO) else \
         {n: t for n, t in originals.items() if id(t) in held}
     params = {n: gather_full(t, ctx.tp_group, getattr(originals[n], "tp_shard", None)) for n, t in state.items()}
-    ref_losses, ref_norms, ref_params = _single_process(kind, solo, per_replica * dp)
+    ref_losses, ref_norms, ref_params = _single_process(kind, per_replica * dp)
     assert ref_norms[0] > CLIP
     loss_diff = max(abs(a - b) / b for a, b in zip(losses + norms, ref_losses + ref_norms))
     param_diff = max(((params[n] - ref_params[n]).abs().max() / ref_params[n].abs().max()).item() for n in params)

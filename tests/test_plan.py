@@ -144,9 +144,11 @@ MEMORY_RTOL = 0.15
 
 
 def _gpt(tp_group):
-    from parallel_layers.models import GPT, GPTConfig
+    from parallel_layers import tensor_parallel
+    from parallel_layers.models import GPT, GPT_TP_PLAN, GPTConfig
 
-    return GPT(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=HIDDEN, heads=HEADS, layers=LAYERS), tp_group)
+    model = GPT(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=HIDDEN, heads=HEADS, layers=LAYERS))
+    return tensor_parallel.parallelize(model, GPT_TP_PLAN, tp_group)
 
 
 def _bytes(tensors) -> int:

@@ -1,5 +1,5 @@
-"""Small reference models built from the library's layers (examples, tests, benchmarks)."""
+"""Small reference models, single-device code with their tensor-parallel plans (examples, tests, benchmarks)."""
 
-from parallel_layers.models.gpt import GPT, Block, GPTConfig
+from parallel_layers.models.gpt import GPT, GPT_TP_PLAN, Block, GPTConfig
 
-__all__ = ["GPT", "Block", "GPTConfig"]
+__all__ = ["GPT", "GPT_TP_PLAN", "Block", "GPTConfig"]

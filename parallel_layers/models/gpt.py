@@ -1,14 +1,22 @@
-"""A small GPT from the library's layers, written as a list of layers so it can be pipelined.
+"""A small GPT, single-device model code written as a list of layers so it can be pipelined.
 
-    model = GPT(GPTConfig(vocab=256, seq_len=64, d_model=64, heads=4, layers=2), tp_group=ctx.tp_group)
-    loss = model.loss(model(ids), targets)                  # one process or tensor parallel
-    par = parallelize(model, ctx, optimizer=..., loss_fn=model.loss, pipeline_layers="layers", ...)  # any layout
+    model = GPT(GPTConfig(vocab=256, seq_len=64, d_model=64, heads=4, layers=2))
+    loss = model.loss(model(ids), targets)                  # one process, as any nn.Module
+    par = parallelize(model, ctx, tp_plan=GPT_TP_PLAN, optimizer=..., loss_fn=model.loss,
+                      pipeline_layers="layers", ...)        # any layout
 
-Layers: `Embed` (vocabulary-parallel token embedding + learned positions; ids [batch, seq] ->
-x [seq, batch, d]), `Block`s (attention with a fused column-parallel QKV and a row-parallel
-output projection; a Column(GeLU) -> Row MLP), `Head` (final norm and the logits of the head
-tied to the token embedding, split on the vocabulary: [seq, batch, vocab / tp]). The loss is
-the vocabulary-parallel cross-entropy. Initialisation does not depend on the TP size.
+Layers: `Embed` (token embedding + learned positions; ids [batch, seq] -> x [seq, batch, d]),
+`Block`s (attention with a fused QKV projection; a GeLU MLP), `Head` (final norm and the logits
+of the head tied to the token embedding: [seq, batch, vocab]). Plain nn.Embedding / nn.Linear /
+nn.LayerNorm; `GPT_TP_PLAN` makes it Megatron's tensor-parallel GPT:
+
+  layers.0.tokens  VocabParallel()  the embedding's rows split over tp; the head, which reads it
+                                    through `tied_logits` / `tied_cross_entropy`, follows: local
+                                    logits [seq, batch, vocab / tp], vocabulary-parallel loss
+  qkv              Column(fused=3)  each of q, k, v split on whole heads
+  proj, down       "row"
+  up               Column(activation="gelu_tanh")  GEMM + bias + GeLU in one kernel; the
+                                    block's own `act` becomes the identity ("fused")
 """
 
 from __future__ import annotations
@@ -20,13 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallel_layers.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_logits,
-)
+from parallel_layers.tensor_parallel.plan import Column, VocabParallel
+from parallel_layers.tensor_parallel.vocab import tied_cross_entropy, tied_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +43,11 @@ class GPTConfig:
 
 
 class Embed(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_group):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.tokens = VocabParallelEmbedding(cfg.vocab, cfg.d_model, tp_group=tp_group)
+        self.tokens = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        with torch.no_grad():  # GPT-2's 0.02 std; elementwise, so the same at every TP size
+        with torch.no_grad():  # GPT-2's 0.02 std
             self.tokens.weight.mul_(0.02)
             self.pos.weight.mul_(0.02)
 
@@ -53,47 +56,48 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, tp_group, qkv_bias: bool = True):
+    def __init__(self, d: int, heads: int, qkv_bias: bool = True):
         super().__init__()
         self.head_dim = d // heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         # The key bias's true gradient is zero (softmax ignores a per-query constant): its
         # rounding noise, normalised by Adam, differs by layout. qkv_bias=False drops it.
-        self.qkv = ColumnParallelLinear(d, 3 * d, bias=qkv_bias, fused_sizes=(d, d, d), tp_group=tp_group)
-        self.proj = RowParallelLinear(d, d, tp_group=tp_group)
-        self.up = ColumnParallelLinear(d, 4 * d, activation="gelu_tanh", tp_group=tp_group)
-        self.down = RowParallelLinear(4 * d, d, tp_group=tp_group)
+        self.qkv = nn.Linear(d, 3 * d, bias=qkv_bias)  # [q; k; v]
+        self.proj = nn.Linear(d, d)
+        self.up = nn.Linear(d, 4 * d)
+        self.act = nn.GELU(approximate="tanh")
+        self.down = nn.Linear(4 * d, d)
 
     def forward(self, x: Tensor) -> Tensor:  # [seq, batch, d]
         s, b, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads / tp of them
         q, k, v = (t.reshape(s, b, -1, self.head_dim).permute(1, 2, 0, 3) for t in self.qkv(self.ln1(x)).chunk(3, -1))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
         x = x + self.proj(attn)
-        return x + self.down(self.up(self.ln2(x)))
+        return x + self.down(self.act(self.up(self.ln2(x))))
 
 
 class Head(nn.Module):
-    def __init__(self, d: int, tokens: VocabParallelEmbedding):
+    def __init__(self, d: int, tokens: nn.Embedding):
         super().__init__()
         self.ln_f = nn.LayerNorm(d)
         self.tokens = tokens  # tied: the same module (and weight) as the embedding's
 
-    def forward(self, x: Tensor) -> Tensor:  # [seq, batch, d] -> local logits [seq, batch, vocab / tp]
-        return vocab_parallel_logits(self.ln_f(x), self.tokens)
+    def forward(self, x: Tensor) -> Tensor:  # [seq, batch, d] -> logits [seq, batch, vocab (/ tp)]
+        return tied_logits(self.ln_f(x), self.tokens)
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:  # targets [batch, seq]
-        return vocab_parallel_cross_entropy(logits, targets.transpose(0, 1), self.tokens)
+        return tied_cross_entropy(logits, targets.transpose(0, 1), self.tokens)
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_group=None):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.d_model % cfg.heads:
             raise ValueError(f"d_model ({cfg.d_model}) must be divisible by heads ({cfg.heads})")
         self.cfg = cfg
-        embed = Embed(cfg, tp_group)
-        self.layers = nn.ModuleList([embed] + [Block(cfg.d_model, cfg.heads, tp_group, cfg.qkv_bias)
-                                               for _ in range(cfg.layers)]
+        embed = Embed(cfg)
+        self.layers = nn.ModuleList([embed] + [Block(cfg.d_model, cfg.heads, cfg.qkv_bias) for _ in range(cfg.layers)]
                                     + [Head(cfg.d_model, embed.tokens)])
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -104,3 +108,14 @@ class GPT(nn.Module):
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         return self.layers[-1].loss(logits, targets)
+
+
+# The tensor-parallel plan of the GPT above, for `parallelize(model, ctx, tp_plan=GPT_TP_PLAN)`.
+GPT_TP_PLAN = {
+    "layers.0.tokens": VocabParallel(),  # and the head tied to it
+    "layers.*.qkv": Column(fused=3),
+    "layers.*.proj": "row",
+    "layers.*.up": Column(activation="gelu_tanh"),
+    "layers.*.act": "fused",  # applied by `up` above
+    "layers.*.down": "row",
+}

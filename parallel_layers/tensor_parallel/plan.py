@@ -15,6 +15,15 @@ Keys are fnmatch patterns over module names (`model.named_modules()`); every pat
 match at least one module. Values are "column", "row", or Column(...) / Row(...) for
 options. Supported modules: nn.Linear and Hugging Face's Conv1D (GPT-2's, weight [in, out]).
 
+VocabParallel() on an nn.Embedding makes it a VocabParallelEmbedding (rows split over tp),
+replacing the module wherever the model holds it: a head tied to it that reads it through
+`tied_logits` / `tied_cross_entropy` (tensor_parallel/vocab.py) stays tied and computes
+vocabulary-parallel logits and loss (Note [vocab-parallel head] there).
+
+Column(activation="gelu_tanh") applies the GeLU in the layer's fused GEMM + bias + GeLU kernel;
+the model's own activation module after it (an nn.GELU with the same approximation, in the same
+parent) is then named "fused" in the plan and becomes the identity.
+
 Fused projections: Column(fused=k) splits the weight into k equal logical sub-matrices
 (e.g. Q, K, V) and shards each one, so rank r computes [q_r, k_r, v_r]; Column(fused=(a, b))
 gives unequal sizes. A naive split of a fused weight would be silently wrong.
@@ -43,6 +52,7 @@ import torch.nn as nn
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +67,16 @@ class Row:
     input_is_parallel: bool = True
 
 
-_STYLES = {"column": Column(), "row": Row()}
+@dataclasses.dataclass(frozen=True)
+class VocabParallel:
+    """An nn.Embedding split on its rows (the vocabulary), with the head tied to it."""
+
+    sequence_parallel: bool = False
+
+
+_FUSED = "fused"  # an activation module applied by the Column(activation=...) before it
+_STYLES = {"column": Column(), "row": Row(), "vocab_parallel": VocabParallel()}
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 # Note [published plans]: Hugging Face configs publish `base_model_tp_plan` (keys relative to
 # the base model, whose attribute name is `model.base_model_prefix`); a model instance's
@@ -186,24 +205,33 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
                         f"{{'layers.*.fc1': 'column'}}), got {type(plan).__name__}")
     tp = comm.group_size(tp_group)
     modules = dict(model.named_modules())
-    targets: dict[str, Column | Row] = {}
+    targets: dict[str, Column | Row | VocabParallel | str] = {}
     for pattern, style in plan.items():
         spec = (_STYLES.get(style) or HF_STYLES.get(style, style)) if isinstance(style, str) else style
-        if not isinstance(spec, (Column, Row)):
-            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', Column(...) or Row(...), "
-                             f"or a Hugging Face style: {sorted(HF_STYLES)}")
+        if not isinstance(spec, (Column, Row, VocabParallel)) and spec != _FUSED:
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', Column(...), Row(...), "
+                             f"VocabParallel(...) or 'fused', or a Hugging Face style: {sorted(HF_STYLES)}")
         matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not matched:
             raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}")
         for name in matched:
             targets[name] = spec
+    for name, spec in targets.items():  # checked before any module is replaced
+        if spec == _FUSED:
+            _check_fused_activation(model, name, modules[name], targets)
     fixed_parents: set = set()
     for name, spec in targets.items():
         module = modules[name]
-        weight, bias = _as_linear_weights(module)
-        out_features, in_features = weight.shape
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
+        if spec == _FUSED:  # the Column(activation=...) beside it applies it
+            setattr(parent, child, nn.Identity())
+            continue
+        if isinstance(spec, VocabParallel):
+            _convert_embedding(model, name, module, spec, tp_group)
+            continue
+        weight, bias = _as_linear_weights(module)
+        out_features, in_features = weight.shape
         if isinstance(spec, Column):
             fused = _fused_sizes(spec.fused, out_features, name)
             _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)
@@ -216,3 +244,29 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         setattr(parent, child, layer)
     return model
 
+
+def _convert_embedding(model: nn.Module, name: str, module: nn.Module, spec: VocabParallel, tp_group) -> None:
+    """VocabParallel(): replace the embedding wherever the model holds it (a tied head holds it too)."""
+    if not isinstance(module, nn.Embedding):
+        raise TypeError(f"parallelize: VocabParallel() needs an nn.Embedding, but {name} is {type(module).__name__}")
+    if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        raise ValueError(f"parallelize: VocabParallel() supports nn.Embedding without max_norm, scale_grad_by_freq "
+                         f"and sparse; {name} sets one of them")
+    layer = VocabParallelEmbedding.from_embedding(module, sequence_parallel=spec.sequence_parallel, tp_group=tp_group)
+    for parent in model.modules():
+        for child, m in list(parent.named_children()):
+            if m is module:
+                setattr(parent, child, layer)
+
+
+def _check_fused_activation(model: nn.Module, name: str, module: nn.Module, targets: dict) -> None:
+    """"fused" names an nn.GELU that a Column(activation=...) in the same parent applies."""
+    parent_name, _, _ = name.rpartition(".")
+    approximate = getattr(module, "approximate", None)
+    fused_by = [n for n, spec in targets.items() if n.rpartition(".")[0] == parent_name and isinstance(spec, Column)
+                and _GELU_APPROXIMATE.get(spec.activation) == approximate]
+    if not isinstance(module, nn.GELU) or not fused_by:
+        raise ValueError(f"parallelize: plan names {name} ({type(module).__name__}) 'fused', but "
+                         f"{parent_name or type(model).__name__} has no Column(activation=...) layer that applies it; "
+                         "'fused' is for an nn.GELU whose approximation a sibling Column(activation='gelu' or "
+                         "'gelu_tanh') applies")

@@ -11,6 +11,10 @@ selected) and split on dim 0: rank r holds rows [r * V_r, (r + 1) * V_r), V_r = 
   vocab_parallel_cross_entropy  local logits + global targets -> loss, never gathering the
                              [..., V] logits: 1 all-reduce (max) and 1 all-reduce (sum of
                              exp, target logit) forward; backward is local.
+  tied_logits, tied_cross_entropy  what single-device model code calls for a head tied to its
+                             nn.Embedding: F.linear and F.cross_entropy, until a plan's
+                             VocabParallel() makes the embedding a VocabParallelEmbedding;
+                             then the two above (Note [vocab-parallel head]).
 """
 
 from __future__ import annotations
@@ -173,3 +177,28 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum().clamp_min(1)
+
+
+# Note [vocab-parallel head]: a head tied to the input embedding reads the embedding module
+# itself (not a copy of its weight) through `tied_logits` / `tied_cross_entropy`. The plan style
+# VocabParallel() replaces that one module everywhere the model holds it, so the head and the
+# embedding stay tied (one parameter; under a pipeline, PipelineStages' Note [tied parameters]),
+# and the head's logits and loss become vocabulary-parallel with no change to the model code.
+def tied_logits(hidden: Tensor, embedding: nn.Module) -> Tensor:
+    """Logits of a head tied to `embedding`: [..., D] -> [..., V], or the local [..., V_r] when
+    `embedding` is a VocabParallelEmbedding (Note [vocab-parallel head])."""
+    if isinstance(embedding, VocabParallelEmbedding):
+        return vocab_parallel_logits(hidden, embedding)
+    return F.linear(hidden, embedding.weight)
+
+
+def tied_cross_entropy(logits: Tensor, target: Tensor, embedding: nn.Module, *, ignore_index: int = -100,
+                       reduction: str = "mean") -> Tensor:
+    """Cross-entropy of `tied_logits`' output against global targets [...]: F.cross_entropy (in
+    float32, as the vocabulary-parallel one computes), or `vocab_parallel_cross_entropy` when
+    `embedding` is a VocabParallelEmbedding (Note [vocab-parallel head])."""
+    if isinstance(embedding, VocabParallelEmbedding):
+        return vocab_parallel_cross_entropy(logits, target, embedding, ignore_index=ignore_index, reduction=reduction)
+    loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), ignore_index=ignore_index,
+                           reduction=reduction)
+    return loss.reshape(target.shape) if reduction == "none" else loss

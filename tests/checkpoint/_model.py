@@ -14,27 +14,29 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import DataParallel, ZeRO, init_parallel
-from parallel_layers.models import GPT, Block, GPTConfig
-from parallel_layers.tensor_parallel import gather_full, vocab_parallel_cross_entropy
+from parallel_layers import DataParallel, ZeRO, init_parallel, tensor_parallel
+from parallel_layers.models import GPT, GPT_TP_PLAN, Block, GPTConfig
+from parallel_layers.tensor_parallel import gather_full, tied_cross_entropy
 
 VOCAB, SEQ, D, HEADS, LAYERS, BATCH = 37, 6, 10, 2, 2, 8
 
 
 class TinyGPT(GPT):
     """parallel_layers.models.GPT at these sizes, without QKV bias (its key bias's zero gradient
-    makes Adam amplify rounding noise differently per layout), returning per-token losses."""
+    makes Adam amplify rounding noise differently per layout), returning per-token losses;
+    with a tp_group, converted by GPT_TP_PLAN."""
 
     def __init__(self, tp_group=None):
-        super().__init__(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=D, heads=HEADS, layers=LAYERS, qkv_bias=False),
-                         tp_group)
+        super().__init__(GPTConfig(vocab=VOCAB, seq_len=SEQ, d_model=D, heads=HEADS, layers=LAYERS, qkv_bias=False))
+        if tp_group is not None:
+            tensor_parallel.parallelize(self, GPT_TP_PLAN, tp_group)
 
     def forward(self, ids, targets):  # -> per-token losses [seq, batch]
         return token_losses(super().forward(ids), targets, self.layers[-1].tokens)
 
 
 def token_losses(logits, targets, tokens):
-    return vocab_parallel_cross_entropy(logits, targets.transpose(0, 1), tokens, reduction="none")
+    return tied_cross_entropy(logits, targets.transpose(0, 1), tokens, reduction="none")
 
 
 def batch(step: int, rows: int = BATCH):

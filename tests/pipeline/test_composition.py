@@ -19,11 +19,11 @@ def _data(batch):
     return ids[..., :-1], ids[..., 1:]
 
 
-def _single_process(solo, batch, clip=None):
+def _single_process(batch, clip=None):
     from parallel_layers.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG), tp_group=solo)
+    model = GPT(GPTConfig(**CFG))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, norms = [], []
     ids, targets = _data(batch)
@@ -39,14 +39,13 @@ def _single_process(solo, batch, clip=None):
 
 
 def _gpt_pipeline(rank, world, tp, pp, dp, schedule, microbatches, wrapper, clip):
-    from parallel_layers import DataParallel, ZeRO, init_parallel
-    from parallel_layers.models import GPT, Block, GPTConfig
+    from parallel_layers import DataParallel, ZeRO, init_parallel, tensor_parallel
+    from parallel_layers.models import GPT, GPT_TP_PLAN, Block, GPTConfig
     from parallel_layers.pipeline import PipelineParallel, PipelineStages
 
     ctx = init_parallel(tp=tp, pp=pp, dp=dp)
-    solo = [dist.new_group([r]) for r in range(world)][rank]
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG), tp_group=ctx.tp_group)
+    model = tensor_parallel.parallelize(GPT(GPTConfig(**CFG)), GPT_TP_PLAN, ctx.tp_group)
     stages = PipelineStages(model.layers, group=ctx.pp_group, virtual=2 if schedule == "interleaved" else 1)
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:
@@ -74,7 +73,7 @@ def _gpt_pipeline(rank, world, tp, pp, dp, schedule, microbatches, wrapper, clip
         zero_grad()
         dist.all_reduce(loss, group=ctx.dp_group)
         losses.append(loss.item() / dp)
-    ref_losses, ref_norms, _ = _single_process(solo, batch, clip)
+    ref_losses, ref_norms, _ = _single_process(batch, clip)
     return max(abs(a - b) / b for a, b in zip(losses, ref_losses)), norms, ref_norms, warned
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers.tensor_parallel import Column, gather_full, parallelize
+from parallel_layers.tensor_parallel import Column, VocabParallel, gather_full, parallelize
 from tests.dist_harness import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -163,5 +163,23 @@ def test_refuses_plans_that_would_be_wrong_on_every_rank():
 
 
 def test_bad_style():
-    with pytest.raises(ValueError, match="use 'column', 'row', Column\\(...\\) or Row\\(...\\), or a Hugging Face style"):
+    with pytest.raises(ValueError, match="use 'column', 'row', Column\\(...\\), Row\\(...\\), VocabParallel\\(...\\) "
+                                         "or 'fused', or a Hugging Face style"):
         parallelize(nn.Sequential(nn.Linear(2, 2)), {"0": "diagonal"})
+
+
+def test_vocab_parallel_needs_an_embedding():
+    with pytest.raises(TypeError, match="VocabParallel\\(\\) needs an nn.Embedding, but 0 is Linear"):
+        parallelize(nn.Sequential(nn.Linear(2, 2)), {"0": VocabParallel()})
+
+
+def test_fused_needs_a_column_that_applies_it():
+    model = nn.Sequential(nn.Linear(2, 4), nn.GELU(approximate="tanh"), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="plan names 1 \\(GELU\\) 'fused', but Sequential has no "
+                                         "Column\\(activation=...\\) layer that applies it"):
+        parallelize(model, {"0": "column", "1": "fused", "2": "row"})
+    # an exact-GeLU Column does not apply a tanh GeLU
+    with pytest.raises(ValueError, match="plan names 1 \\(GELU\\) 'fused'"):
+        parallelize(copy.deepcopy(model), {"0": Column(activation="gelu"), "1": "fused", "2": "row"})
+    converted = parallelize(copy.deepcopy(model), {"0": Column(activation="gelu_tanh"), "1": "fused", "2": "row"})
+    assert isinstance(converted[1], nn.Identity)
