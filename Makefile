@@ -2,9 +2,10 @@
 #
 #   make test        venv + pinned deps, build the extension (CUDA kernels when nvcc is found),
 #                    C++ tests (ctest), Python tests (pytest)
-#   make demo        venv + build, then the main job: a GPT trained on 4 local processes
+#   make demo        venv + build, then the main jobs: a GPT trained on 4 local processes
 #                    (dp=2 x tp=2, ZeRO-1; torchrun, gloo), then on 8 (dp=2 x tp=2 x pp=2,
-#                    1F1B), each checked against one process
+#                    1F1B), each checked against one process; a Hugging Face Llama fine-tuned
+#                    at dp=2 x tp=2 ZeRO-3 (examples/finetune_hf.py), checked, exported, reloaded
 #   make wheel       dist/parallel_layers-*.whl
 #   make info        python -m parallel_layers.info
 #   make test-cpu-torch   build + test against the CPU-only torch 2.13.0 wheel in .venv-cpu
@@ -47,6 +48,8 @@ demo: build
 		examples/train_gpt.py --dp 2 --tp 2 --zero 1 --steps 60
 	PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 8 \
 		examples/train_gpt.py --dp 2 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 30
+	PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \
+		examples/finetune_hf.py --dp 2 --tp 2 --zero 3 --steps 10
 
 wheel: $(STAMP)
 	$(PY) -m pip wheel --no-build-isolation --no-deps --wheel-dir dist .

@@ -1,5 +1,5 @@
-"""The main job (examples/train_gpt.py) runs under torchrun and passes its own parity check,
-also when run through parallel_layers._debug."""
+"""The main jobs (examples/train_gpt.py, examples/finetune_hf.py) run under torchrun and pass
+their own parity checks, train_gpt also when run through parallel_layers._debug."""
 
 import os
 import re
@@ -51,3 +51,18 @@ def test_collective_timer_runs_the_job_from_outside():
     assert r.returncode == 0 and ": PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: \d+\.\d\d s of \d+\.\d\d s in blocking collectives", r.stdout), r.stdout
+
+
+def test_finetune_hf_parity_and_export(tmp_path):
+    # The Hugging Face job: a Llama made from a config, the published plan at tp=2 with ZeRO-3
+    # over dp=2; both checks (losses vs plain transformers, the export reloaded) pass.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                        str(ROOT / "examples" / "finetune_hf.py"), "--tp", "2", "--dp", "2", "--zero", "3",
+                        "--steps", "3", "--work-dir", str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "layout: dp=2 x tp=2 on 4 process(es), ZeRO-3, plan: the published one" in r.stdout
+    assert re.search(r"parity vs plain transformers: .*: PASS", r.stdout), r.stdout
+    assert re.search(r"export .* reloaded by from_pretrained: .*: PASS", r.stdout), r.stdout
+    assert (tmp_path / "export" / "config.json").exists() and (tmp_path / "checkpoints" / "step_3").is_dir()
