@@ -1,0 +1,123 @@
+"""The planner's Hugging Face config input (parallel_layers.plan.hf_config_spec): config.json
+files written by transformers for Llama, Qwen2, Mistral and GPT-2 are parsed as JSON, and the
+parameter count from the shape equals sum(p.numel()) of the model transformers builds from the
+same config (on the meta device: no memory, no weights)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from parallel_layers import plan
+from parallel_layers.plan import GB, ClusterSpec, ModelSpec, TrainSpec, recommend
+
+transformers = pytest.importorskip("transformers")
+
+# Small widths keep building the meta models fast; each config sets the fields that change the
+# count (GQA, explicit head_dim, biases, tied or untied head, n_inner None or set).
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                                              num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
+    "llama-biases-tied": lambda: transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=640, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=1000, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    "llama-head-dim": lambda: transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                                       num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                                       vocab_size=1000),
+    "qwen2": lambda: transformers.Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=3,
+                                              num_attention_heads=8, num_key_value_heads=2, vocab_size=1500),
+    "qwen2-tied": lambda: transformers.Qwen2Config(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1500,
+                                                   tie_word_embeddings=True),
+    "mistral": lambda: transformers.MistralConfig(hidden_size=256, intermediate_size=896, num_hidden_layers=3,
+                                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
+    "gpt2": lambda: transformers.GPT2Config(n_embd=192, n_layer=3, n_head=6, vocab_size=1000, n_positions=512),
+    "gpt2-n-inner": lambda: transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_inner=320, vocab_size=1000,
+                                                    n_positions=256),
+}
+
+
+def _meta_param_count(config) -> int:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # a tied head is one Parameter, counted once
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_param_count_equals_the_real_model(name, tmp_path):
+    config = CONFIGS[name]()
+    config.save_pretrained(tmp_path)  # the directory form; the file form is tested below
+    spec = ModelSpec.from_hf_config(tmp_path, seq=128)
+    assert spec.params == _meta_param_count(config)
+    assert spec.name == config.model_type
+
+
+def test_parsed_shape(tmp_path):
+    llama = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                                     num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
+    llama.to_json_file(tmp_path / "llama.json")
+    s = ModelSpec.from_hf_config(tmp_path / "llama.json", seq=512)
+    assert (s.layers, s.hidden, s.n_heads, s.n_kv_heads, s.d_head, s.ffn_width, s.vocab, s.seq) == (
+        3, 256, 8, 2, 32, 688, 1000, 512)
+    assert (s.mlp, s.tied, s.positions, s.dropout) == ("swiglu", False, 0, False)
+    gpt2 = ModelSpec.from_hf_config(transformers.GPT2Config(n_embd=192, n_layer=3, n_head=6).to_dict(), seq=1024)
+    assert (gpt2.ffn_width, gpt2.mlp, gpt2.tied, gpt2.positions, gpt2.dropout) == (4 * 192, "gelu", True, 1024, True)
+
+
+def test_a_real_size_config():
+    """Mistral-7B's shape (32 layers, hidden 4096, 32 heads, 8 kv heads, SwiGLU 14336, vocab
+    32000, untied head), at full size: the count does not drift with the widths."""
+    config = transformers.MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+    spec = ModelSpec.from_hf_config(config.to_dict(), seq=4096)
+    assert spec.params == _meta_param_count(config) == 7_241_732_096
+
+
+def test_gqa_and_swiglu_change_the_estimates():
+    """Grouped-query attention shrinks K and V (activations), SwiGLU's third matrix adds params."""
+    base = dict(params=None, layers=8, hidden=1024, seq=2048, heads=16, vocab=32000, ffn=2816)
+    mha, gqa = ModelSpec(**base, mlp="swiglu"), ModelSpec(**base, mlp="swiglu", kv_heads=4)
+    gelu = ModelSpec(**base)
+    train = TrainSpec(flash_attention=True)
+    h, kv_width = 1024, 4 * 64
+    assert mha.params - gqa.params == 8 * 2 * h * (h - kv_width)
+    assert mha.params - gelu.params == 8 * h * 2816
+    diff = (plan.activation_bytes(mha, train, 1, 2048, 1, head=False)
+            - plan.activation_bytes(gqa, train, 1, 2048, 1, head=False))
+    assert diff == 2048 * 2 * 2 * (h - kv_width)  # K and V, 2 bytes each, per token
+
+
+def test_cli_reads_a_model_directory(tmp_path, capsys):
+    CONFIGS["llama"]().save_pretrained(tmp_path)
+    plan.main(["--hf-config", str(tmp_path), "--seq", "512", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "h100"])
+    out = capsys.readouterr().out
+    spec = ModelSpec.from_hf_config(tmp_path, seq=512)
+    assert f"model: llama, {spec.params / 1e9:.2f}B params, 3 layers, hidden 256, 8 heads (2 kv, head dim 32)" in out
+    assert "swiglu ffn 688, vocab 1000 (untied head)" in out
+    best, _ = recommend(spec, ClusterSpec.preset("h100", 8), TrainSpec())
+    assert f"recommended: {best.layout}," in out
+
+
+def test_errors_name_the_values(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"the directory '{tmp_path}' has no config.json")):
+        ModelSpec.from_hf_config(tmp_path, seq=128)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
+    with pytest.raises(ValueError, match=re.escape("model_type 'bert' is not supported by the planner; supported: "
+                                                   "['gpt2', 'llama', 'mistral', 'qwen2']")):
+        ModelSpec.from_hf_config(tmp_path, seq=128)
+    with pytest.raises(ValueError, match=re.escape("lacks 'num_hidden_layers'")):
+        ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64}, seq=128)
+    with pytest.raises(ValueError, match=re.escape("seq 2048 > the model's 1024 learned positions (gpt2")):
+        ModelSpec.from_hf_config(transformers.GPT2Config().to_dict(), seq=2048)
+    with pytest.raises(SystemExit):
+        plan.main(["--hf-config", str(tmp_path), "--layers", "4", "--seq", "128", "--gpus", "8",
+                   "--gpus-per-node", "8", "--gpu", "h100"])
+    assert "--hf-config gives the model's shape; drop ['--layers']" in capsys.readouterr().err
+
+
+def test_tp_must_divide_the_kv_heads():
+    model = ModelSpec(None, 4, 1024, 1024, heads=16, kv_heads=2, mlp="swiglu", ffn=2816)
+    best, rejected = recommend(model, ClusterSpec(8, 8, 80 * GB), TrainSpec(global_batch=64))
+    tp8 = [e for e in rejected if e.layout.tp == 8]
+    assert tp8 and all(e.reason.startswith("kv heads 2 not divisible by tp=8") for e in tp8)
