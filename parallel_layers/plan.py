@@ -580,8 +580,9 @@ def _structural_reason(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
 
 
 def _microbatch_choices(per_replica: int, pp: int, micro_batch: int | None = None) -> list[int]:
-    """Microbatch counts to try, best first: for pp > 1 the fewest >= 4p (big microbatches,
-    small bubble), then fewer down to p; for pp = 1 the fewest (no accumulation) first."""
+    """Microbatch counts to try: for pp > 1 those >= 4p (fewest first), then fewer down to p;
+    for pp = 1 the fewest (no accumulation) first. `_best_of_layout` takes the fastest that fits
+    among the first group, ties to fewer (larger microbatches: GEMM efficiency, not modelled)."""
     if micro_batch:
         return [per_replica // micro_batch] if per_replica // micro_batch >= pp else []
     divs = [m for m in range(1, per_replica + 1) if per_replica % m == 0 and m >= pp]
@@ -769,6 +770,25 @@ def recommend(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec = TrainSp
             raise AssertionError(f"{e.layout} was neither recommended nor given a reason")
     rejected = sorted((e for e in all_ if e is not best), key=lambda e: (_rank_of(e.reason), e.step_time))
     return best, rejected
+
+
+def launch_args(e: Estimate, train: TrainSpec) -> dict:
+    """How to run a layout with this library: `init_parallel`'s and `parallelize`'s keyword
+    arguments (what a `--verify` run of the top candidates passes), and under "unsupported" what
+    of the layout parallel_layers cannot run yet (then the layout cannot be verified here)."""
+    lay = e.layout
+    unsupported = [f"context parallel cp={lay.cp}"] if lay.cp > 1 else []
+    unsupported += ["optimizer offload through parallelize"] if lay.offload else []
+    return {
+        "init_parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
+        "parallelize": {"zero_stage": lay.zero, "microbatches": lay.microbatches,
+                        "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
+                        "virtual": lay.virtual if lay.virtual > 1 else None,
+                        "activation_checkpointing": None if lay.recompute == "none" else lay.recompute,
+                        "sequence_parallel": bool(train.sequence_parallel and lay.tp > 1)},
+        "micro_batch": e.micro_batch,
+        "unsupported": unsupported,
+    }
 
 
 # (leading words of a reason, the rule it names): the order of the rejected list, closest first.

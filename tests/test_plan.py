@@ -368,3 +368,18 @@ def test_recommend_stays_fast():
     start = time.perf_counter()
     best, rejected = recommend(model, ClusterSpec.preset("h100", 16384), TrainSpec(2048, flash_attention=True))
     assert best is not None and time.perf_counter() - start < 2.0
+
+
+def test_launch_args_describe_how_to_run_a_layout():
+    """The bridge to a run (issue 18's --verify): init_parallel's mesh, parallelize's options, and
+    what the library cannot run yet."""
+    model = ModelSpec(None, 32, 4096, 2048, heads=32, vocab=32000)
+    train = TrainSpec(global_batch=64)
+    e = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), train, Layout(2, 4, 4, 1, 16, virtual=2, recompute="full"))
+    args = plan.launch_args(e, train)
+    assert args["init_parallel"] == {"tp": 4, "pp": 4, "dp": 2}
+    assert args["parallelize"] == {"zero_stage": 1, "microbatches": 16, "schedule": "interleaved", "virtual": 2,
+                                   "activation_checkpointing": "full", "sequence_parallel": True}
+    assert args["micro_batch"] == 2 and args["unsupported"] == []
+    cp = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), train, Layout(2, 4, 1, 1, 16, cp=4, offload=True))
+    assert plan.launch_args(cp, train)["unsupported"] == ["context parallel cp=4", "optimizer offload through parallelize"]
