@@ -127,8 +127,10 @@ class ModelSpec:
         elif self.params <= 0:
             raise ValueError(f"ModelSpec.params must be positive, got {self.params!r}")
         if self.params <= self.embedding_params:
-            raise ValueError(f"params {self.params:.3g} <= the embedding alone (vocab {self.vocab} * hidden "
-                             f"{self.hidden} = {self.embedding_params:.3g}); check --params and --vocab")
+            parts = (f"vocab {self.vocab} * hidden {self.hidden}" + ("" if self.tied else " * 2 (untied head)")
+                     + (f" + positions {self.positions} * hidden" if self.positions else ""))
+            raise ValueError(f"params {self.params:.3g} <= the embedding alone ({parts} = {self.embedding_params:.3g}); "
+                             "check --params and --vocab")
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike | dict, seq: int) -> ModelSpec:
