@@ -25,10 +25,12 @@ from parallel_layers.checkpoint._dist import broadcast, describe_error, rank_wor
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside wrappers (ZeRO, DataParallel, DDP)."""
+    """The transformers model inside wrappers (ZeRO, DataParallel, DDP, PipelineStages)."""
     seen = model
     while not hasattr(seen, "config") and hasattr(seen, "module"):
         seen = seen.module
+    if getattr(seen, "named_after", None) is not None:  # the stages of pipeline_layers="auto" (pipeline/hf.py)
+        seen = seen.named_after
     if not hasattr(seen, "config") or not hasattr(seen, "save_pretrained"):
         raise TypeError(f"hf.save_pretrained needs a transformers model (with .config), possibly wrapped by ZeRO or "
                         f"DataParallel; got {type(model).__name__}")

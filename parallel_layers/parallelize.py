@@ -38,6 +38,11 @@ A pipeline runs when pp > 1 or microbatches > 1 (at pp = 1 the schedule accumula
 over the microbatches). Its layers are `model.<pipeline_layers>`, a sequence of modules that
 each take one tensor and return one; it must hold every parameter of the model, so that a
 checkpoint of the stages names tensors as the unparallelized model does (`prefix`).
+`pipeline_layers="auto"` cuts an unmodified Hugging Face causal LM (Llama, Mistral, Qwen2/3,
+GPT-2) into its own modules: embedding, each decoder layer, final norm + head
+(parallel_layers/pipeline/hf.py, Note [hf pipeline layers]); its tensors keep the Hugging Face
+names (`prefix` ""), and it always runs as a pipeline, even at pp = 1 with one microbatch,
+because the model's own forward returns a ModelOutput, not the logits that `loss_fn` takes.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.parallel_dims import ParallelContext
 from parallel_layers.pipeline import PipelineParallel, PipelineStages
+from parallel_layers.pipeline import hf as hf_pipeline
 from parallel_layers.tensor_parallel import plan as tp_plan_module
 from parallel_layers.zero import ZeRO
 
@@ -113,7 +119,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     `tensor_parallel.parallelize`; "auto": the plan a Hugging Face model publishes; None: no
     conversion (the model is used as built). zero_stage: 0 for DataParallel replicas,
     1-3 for ZeRO over dp; wrap: ZeRO's parameter groups. pipeline_layers: name of the model's
-    attribute holding its layer list (dotted); schedule, microbatches (default 2 * pp with a
+    attribute holding its layer list (dotted), or "auto" for a Hugging Face causal LM (with
+    loss_fn=parallel_layers.pipeline.hf.causal_lm_loss); schedule, microbatches (default 2 * pp with a
     pipeline, else 1), virtual stages per rank (default 2 for "interleaved", else 1) and
     split_points are those of PipelineStages / PipelineParallel.
     """
@@ -126,7 +133,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     pp = ctx.dims.pp
     microbatches = microbatches if microbatches is not None else (2 * pp if pp > 1 else 1)
     virtual = virtual if virtual is not None else (2 if schedule == "interleaved" else 1)
-    pipelined = pp > 1 or microbatches > 1
+    pipelined = pp > 1 or microbatches > 1 or pipeline_layers == "auto"
     if pipelined and pipeline_layers is None:
         raise ValueError(f"a pipeline (pp={pp}, microbatches={microbatches}) needs pipeline_layers=, the name of the "
                          "model's attribute holding its list of layers (e.g. 'layers')")
@@ -141,10 +148,14 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     model.to(ctx.device)
     net, prefix = model, ""
     if pipelined:
-        layers = operator.attrgetter(pipeline_layers)(model)
+        if pipeline_layers == "auto":  # a Hugging Face decoder's own modules, under its own names
+            layers, named_after = hf_pipeline.decoder_layers(model), model
+        else:
+            layers, named_after = operator.attrgetter(pipeline_layers)(model), None
         _check_layers_hold_every_parameter(model, layers, pipeline_layers)
-        net = PipelineStages(layers, group=ctx.pp_group, virtual=virtual, split_points=split_points)
-        prefix = pipeline_layers + "."
+        net = PipelineStages(layers, group=ctx.pp_group, virtual=virtual, split_points=split_points,
+                             named_after=named_after)
+        prefix = "" if named_after is not None else pipeline_layers + "."
     # 4. data parallelism over the dp axis
     if zero_stage:
         wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=wrap)

@@ -5,6 +5,8 @@
   stages.py    PipelineStages: split a layer list (balanced or at given points), tied weights
   _p2p.py      one batch_isend_irecv per schedule batch, with the stage boundary contract
   runtime.py   PipelineParallel: run a step's actions, reduce gradients once at the end
+  hf.py        decoder_layers(model): an unmodified Hugging Face causal LM's own modules as the
+               layer list (pipeline_layers="auto" of parallelize), and its causal_lm_loss
 """
 
 from parallel_layers.pipeline.runtime import PipelineParallel

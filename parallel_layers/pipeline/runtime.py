@@ -37,7 +37,7 @@ from torch import Tensor
 
 from parallel_layers import fault
 from parallel_layers.grad_norm import clip_grad_norm_
-from parallel_layers.pipeline._p2p import _HEADER, Messenger, signature
+from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
 from parallel_layers.pipeline.schedule import BATCH, FORWARD, RECV_B, RECV_F, SEND_F, build_schedule, check_arguments
 from parallel_layers.pipeline.stages import PipelineStages
 
@@ -76,9 +76,12 @@ class PipelineParallel:
     def _check_batch(self, inputs: Tensor | None, targets: Tensor | None) -> tuple:
         """Every pipeline rank learns both batch sizes and raises the same error on a bad one;
         returns the inputs' signature (Note [stage boundary contract] in _p2p.py)."""
-        mine = torch.tensor([inputs.shape[0] if inputs is not None else -1,
-                             targets.shape[0] if targets is not None else -1] + signature(inputs),
-                            dtype=torch.int64, device=self.device)
+        # Something other than a tensor (a tokenizer's BatchEncoding, a dict with an attention
+        # mask) is sent as size -2, so that every rank refuses it together.
+        not_tensor = [x is not None and not isinstance(x, Tensor) for x in (inputs, targets)]
+        mine = torch.tensor([-2 if not_tensor[0] else inputs.shape[0] if inputs is not None else -1,
+                             -2 if not_tensor[1] else targets.shape[0] if targets is not None else -1] +
+                            signature(inputs if not not_tensor[0] else None), dtype=torch.int64, device=self.device)
         sizes = [mine]
         if self.ranks > 1:
             sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
@@ -87,6 +90,10 @@ class PipelineParallel:
         sizes = [t.tolist() for t in sizes]
         n_in, n_tgt = sizes[0][0], sizes[self.last_rank][1]
         m = self.microbatches
+        if n_in == -2 or n_tgt == -2:
+            raise TypeError(f"pipeline step needs its {'inputs' if n_in == -2 else 'targets'} as one tensor; got "
+                            "another object (a tokenizer's output or a dict? pass its input_ids: the pipeline "
+                            "carries no attention mask)")
         if n_in < 0 or n_tgt < 0:
             raise ValueError(f"pipeline step needs inputs on pipeline rank 0 (got {'none' if n_in < 0 else n_in}) and "
                              f"targets on pipeline rank {self.last_rank}, the last stage's (got "
@@ -94,7 +101,12 @@ class PipelineParallel:
         if n_in % m or n_in != n_tgt:
             raise ValueError(f"the batch ({n_in} inputs, {n_tgt} targets) must have equal sizes divisible by "
                              f"microbatches={m}; {n_in} % {m} = {n_in % m}; valid batch sizes are multiples of {m}")
-        return tuple(sizes[0][2:2 + _HEADER])
+        sig = tuple(sizes[0][2:2 + _HEADER])
+        problem = self.stages.input_problem(tuple(sig[2:2 + sig[0]]), _DTYPES[sig[1]]) \
+            if self.stages.input_problem is not None and sig[1] >= 0 else None
+        if problem:  # the first layer's own check, on every rank (pipeline/hf.py)
+            raise ValueError(problem)
+        return sig
 
     def step(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
         """Forward and backward of one batch by the schedule; returns the batch loss (every pipeline rank)."""

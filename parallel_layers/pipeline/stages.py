@@ -84,9 +84,17 @@ class PipelineStages(nn.Module):
     """This rank's pipeline stages (chunks), in the order of their stage index."""
 
     def __init__(self, layers: Sequence[nn.Module], *, group: dist.ProcessGroup | None = None, virtual: int = 1,
-                 split_points: Sequence[int] | None = None):
+                 split_points: Sequence[int] | None = None, named_after: nn.Module | None = None):
+        """named_after: the model whose state_dict keys the layers' own keys already are (the
+        Hugging Face adapters of pipeline/hf.py mount its modules at their paths); the stages'
+        tensors then keep those names (Note [pipeline names]), and exporters (hf.save_pretrained)
+        find the model here, for its config and class. It is not registered as a submodule."""
         super().__init__()
         layers = list(layers)
+        self.__dict__["named_after"] = named_after  # plain attribute: its parameters are not the stages'
+        # The first layer may refuse inputs it cannot take (pipeline/hf.py's embedding: token ids
+        # [batch, seq]); every rank keeps the check, so that the runtime's batch check raises it on all.
+        self.input_problem = getattr(layers[0], "pipeline_input_problem", None) if layers else None
         self.group = group
         self.ranks = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -160,13 +168,18 @@ class PipelineStages(nn.Module):
     def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
         """Note [pipeline names]: this rank's layers under the names of the layer list they were cut from:
         "chunks.<c>.<j>.<rest>" becomes prefix + "<i>.<rest>", i the layer's index in that list
-        (prefix "layers." makes it the unparallelized model's key). A tied weight's copies are
-        all described; only the lowest stage's is `counted` (gradient norm)."""
+        (prefix "layers." makes it the unparallelized model's key). With `named_after`, the layers'
+        keys are already the model's own ("model.layers.3.mlp.up_proj.weight"): "<rest>" is kept,
+        prefix + "<rest>". A tied weight's copies are all described; only the lowest stage's is
+        `counted` (gradient norm)."""
         described = placement.describe_module(self)
         renamed = {}
         for key, tp in described.tensors.items():
             _, chunk, j, rest = key.split(".", 3)
-            tp.name = f"{prefix}{self.bounds[self.stage_ids[int(chunk)]][0] + int(j)}.{rest}"
+            if self.named_after is not None:
+                tp.name = prefix + rest
+            else:
+                tp.name = f"{prefix}{self.bounds[self.stage_ids[int(chunk)]][0] + int(j)}.{rest}"
             tp.counted = self.counted_once(tp.local)
             renamed[tp.name] = tp
         described.tensors = renamed

@@ -4,13 +4,14 @@
 import torch
 
 
-def save_tiny_llama(directory) -> None:
-    """A 2-layer Llama with grouped-query attention (4 heads, 2 key/value heads), untied head."""
+def save_tiny_llama(directory, tie_word_embeddings: bool = False) -> None:
+    """A 2-layer Llama with grouped-query attention (4 heads, 2 key/value heads), untied head
+    (or tied to the input embedding)."""
     import transformers
 
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=64)
+                                      max_position_embeddings=64, tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
 

@@ -1,0 +1,213 @@
+"""Pipeline an unmodified Hugging Face decoder: its own modules as a layer list.
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = parallelize(model, ctx, optimizer=..., loss_fn=causal_lm_loss, pipeline_layers="auto", microbatches=4)
+    loss = par.forward_backward(input_ids, input_ids)   # labels as for model(input_ids, labels=...): shifted here
+
+`decoder_layers(model)` returns [embedding, decoder layer 0, ..., decoder layer L-1, final
+norm + head], each taking one tensor and returning one, as `PipelineStages` needs: token ids
+[batch, seq] -> hidden states [batch, seq, hidden] -> ... -> logits [batch, seq, vocab]. The
+pieces are the model's own modules (no copy, no new parameter), so TP applied to the model
+before the cut, `from_pretrained` weights and tied embeddings all carry over.
+
+Note [hf pipeline layers]: a decoder layer needs more than the hidden states: position ids,
+the rotary cos/sin (Llama family) and the causal mask. The stage boundary carries one tensor
+(Note [stage boundary contract] in _p2p.py), so each layer rebuilds them from the hidden
+states' sequence length, as the model's own forward builds them once: position ids
+arange(seq), cos/sin from the model's `rotary_emb`, the mask from transformers'
+`create_causal_mask` (or `create_sliding_window_causal_mask` where the family's forward picks
+it for that layer). That costs a few elementwise ops per layer, far less than the attention
+it feeds, and sends nothing. It is exact only without padding: the pipeline carries no
+attention mask, so a batch must be full sequences (pad with label -100 if needed: ignored by
+`causal_lm_loss`, attended to by the model - as `model(input_ids, labels=...)` with no
+attention_mask). Inputs that are not token ids [batch, seq] are refused on every pipeline
+rank before the step (`pipeline_input_problem`, read by the runtime's batch check).
+
+Each adapter mounts the modules it runs under their paths in the model (`_mount`), so its
+state_dict keys are the model's own ("model.layers.3.mlp.up_proj.weight"), and
+`PipelineStages(..., named_after=model)` keeps those keys as the checkpoint names (Note
+[pipeline names] in stages.py): checkpoints and `hf.save_pretrained` from the pipelined
+layout use the Hugging Face names. A head tied to the input embedding is the same parameter
+in the first and the last adapter, which `PipelineStages` ties across ranks (Note [tied
+parameters]).
+
+Families: the forward of each supported `model_type` was read and its parity tested
+(tests/hf/test_pipeline_hf.py); another family's forward may do more (Gemma scales the
+embedding, others soft-cap logits), so it is refused by name rather than run wrongly.
+The choice follows torchtitan / PiPPy in cutting at module boundaries (torchtitan deletes the
+modules a stage does not own from a model written to tolerate that; a Hugging Face forward is
+not, hence adapters that call the modules as its forward does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+# model_type -> how its forward calls the decoder layers: "llama" (rotary position_embeddings,
+# one causal mask or one per config.layer_types entry) or "gpt2" (learned positions added to
+# the embedding); and which mask each layer gets (Note [hf pipeline layers]).
+_LLAMA_STYLE = {"llama": "causal", "mistral": "sliding_window_if_set", "qwen2": "layer_types", "qwen3": "layer_types"}
+SUPPORTED = sorted([*_LLAMA_STYLE, "gpt2"])
+
+
+def _mount(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register `module` under the dotted `path` of `root`, creating empty containers on the way."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        if name not in node._modules:
+            node.add_module(name, nn.Module())
+        node = node._modules[name]
+    node.add_module(leaf, module)
+
+
+class _Layer(nn.Module):
+    """One entry of the layer list; children mounted at the model's own paths."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.config = model.config  # not a module: read by the mask functions
+
+    def extra_repr(self) -> str:
+        return f"model_type={self.config.model_type!r}"
+
+
+def _positions(hidden: Tensor) -> Tensor:
+    """Position ids of a full sequence, as the model's forward builds them without a cache."""
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+def _mask(config, kind: str, hidden: Tensor, position_ids: Tensor):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+    return fn(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+              position_ids=position_ids)
+
+
+class Embedding(_Layer):
+    """Token ids [batch, seq] -> hidden states (GPT-2: plus learned positions, then dropout)."""
+
+    def __init__(self, model: nn.Module, base: str, gpt2: bool):
+        super().__init__(model)
+        self.gpt2, self.base = gpt2, base
+        names = ("wte", "wpe", "drop") if gpt2 else ("embed_tokens",)
+        for name in names:
+            _mount(self, f"{base}.{name}", model.get_submodule(f"{base}.{name}"))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        m = self.get_submodule(self.base)
+        if not self.gpt2:
+            return m.embed_tokens(ids)
+        hidden = m.wte(ids)
+        return m.drop(hidden + m.wpe(_positions(hidden)).to(hidden.device))
+
+    def pipeline_input_problem(self, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+        """Why the pipeline's inputs cannot go through this model, or None (every rank asks)."""
+        if len(shape) != 2 or dtype not in (torch.int64, torch.int32):
+            return (f"a pipelined {type(self.config).__name__[:-6] or 'Hugging Face'} decoder takes token ids "
+                    f"[batch, seq] (int64) as the pipeline's inputs; got shape {list(shape)} and dtype {dtype}. "
+                    "Attention masks (padding) are not carried: pass full sequences, with labels -100 where "
+                    "the loss should ignore them")
+        limit = getattr(self.config, "max_position_embeddings", None) if self.gpt2 else None
+        if limit is not None and shape[1] > limit:
+            return (f"sequence length {shape[1]} is longer than the model's max_position_embeddings={limit} "
+                    "(learned absolute positions); use at most that many tokens")
+        return None
+
+
+class DecoderLayer(_Layer):
+    """One decoder layer; rebuilds position ids, rotary cos/sin and the mask (Note [hf pipeline layers])."""
+
+    def __init__(self, model: nn.Module, base: str, layers: str, index: int, mask_kind: str, gpt2: bool):
+        super().__init__(model)
+        self.gpt2, self.base, self.path, self.mask_kind = gpt2, base, f"{base}.{layers}.{index}", mask_kind
+        _mount(self, self.path, model.get_submodule(self.path))
+        if not gpt2:  # parameter-free, non-persistent buffers: no state_dict entries
+            _mount(self, f"{base}.rotary_emb", model.get_submodule(f"{base}.rotary_emb"))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        layer = self.get_submodule(self.path)
+        position_ids = _positions(hidden)
+        mask = _mask(self.config, self.mask_kind, hidden, position_ids)
+        if self.gpt2:
+            out = layer(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
+        else:
+            cos_sin = self.get_submodule(self.base).rotary_emb(hidden, position_ids)
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=None,
+                        use_cache=False, position_embeddings=cos_sin)
+        return out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mask={self.mask_kind!r}"
+
+
+class Head(_Layer):
+    """Final norm, then the LM head: hidden states -> logits [batch, seq, vocab]."""
+
+    def __init__(self, model: nn.Module, base: str, norm: str):
+        super().__init__(model)
+        self.norm_path = f"{base}.{norm}"
+        _mount(self, self.norm_path, model.get_submodule(self.norm_path))
+        _mount(self, "lm_head", model.lm_head)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.get_submodule(self.norm_path)(hidden))
+
+
+def _mask_kinds(config, family: str, n: int) -> list[str]:
+    """The mask each decoder layer gets, as the family's forward chooses it."""
+    rule = _LLAMA_STYLE.get(family, "causal")
+    if rule == "layer_types":
+        kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    elif rule == "sliding_window_if_set":
+        kinds = ["sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"] * n
+    else:
+        kinds = ["full_attention"] * n
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"pipeline_layers='auto': {family} layer types {unknown} are not supported; supported: "
+                         "'full_attention', 'sliding_attention'")
+    return kinds
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """[embedding, decoder layers..., norm + head] of a Hugging Face causal LM (see the module doc)."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED or not isinstance(getattr(model, "lm_head", None), nn.Module):
+        raise ValueError(f"pipeline_layers='auto' cuts a Hugging Face causal LM (…ForCausalLM / …LMHeadModel, "
+                         f"with an lm_head) of model_type {SUPPORTED}; got {type(model).__name__} (model_type "
+                         f"{family!r}). For another model, pass pipeline_layers= the name of its list of "
+                         "one-tensor-in, one-tensor-out layers")
+    gpt2 = family == "gpt2"
+    base = getattr(model, "base_model_prefix", "") or ("transformer" if gpt2 else "model")
+    if gpt2 and getattr(config, "add_cross_attention", False):
+        raise ValueError("pipeline_layers='auto': a GPT-2 with add_cross_attention=True needs encoder states, which "
+                         "the pipeline does not carry; only decoder-only causal LMs are supported")
+    blocks = "h" if gpt2 else "layers"
+    n = len(model.get_submodule(f"{base}.{blocks}"))
+    kinds = _mask_kinds(config, family, n)
+    layers = [Embedding(model, base, gpt2)]
+    layers += [DecoderLayer(model, base, blocks, i, kinds[i], gpt2) for i in range(n)]
+    layers.append(Head(model, base, "ln_f" if gpt2 else "norm"))
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [name for name, p in model.named_parameters() if id(p) not in inside]
+    if outside:  # a module the family's forward does not use as read here: refuse rather than not train it
+        raise ValueError(f"pipeline_layers='auto': {type(model).__name__} has parameters outside the embedding, "
+                         f"decoder layers, final norm and head: {outside[:3]}; this model is not supported")
+    return layers
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Hugging Face's causal-LM loss: position t predicts labels[t + 1]; the mean over the
+    tokens whose label is not -100 (`model(input_ids, labels=labels).loss`), in float32.
+    The pipeline averages the microbatches' means: the batch's mean when every microbatch
+    counts as many tokens (always, without -100 labels)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+__all__ = ["SUPPORTED", "causal_lm_loss", "decoder_layers"]
