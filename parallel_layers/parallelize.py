@@ -21,9 +21,11 @@ applies TP, then activation checkpointing, then FSDP, with the pipeline schedule
      model, in place. Every rank holds the whole model at this point, so plan patterns name
      modules as the user wrote them, and the layers shard the same weights on every pipeline
      rank (the same seed gives the same model).
-  2. activation checkpointing: not built yet (issue 16); it goes here, on the TP layers, so
-     that the recomputation re-runs their collectives and sits inside the data-parallel
-     wrapper's hooks (ZeRO-3 gathers parameters again for the recomputed forward).
+  2. activation checkpointing (`activation_checkpointing="full"` or `"selective"`) of the
+     blocks `wrap` selects (parallel_layers/activation_checkpointing.py): after TP, so the
+     recompute re-runs the TP layers' collectives; before step 4, so the checkpointed forward
+     sits inside the data-parallel wrapper's module hooks (ZeRO-3 gathers the parameters for
+     the block's backward, and the recompute runs then; Note [checkpoint inside the hooks]).
   3. the model moves to `ctx.device`; with a pipeline, this rank keeps its stages
      (`PipelineStages` over the `pipeline_layers` list). The cut comes before step 4 because
      the data-parallel wrapper must shard and reduce only the parameters this rank trains.
@@ -55,6 +57,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from parallel_layers import activation_checkpointing as activation_checkpointing_module
 from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.parallel_dims import ParallelContext
@@ -108,7 +111,7 @@ class Parallelized:
 
 def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[list], torch.optim.Optimizer],
                 loss_fn: Callable[[Tensor, Tensor], Tensor], tp_plan: dict | str | None = None,
-                activation_checkpointing: bool = False, zero_stage: int = 0,
+                activation_checkpointing: str | None = None, zero_stage: int = 0,
                 wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
                 split_points: list[int] | None = None) -> Parallelized:
@@ -117,9 +120,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
     targets) -> the batch mean. tp_plan: module-name pattern -> style, as for
     `tensor_parallel.parallelize`; "auto": the plan a Hugging Face model publishes; None: no
-    conversion (the model is used as built). zero_stage: 0 for DataParallel replicas,
-    1-3 for ZeRO over dp; wrap: ZeRO's parameter groups. pipeline_layers: name of the model's
-    attribute holding its layer list (dotted), or "auto" for a Hugging Face causal LM (with
+    conversion (the model is used as built). activation_checkpointing: None, "full" or
+    "selective", per block: the modules `wrap` selects (parallel_layers/activation_checkpointing.py).
+    zero_stage: 0 for DataParallel replicas, 1-3 for ZeRO over dp; wrap: ZeRO's parameter groups
+    (and the blocks to checkpoint). pipeline_layers: name of the model's attribute holding its
+    layer list (dotted), or "auto" for a Hugging Face causal LM (with
     loss_fn=parallel_layers.pipeline.hf.causal_lm_loss); schedule, microbatches (default 2 * pp with a
     pipeline, else 1), virtual stages per rank (default 2 for "interleaved", else 1) and
     split_points are those of PipelineStages / PipelineParallel.
@@ -130,6 +135,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                         "plan, call parallel_layers.tensor_parallel.parallelize(model, plan, tp_group=...)")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got {zero_stage!r}")
+    activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
     pp = ctx.dims.pp
     microbatches = microbatches if microbatches is not None else (2 * pp if pp > 1 else 1)
     virtual = virtual if virtual is not None else (2 if schedule == "interleaved" else 1)
@@ -142,8 +148,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if tp_plan is not None:
         tp_plan_module.parallelize(model, None if tp_plan == "auto" else tp_plan, tp_group=ctx.tp_group)
     # 2. activation checkpointing
-    if activation_checkpointing:
-        raise NotImplementedError("parallelize: activation checkpointing is not implemented yet (issue 16)")
+    if activation_checkpointing is not None:
+        activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)
     # 3. the device, and this rank's pipeline stages
     model.to(ctx.device)
     net, prefix = model, ""

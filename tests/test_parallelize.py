@@ -188,6 +188,6 @@ def test_refusals_name_the_fix():
             "are outside it" in messages[2]
         assert "pipeline_layers='layers.1.ln1' must name a list of layers (nn.ModuleList, nn.Sequential), got " \
             "LayerNorm" in messages[3]
-        assert messages[4] == "NotImplementedError: parallelize: activation checkpointing is not implemented yet " \
-            "(issue 16)"
+        assert messages[4].startswith("ValueError: activation_checkpointing must be one of None, 'full', "
+                                      "'selective'") and messages[4].endswith("got True"), messages[4]
         assert "zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got 4" in messages[5]
