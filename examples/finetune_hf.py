@@ -2,6 +2,7 @@
 against plain transformers in one process, checkpoint it, export it and reload the export.
 
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --dp 2 --zero 3
+    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --activation-checkpointing full
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --model-dir my-llama/ --tp 2
     torchrun --standalone --nproc-per-node 1 examples/finetune_hf.py            # the reference
 
@@ -9,8 +10,10 @@ Without --model-dir, rank 0 makes a small Llama from a config (grouped-query att
 untied head; nothing is downloaded) and saves it with `save_pretrained`: that directory is the
 "pretrained" model. Every rank loads it with `from_pretrained` and hands it to
 `parallel_layers.parallelize` with no plan of its own (tp_plan="auto": the plan the model
-publishes), ZeRO (--zero 1-3) or DataParallel (--zero 0) over dp, ZeRO's groups being the
-decoder layers. The loss is the causal-LM loss on generated sequences (each counts up from a
+publishes), activation checkpointing of the decoder layers (--activation-checkpointing),
+pipeline stages cut at the model's own modules (--pp: embedding -> decoder layers -> norm +
+head), ZeRO (--zero 1-3) or DataParallel (--zero 0) over dp, ZeRO's groups being the decoder
+layers. The loss is Hugging Face's causal-LM loss on generated sequences (each counts up from a
 random token with a random stride, so there is something to learn; a fixed seed per step), each
 dp rank taking its rows of the global batch.
 
@@ -31,9 +34,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parallel_layers import checkpoint, hf, init_parallel, parallelize
+from parallel_layers.pipeline import SCHEDULES
+from parallel_layers.pipeline.hf import causal_lm_loss
 
 # float32, same batches: the layouts differ from one process only in the order of sums (TP
 # reductions, gradient averaging); ~1e-6 relative over a few steps. 1e-4 (the issue's bound)
@@ -51,19 +55,18 @@ def small_llama(directory: str, seed: int) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
-def global_batch(step: int, args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's global batch, the same on every rank: input ids and next-token targets."""
+def global_batch(step: int, args, vocab: int) -> torch.Tensor:
+    """The step's global batch of token ids [batch, seq], the same on every rank; the labels are
+    the ids themselves (Hugging Face's convention: the loss shifts them)."""
     g = torch.Generator().manual_seed(args.seed * 100_003 + step)
     start = torch.randint(0, vocab, (args.batch_size, 1), generator=g)
     stride = torch.randint(1, 8, (args.batch_size, 1), generator=g)
-    ids = (start + stride * torch.arange(args.seq_len + 1)) % vocab
-    return ids[:, :-1], ids[:, 1:]
+    return (start + stride * torch.arange(args.seq_len)) % vocab
 
 
-def causal_lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (targets already shifted), in float32."""
-    logits = output.logits if hasattr(output, "logits") else output
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+def loss_fn(output, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss, on the model's output (not pipelined) or the last stage's logits."""
+    return causal_lm_loss(output.logits if hasattr(output, "logits") else output, labels)
 
 
 def decoder_layers(model) -> type:
@@ -91,8 +94,8 @@ def reference(model_dir: str, args, dp: int) -> tuple[list[float], torch.nn.Modu
     opt = adamw(args)(model.parameters())
     losses = []
     for step in range(args.steps):
-        ids, targets = global_batch(step, args, model.config.vocab_size)
-        loss = causal_lm_loss(model(input_ids=ids), targets)
+        ids = global_batch(step, args, model.config.vocab_size)
+        loss = loss_fn(model(input_ids=ids), ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -107,19 +110,28 @@ def main():
                     "(default: a temporary directory, removed at the end)")
     ap.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / tp)")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="0: DataParallel over dp; 1-3: ZeRO")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                    help="0: DataParallel over dp; 1-3: ZeRO stage (default: 1 with --pp > 1, else 0)")
+    ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    ap.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 * pp with --pp > 1, else 1)")
+    ap.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
+                    help="recompute each decoder layer in backward: all of it, or all but its GEMM outputs")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--batch-size", type=int, default=4, help="global batch (sequences), split over dp")
+    ap.add_argument("--batch-size", type=int, default=8, help="global batch (sequences), split over dp")
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     import transformers
 
-    ctx = init_parallel(tp=args.tp, dp=args.dp, device="cpu")
+    args.zero = args.zero if args.zero is not None else (1 if args.pp > 1 else 0)
+    args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
+    ctx = init_parallel(tp=args.tp, pp=args.pp, dp=args.dp, device="cpu")
     rank, world, dp = dist.get_rank(), dist.get_world_size(), ctx.dims.dp
-    if args.batch_size % dp:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp})")
+    if args.batch_size % (dp * args.microbatches):
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp}) * microbatches "
+                         f"({args.microbatches}) = {dp * args.microbatches}")
     work = agreed_directory(args.work_dir, rank)
     model_dir = args.model_dir or os.path.join(work, "pretrained")
     if args.model_dir is None and rank == 0:
@@ -128,13 +140,17 @@ def main():
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = model.config.vocab_size
-    par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=causal_lm_loss,
-                      tp_plan="auto" if args.tp > 1 else None, zero_stage=args.zero, wrap=decoder_layers(model))
+    pipelined = args.pp > 1 or args.microbatches > 1
+    par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=loss_fn, tp_plan="auto" if args.tp > 1 else None,
+                      activation_checkpointing=None if args.activation_checkpointing == "none"
+                      else args.activation_checkpointing, zero_stage=args.zero, wrap=decoder_layers(model),
+                      pipeline_layers="auto" if pipelined else None, schedule=args.schedule,
+                      microbatches=args.microbatches)
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
-        ids, targets = (t.chunk(dp)[ctx.coordinate("dp")] for t in global_batch(step, args, vocab))
-        mean = par.forward_backward(ids, targets).clone()
+        ids = global_batch(step, args, vocab).chunk(dp)[ctx.coordinate("dp")]
+        mean = par.forward_backward(ids, ids).clone()
         par.step()
         par.zero_grad()
         dist.all_reduce(mean, group=ctx.dp_group)
@@ -151,16 +167,19 @@ def main():
         ref_losses, ref_model = reference(model_dir, args, dp)
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-        ids, _ = global_batch(args.steps, args, vocab)
+        ids = global_batch(args.steps, args, vocab)
         with torch.no_grad():
             want, got = ref_model(input_ids=ids).logits, exported(input_ids=ids).logits
         logit_diff = ((got - want).abs().max() / want.abs().max()).item()
         ok_loss, ok_export = loss_diff <= PARITY_RTOL, logit_diff <= PARITY_RTOL
         verdict[0] = float(ok_loss and ok_export)
         print(f"model: {type(model).__name__} from {model_dir}")
-        print(f"layout: dp={dp} x tp={args.tp} on {world} process(es), "
-              f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}, "
-              f"plan: {'the published one' if args.tp > 1 else 'none'}")
+        pipeline = f", {args.schedule} schedule, {args.microbatches} microbatches" if pipelined else ""
+        recompute = ("" if args.activation_checkpointing == "none"
+                     else f", {args.activation_checkpointing} activation checkpointing")
+        print(f"layout: dp={dp} x tp={args.tp} x pp={args.pp} on {world} process(es), "
+              f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
+              f"{pipeline}{recompute}, plan: {'the published one' if args.tp > 1 else 'none'}")
         print(f"{'time per step':28s} {elapsed / args.steps * 1e3:.1f} ms")
         print(f"{'checkpoint':28s} {saved}" + (" (removed at the end; --work-dir keeps it)" if args.work_dir is None
                                                 else ""))

@@ -53,16 +53,21 @@ def test_collective_timer_runs_the_job_from_outside():
         assert re.search(rf"rank {rank}: \d+\.\d\d s of \d+\.\d\d s in blocking collectives", r.stdout), r.stdout
 
 
-def test_finetune_hf_parity_and_export(tmp_path):
-    # The Hugging Face job: a Llama made from a config, the published plan at tp=2 with ZeRO-3
-    # over dp=2; both checks (losses vs plain transformers, the export reloaded) pass.
+@pytest.mark.parametrize("flags, layout", [
+    (["--tp", "2", "--dp", "2", "--zero", "3"], "dp=2 x tp=2 x pp=1 on 4 process(es), ZeRO-3, plan: the published one"),
+    (["--pp", "2", "--tp", "2", "--activation-checkpointing", "full"],
+     "dp=1 x tp=2 x pp=2 on 4 process(es), ZeRO-1, 1f1b schedule, 4 microbatches, full activation checkpointing"),
+])
+def test_finetune_hf_parity_and_export(tmp_path, flags, layout):
+    # The Hugging Face job: a Llama made from a config, its published plan at tp=2 with ZeRO-3
+    # over dp=2, or pipelined (its own modules as stages) with TP and recomputation; both checks
+    # (losses vs plain transformers, the export reloaded) pass.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                        str(ROOT / "examples" / "finetune_hf.py"), "--tp", "2", "--dp", "2", "--zero", "3",
-                        "--steps", "3", "--work-dir", str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=600)
+                        str(ROOT / "examples" / "finetune_hf.py"), *flags, "--steps", "3", "--work-dir",
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "layout: dp=2 x tp=2 on 4 process(es), ZeRO-3, plan: the published one" in r.stdout
+    assert "layout: " + layout in r.stdout, r.stdout
     assert re.search(r"parity vs plain transformers: .*: PASS", r.stdout), r.stdout
     assert re.search(r"export .* reloaded by from_pretrained: .*: PASS", r.stdout), r.stdout
     assert (tmp_path / "export" / "config.json").exists() and (tmp_path / "checkpoints" / "step_3").is_dir()
