@@ -124,7 +124,9 @@ class DataParallel(LocalAccumulation, nn.Module):
         self._bucket_bytes, self._first_bytes = int(bucket_mb * 2**20), int(first_bucket_mb * 2**20)
         self._params = [p for p in module.parameters() if p.requires_grad]
         with torch.no_grad():
-            for p in module.parameters():
+            # A model built on the meta device has no values to broadcast yet; its loader
+            # (hf.load_pretrained) writes the same values on every replica.
+            for p in (p for p in module.parameters() if not p.is_meta):
                 fault.check_agreement("DataParallel parameter broadcast", p, group)
                 with fault.collective("DataParallel parameter broadcast", group):
                     dist.broadcast(p, src=self._src, group=group)
@@ -139,6 +141,15 @@ class DataParallel(LocalAccumulation, nn.Module):
     def _set_buckets(self, ordered: list[nn.Parameter]) -> None:
         self.buckets = _split_into_buckets(ordered, self._bucket_bytes, self._first_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    def materialize(self, device: torch.device | str) -> None:
+        """A module built on the meta device gets uninitialised storage on `device`, in place
+        (parallel_layers/meta.py), and the gradient buckets are rebuilt there. Write the same
+        values on every replica (e.g. `hf.load_pretrained`) before training."""
+        from parallel_layers.meta import materialize_module
+
+        materialize_module(self.module, device)
+        self._set_buckets([p for b in self.buckets for p in b.params])
 
     def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
         """Every rank holds the whole module (parallel_layers.placement)."""

@@ -10,21 +10,40 @@ weights that `parallelize` converted (GPT-2's Conv1D stores [in, out]; our colum
 hold [out, in]), and lets transformers write config and safetensors (tied weights once, shards
 as transformers cuts them). Rank 0 holds the full model in host memory while writing, as
 transformers' own save does.
+
+Loading, the other way (docs/hf.md):
+
+    with torch.device("meta"):                  # no memory: the sizes that need TP and ZeRO-3
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    par = parallelize(model, ctx, tp_plan="auto", zero_stage=3, ...)   # or any layout
+    hf.load_pretrained("llama/", par)            # every rank reads only the slices it holds
+
+`load_pretrained` asks `placement.describe` what this rank holds - for every logical tensor
+(the plain model's state_dict entry), the boxes of it in the local tensor: a TP shard, the
+blocks of a fused QKV, a vocabulary shard without its padding, the boxes a ZeRO flat shard
+covers (Note [flat pieces]) - and reads exactly those boxes with safetensors' `get_slice`,
+so a rank's reads and memory are its share of the model, not the model. Meta tensors get
+storage first (parallel_layers/meta.py). GPT-2's Conv1D weights are stored [in, out]: a
+box of a weight that `parallelize` made [out, in] is read transposed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
 import shutil
+import warnings
 
 import torch
 import torch.nn as nn
 
-from parallel_layers import checkpoint
-from parallel_layers.checkpoint._dist import broadcast, describe_error, rank_world
+from parallel_layers import checkpoint, meta, placement
+from parallel_layers.checkpoint._dist import all_gather, broadcast, describe_error, raise_if_any, rank_world
 
 
-def _hf_model(model: nn.Module) -> nn.Module:
+def _hf_model(model: nn.Module, what: str = "hf.save_pretrained") -> nn.Module:
     """The transformers model inside wrappers (ZeRO, DataParallel, DDP, PipelineStages)."""
     seen = model
     while not hasattr(seen, "config") and hasattr(seen, "module"):
@@ -32,7 +51,7 @@ def _hf_model(model: nn.Module) -> nn.Module:
     if getattr(seen, "named_after", None) is not None:  # the stages of pipeline_layers="auto" (pipeline/hf.py)
         seen = seen.named_after
     if not hasattr(seen, "config") or not hasattr(seen, "save_pretrained"):
-        raise TypeError(f"hf.save_pretrained needs a transformers model (with .config), possibly wrapped by ZeRO or "
+        raise TypeError(f"{what} needs a transformers model (with .config), possibly wrapped by ZeRO or "
                         f"DataParallel; got {type(model).__name__}")
     return seen
 
@@ -94,4 +113,242 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
     return directory
 
 
-__all__ = ["save_pretrained"]
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
+def _weight_files(directory: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it: one `model.safetensors`, or the files
+    of a sharded `model.safetensors.index.json` (transformers' names)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"hf.load_pretrained: {directory!r} is not a directory")
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"hf.load_pretrained: {index} has no 'weight_map' (tensor name -> file name)")
+        files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        absent = sorted({os.path.basename(f) for f in files.values() if not os.path.isfile(f)})
+        if absent:
+            raise FileNotFoundError(f"hf.load_pretrained: {index} names files that {directory!r} does not hold: "
+                                    f"{absent[:5]}")
+        return files
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(f"hf.load_pretrained: {directory!r} holds neither {SINGLE_FILE} nor {INDEX_FILE} (it "
+                            f"holds {sorted(os.listdir(directory))[:10]}); write it with transformers' "
+                            "save_pretrained, whose default format is safetensors")
+
+
+def _file_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in the files, from their headers (no tensor data is read)."""
+    from safetensors import safe_open
+    shapes = {}
+    for path in sorted(set(files.values())):
+        with safe_open(path, framework="pt") as f:
+            held = set(f.keys())
+            for name in (n for n, p in files.items() if p == path):
+                if name not in held:
+                    raise KeyError(f"hf.load_pretrained: the index puts {name!r} in {os.path.basename(path)}, which "
+                                   "does not hold it")
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+# Note [buffers not in the files]: a buffer registered with persistent=False (the rotary
+# embedding's `inv_freq` and `original_inv_freq` in Llama, Qwen2, Mistral) is in no checkpoint;
+# transformers' from_pretrained recomputes it (its `_init_weights` of rotary modules). A model
+# built on the meta device has none, and a wrong one would break parity silently. We take the
+# values the model's own constructor computes: the unparallelized class is built once more
+# from its config with every parameter sent to the meta device as it is registered (nothing
+# of the weights is allocated) and the buffers real (small: O(head_dim) here), and each buffer
+# the files do not hold is copied from it, cast to the dtype the model holds it in.
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Inside: parameters move to the meta device as modules register them; buffers stay on
+    the CPU, where their constructor computes them. Not thread-safe (it patches nn.Module)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        with torch.device("cpu"):  # whatever default device the caller set (meta, say)
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _reference(hf_model: nn.Module) -> nn.Module:
+    """The unparallelized model's structure and buffers, its parameters on the meta device."""
+    with _parameters_on_meta():
+        return type(hf_model)(hf_model.config)
+
+
+def _unwrap(model) -> tuple[nn.Module, torch.device | None]:
+    """(the module to load into, the device of its context) for a module or a `Parallelized`."""
+    from parallel_layers.parallelize import Parallelized
+    if isinstance(model, Parallelized):
+        if model.pipeline is not None:
+            raise NotImplementedError("hf.load_pretrained: a pipelined layout (pp > 1 or microbatches > 1) is not "
+                                      "supported yet; supported: tensor parallel, ZeRO 1-3 and DataParallel at pp=1")
+        return model.module, model.ctx.device
+    return model, None
+
+
+@dataclasses.dataclass
+class _Source:
+    """Where one logical tensor comes from: a name in the files (read as boxes, transposed for
+    a Conv1D weight our layers hold [out, in]); nowhere, for a tied entry written through the
+    other name of its tensor; or the reference model, for a buffer the files lack."""
+    key: str | None
+    transpose: bool = False
+    from_reference: bool = False
+
+
+def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, reference: nn.Module,
+                  shapes: dict[str, tuple[int, ...]], files: dict[str, str]) -> dict[str, _Source]:
+    """For every tensor this rank holds, where it comes from; raises naming every missing key
+    and every shape that does not match."""
+    plain_modules, held_modules = dict(reference.named_modules()), dict(hf_model.named_modules())
+    ref_buffers = dict(reference.named_buffers())
+    base = getattr(hf_model, "base_model_prefix", "")
+    by_local: dict[int, list[str]] = {}
+    for name, tp in described.tensors.items():
+        by_local.setdefault(id(tp.local), []).append(name)
+
+    def in_files(name):  # transformers also reads a base model's file into a model with a head
+        if name in shapes:
+            return name
+        if base and name.startswith(base + ".") and name[len(base) + 1:] in shapes:
+            return name[len(base) + 1:]
+        return None
+
+    sources, missing, wrong = {}, [], []
+    for names in by_local.values():
+        # Tied entries (GPT-2's lm_head.weight is transformer.wte.weight) share one local
+        # tensor; the files hold the tie once, under whichever name transformers kept.
+        found = next(((n, k) for n in names for k in [in_files(n)] if k is not None), None)
+        if found is None:
+            if all(n in ref_buffers for n in names):  # a persistent buffer the files lack
+                sources.update({n: _Source(None, from_reference=True) for n in names})
+            else:
+                missing.extend(names)
+            continue
+        name, key = found
+        owner, _, leaf = name.rpartition(".")
+        transpose = (leaf == "weight" and _is_conv1d(plain_modules.get(owner))
+                     and not _is_conv1d(held_modules.get(owner)))
+        logical = tuple(described.tensors[name].shape)
+        expected = logical[::-1] if transpose else logical
+        if shapes[key] != expected:
+            wrong.append(f"{key}: {shapes[key]} in {os.path.basename(files[key])}, the model's {name} expects "
+                         f"{expected}" + (" (the transpose of its [out, in] weight: Conv1D stores [in, out])"
+                                          if transpose else ""))
+        sources[name] = _Source(key, transpose)
+        sources.update({n: _Source(None) for n in names if n != name})  # written through `name`'s local
+    if missing:
+        raise KeyError(f"hf.load_pretrained: the files hold no tensor for {missing[:10]}"
+                       f"{' ...' if len(missing) > 10 else ''} ({len(missing)} missing); they hold {len(shapes)} "
+                       f"tensors, e.g. {sorted(shapes)[:5]}")
+    if wrong:
+        raise ValueError("hf.load_pretrained: shape mismatch between the files and the model: " + "; ".join(wrong[:10]))
+    return sources
+
+
+def _box(offsets, sizes, transpose: bool) -> tuple:
+    """The index of a piece's box in the file's tensor (its transpose for a Conv1D weight)."""
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    return index[::-1] if transpose else index
+
+
+def _read_pieces(described: placement.ModelPlacement, sources: dict[str, _Source], files: dict[str, str]) -> None:
+    """Copy every piece this rank holds from the files into its local tensor."""
+    from safetensors import safe_open
+    for name, tp in described.tensors.items():
+        source = sources[name]
+        if source.key is None or not tp.pieces:
+            continue
+        # One open file per tensor: the pages of the memory-mapped file a rank reads stay
+        # resident (and counted in its RSS) until the file is closed, so closing after each
+        # tensor keeps them to one tensor's share rather than the file's.
+        with safe_open(files[source.key], framework="pt") as f, torch.no_grad():
+            tensor = f.get_slice(source.key)
+            for piece in tp.pieces:
+                data = tensor[_box(piece.global_offsets, piece.sizes, source.transpose)]
+                piece.view(tp.local).copy_(data.t() if source.transpose else data)
+        del f, tensor, data  # the mapping goes with the last reference
+
+
+def _buffers_from_reference(hf_model: nn.Module, reference: nn.Module, loaded: set[str]) -> None:
+    """Every buffer not in `loaded` (read from the files) gets the value the constructor
+    computes (Note [buffers not in the files])."""
+    ref_buffers = dict(reference.named_buffers())
+    with torch.no_grad():
+        for name, buf in hf_model.named_buffers():
+            if name in loaded:
+                continue
+            if name not in ref_buffers:
+                raise KeyError(f"hf.load_pretrained: buffer {name} is neither in the files nor built by "
+                               f"{type(hf_model).__name__}'s constructor")
+            buf.copy_(ref_buffers[name])
+
+
+def load_pretrained(directory: str, model, *, device: torch.device | str | None = None, group=None):
+    """Fill `model` - this rank's part of a transformers model at any layout (tensor parallel,
+    ZeRO 1-3, DataParallel, or the `Parallelized` of `parallelize`), possibly built on the meta
+    device - from the safetensors in `directory` (`model.safetensors`, or the files of
+    `model.safetensors.index.json`), each rank reading only the boxes it holds; a collective
+    over `group` (default: every rank). Returns `model`.
+
+    Tensors on the meta device first get storage on `device` (default: the `Parallelized`'s
+    device, else cuda:LOCAL_RANK with GPUs, else the CPU; parallel_layers/meta.py). Values are
+    cast to the dtype the model holds (ZeRO: its float32 masters). Buffers the files lack
+    (rotary `inv_freq`) are computed by the model's constructor (Note [buffers not in the
+    files]). A missing tensor, a shape mismatch or a directory without safetensors raises on
+    every rank, naming them; tensors the files hold and the model does not are warned about.
+    """
+    from parallel_layers.parallel_dims import default_device
+
+    module, ctx_device = _unwrap(model)
+    hf_model = _hf_model(module, "hf.load_pretrained")
+    rank, _ = rank_world(group)
+    mine = described = sources = files = reference = None
+    try:
+        files = _weight_files(os.fspath(directory))
+        shapes = _file_shapes(files)
+        reference = _reference(hf_model)
+        described = placement.describe(module)
+        sources = _plan_sources(described, hf_model, reference, shapes, files)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        mine = e
+    raise_if_any(all_gather(describe_error(mine) if mine else None, group), mine, "hf.load_pretrained")
+
+    used = {s.key for s in sources.values()}
+    unexpected = [k for k in files if k not in used]
+    if unexpected and rank == 0:
+        warnings.warn(f"hf.load_pretrained: {directory} holds {len(unexpected)} tensor(s) the model does not have, "
+                      f"not loaded: {unexpected[:10]}", RuntimeWarning, stacklevel=2)
+
+    mine = None
+    try:
+        if meta.has_meta(module):
+            meta.materialize(module, device if device is not None else ctx_device or default_device())
+            described = placement.describe(module)  # the same tensors, now with storage
+        _read_pieces(described, sources, files)
+        _buffers_from_reference(hf_model, reference, {n for n, s in sources.items() if not s.from_reference})
+    except Exception as e:  # noqa: BLE001
+        mine = e
+    raise_if_any(all_gather(describe_error(mine) if mine else None, group), mine, "hf.load_pretrained")
+    for hook in described.after_load:  # the wrappers' collectives (ZeRO's all-gathers): every rank
+        hook()
+    return model
+
+
+__all__ = ["load_pretrained", "save_pretrained"]

@@ -26,9 +26,11 @@ applies TP, then activation checkpointing, then FSDP, with the pipeline schedule
      recompute re-runs the TP layers' collectives; before step 4, so the checkpointed forward
      sits inside the data-parallel wrapper's module hooks (ZeRO-3 gathers the parameters for
      the block's backward, and the recompute runs then; Note [checkpoint inside the hooks]).
-  3. the model moves to `ctx.device`; with a pipeline, this rank keeps its stages
-     (`PipelineStages` over the `pipeline_layers` list). The cut comes before step 4 because
-     the data-parallel wrapper must shard and reduce only the parameters this rank trains.
+  3. the model moves to `ctx.device` (one built on the meta device stays there until
+     `hf.load_pretrained` or `meta.materialize` gives it storage there); with a pipeline,
+     this rank keeps its stages (`PipelineStages` over the `pipeline_layers` list). The cut
+     comes before step 4 because the data-parallel wrapper must shard and reduce only the
+     parameters this rank trains.
   4. DataParallel (`zero_stage=0`, only when dp > 1) or ZeRO stage 1-3 over the dp axis, around
      this rank's part of the model; it owns the optimizer (ZeRO) or the optimizer is built on
      the wrapped parameters.
@@ -58,6 +60,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import activation_checkpointing as activation_checkpointing_module
+from parallel_layers import meta
 from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.parallel_dims import ParallelContext
@@ -151,7 +154,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)
     # 3. the device, and this rank's pipeline stages
-    model.to(ctx.device)
+    if not meta.has_meta(model):  # a meta-built model gets its storage later (parallel_layers/meta.py)
+        model.to(ctx.device)
     net, prefix = model, ""
     if pipelined:
         if pipeline_layers == "auto":  # a Hugging Face decoder's own modules, under its own names

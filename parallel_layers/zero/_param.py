@@ -112,14 +112,39 @@ class ShardedParam:
         memory at the ZeRO paper's figures instead of one extra float32 copy of 1/W.
         """
         p, s = self.full, self.shard_numel
-        if (alias and p.dtype == torch.float32 and p.is_contiguous() and p.numel() == s * self.world
-                and self.param_dtype in (None, torch.float32)):
+        self.aliases_full = (alias and p.dtype == torch.float32 and p.is_contiguous() and p.numel() == s * self.world
+                             and self.param_dtype in (None, torch.float32))
+        if self.aliases_full:
             return p.detach().view(-1)[self.rank * s:(self.rank + 1) * s]
+        if p.is_meta:  # built on the meta device: storage comes with `materialize`
+            return torch.empty(s, dtype=torch.float32, device="meta")
         flat = F.pad(p.detach().reshape(-1).float(), (0, s * self.world - p.numel()))
         shard = flat[self.rank * s:(self.rank + 1) * s].clone()
         if self.offload:
             shard = shard.cpu().pin_memory() if torch.cuda.is_available() else shard.cpu()
         return shard
+
+    def materialize(self, device: torch.device | str) -> None:
+        """A parameter built on the meta device gets uninitialised storage on `device`, in place
+        (parallel_layers/meta.py): the master shard (on the CPU when offloaded; a view of the
+        full parameter where it aliases it), and the full parameter - freed again at once unless
+        kept, so ZeRO-3 never holds a whole parameter here. The values are the caller's to
+        write into the shard (a load), followed by a gather."""
+        from parallel_layers.meta import empty_like, swap_in
+
+        if self.full.is_meta:
+            swap_in(self.full, empty_like(self.full, device))
+            self.is_unsharded = False  # the values are still to come
+            if not self.keep_full:
+                self.free_full()
+        if self.shard.is_meta:
+            if self.aliases_full:
+                shard = self.full.detach().view(-1)[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+            else:
+                shard = torch.empty(self.shard_numel, dtype=torch.float32, device="cpu" if self.offload else device)
+                if self.offload and torch.cuda.is_available():
+                    shard = shard.pin_memory()
+            swap_in(self.shard, shard)
 
     # ---- the full parameter's storage ------------------------------------------------------
     def free_full(self) -> None:

@@ -41,6 +41,15 @@ def shards_replaced(zero: ZeRO) -> None:
             g.reshard()
 
 
+def materialize(zero: ZeRO, device) -> None:
+    from parallel_layers.meta import materialize_module
+
+    for g in zero.groups:
+        for sp in g.members:
+            sp.materialize(device)
+    materialize_module(zero.module, device)  # what is left: buffers
+
+
 def full_state_dict(zero: ZeRO) -> dict[str, torch.Tensor]:
     for g in zero.groups:
         g.refresh_full()

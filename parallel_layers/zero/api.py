@@ -162,6 +162,13 @@ class ZeRO(LocalAccumulation, nn.Module):
         raises if any rank's state does not fit)."""
         _state.load_sharded_state_dict(self, state)
 
+    def materialize(self, device: torch.device | str) -> None:
+        """A model built on the meta device gets uninitialised storage on `device`, in place:
+        this rank's master shards (on the CPU when offloaded), the full parameters (left freed
+        at stage 3) and the module's buffers (parallel_layers/meta.py). Write the shards (e.g.
+        `hf.load_pretrained`, a checkpoint load) before training."""
+        _state.materialize(self, device)
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: full params, full grads, master shards (not counting those
         that are views of full params), shard grads, optimizer state."""

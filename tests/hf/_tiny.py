@@ -24,3 +24,26 @@ def save_tiny_gpt2(directory) -> None:
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+
+
+def save_tiny_qwen2(directory) -> None:
+    """A 2-layer Qwen2: grouped-query attention (4 heads, 2 key/value heads), biases on q, k, v."""
+    import transformers
+
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+
+
+def save_tiny_mistral(directory) -> None:
+    """A 2-layer Mistral with grouped-query attention (4 heads, 1 key/value head), rope_theta 1e6."""
+    import transformers
+
+    config = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, vocab_size=128,
+                                        max_position_embeddings=64,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).save_pretrained(directory)

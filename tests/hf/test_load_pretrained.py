@@ -1,0 +1,236 @@
+"""hf.load_pretrained: a model built on the meta device, parallelized at a layout, then filled from
+a Hugging Face directory, against plain `transformers.AutoModelForCausalLM.from_pretrained` of
+the same directory: logits, and losses and logits after 3 AdamW steps.
+
+Layouts (real gloo processes): Llama at tp=2 through the TP-only `tensor_parallel.parallelize`
+from a sharded `model.safetensors.index.json` (first, one rank's error raised on both ranks);
+through the composing `parallelize`: Llama at tp=2 x dp=2 with ZeRO-3, GPT-2 (Conv1D weights
+stored [in, out], head tied) at tp=2 x dp=2 with ZeRO-1 (master shards that are views of the full
+parameters), Qwen2 at dp=2 with DataParallel. In one process: every family (Llama, Qwen2,
+Mistral, GPT-2) unparallelized, so the rotary buffers no file holds are checked per family; the
+errors."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist_harness import run_distributed
+from tests.hf import _tiny
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 12, 96  # VOCAB: ids valid for every tiny family
+# (family, tp, dp, zero_stage, API, sharded files)
+CASES = {"llama-tp2-index": ("llama", 2, 1, None, "tensor_parallel", True),
+         "llama-tp2-dp2-zero3": ("llama", 2, 2, 3, "parallelize", False),
+         "gpt2-tp2-dp2-zero1": ("gpt2", 2, 2, 1, "parallelize", False),
+         "qwen2-dp2-dataparallel": ("qwen2", 1, 2, 0, "parallelize", False)}
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _probe():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def _loss(out, ids):
+    """Next-token cross-entropy, as transformers' causal-LM loss computes it (float32 logits)."""
+    return F.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _save(family, directory, sharded=False):
+    getattr(_tiny, f"save_tiny_{family}")(directory)
+    if sharded:  # the same weights cut into several files under model.safetensors.index.json
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        os.remove(os.path.join(directory, "model.safetensors"))
+        model.save_pretrained(directory, max_shard_size="20KB")
+        assert len([f for f in os.listdir(directory) if f.endswith(".safetensors")]) > 2
+
+
+def _on_meta(directory):
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+
+
+def _meta_load_and_train(rank, world, directory, tp, dp, stage, api):
+    from parallel_layers import hf, init_parallel, parallelize, tensor_parallel
+
+    ctx = init_parallel(tp=tp, dp=dp, device="cpu")
+    model = _on_meta(directory)
+    if api == "tensor_parallel":
+        tensor_parallel.parallelize(model, tp_group=ctx.tp_group)  # the published plan
+        one_bad_rank = _load_with_one_bad_rank(rank, model, directory)
+        # built on the meta parameters, as parallelize() does: they keep their identity
+        target, opt = model, _adamw(model.parameters())
+    else:
+        block = lambda m: type(m).__name__.endswith(("DecoderLayer", "Block"))  # noqa: E731
+        target = parallelize(model, ctx, optimizer=_adamw, loss_fn=_loss, tp_plan="auto" if tp > 1 else None,
+                             zero_stage=stage, wrap=block)
+    assert any(p.is_meta for p in model.parameters())  # the premise: nothing allocated yet
+    hf.load_pretrained(directory, target, device=None if api == "parallelize" else "cpu")  # ctx.device
+    net = target.module if api == "parallelize" else model
+    with torch.no_grad():
+        logits = [net(_probe()).logits.tolist()]
+    losses = []
+    for ids in _batches():
+        mine = ids.chunk(dp)[ctx.coordinate("dp")]  # equal token counts: the mean of means is the batch mean
+        if api == "parallelize":
+            loss = target.forward_backward(mine, mine)
+            target.step()
+            target.zero_grad()
+        else:
+            loss = _loss(net(mine), mine)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    with torch.no_grad():
+        logits.append(net(_probe()).logits.tolist())
+    return logits, losses, one_bad_rank if api == "tensor_parallel" else None
+
+
+def _reference(directory):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        logits = [model(_probe()).logits]
+    opt, losses = _adamw(model.parameters()), []
+    for ids in _batches():
+        loss = _loss(model(ids), ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits.append(model(_probe()).logits)
+    return logits, losses
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_meta_built_model_loads_and_trains_like_from_pretrained(tmp_path, case):
+    family, tp, dp, stage, api, sharded = CASES[case]
+    _save(family, tmp_path, sharded)
+    (tmp_path / "no-weights").mkdir()
+    (ref_before, ref_after), ref_losses = _reference(tmp_path)
+    results = run_distributed(_meta_load_and_train, tp * dp, args=(str(tmp_path), tp, dp, stage, api), timeout_s=240)
+    for (before, after), losses, _ in results:
+        # float32; the parallel model sums its row layers and the dp halves in another order
+        # (~1e-7 relative), which AdamW's normalisation amplifies over 3 steps to ~1e-6.
+        assert torch.allclose(torch.tensor(before), ref_before, rtol=1e-4, atol=1e-4)
+        assert losses == pytest.approx(ref_losses, rel=1e-4)
+        assert torch.allclose(torch.tensor(after), ref_after, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ref_after, ref_before, atol=1e-2)  # the steps moved the weights
+    if api == "tensor_parallel":  # rank 1 was given a directory without safetensors: both raised
+        errors = [r[2] for r in results]
+        assert errors[1].startswith("FileNotFoundError") and "neither model.safetensors" in errors[1], errors[1]
+        assert errors[0].startswith("RuntimeError: hf.load_pretrained failed on 1 rank(s): rank 1: "
+                                    "FileNotFoundError"), errors[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_every_family_loads_unparallelized_from_meta(tmp_path, family):
+    """One process, no torch.distributed: the rotary buffers (`inv_freq`, not in the files; Mistral's
+    rope_theta is not the default) come from the model's constructor."""
+    from parallel_layers import hf
+
+    _save(family, tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = hf.load_pretrained(tmp_path, _on_meta(tmp_path), device="cpu")
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    for name, buf in reference.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buf), name
+    with torch.no_grad():
+        assert torch.equal(model(_probe()).logits, reference(_probe()).logits)
+    if family == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+
+
+def test_errors_name_the_values(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from parallel_layers import hf
+
+    _save("llama", tmp_path / "llama")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json.*"
+                                                r"config\.json"):
+        hf.load_pretrained(tmp_path / "empty", _on_meta(tmp_path / "llama"))
+
+    # a tensor missing from the file
+    state = load_file(tmp_path / "llama" / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, tmp_path / "llama" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=r"no tensor for \['model\.layers\.1\.mlp\.up_proj\.weight'\]"):
+        hf.load_pretrained(tmp_path / "llama", _on_meta(tmp_path / "llama"), device="cpu")
+
+    # a model whose shapes differ from the file's
+    _save("llama", tmp_path / "llama")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "llama")
+    config.intermediate_size = 48
+    with torch.device("meta"):
+        other = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: \(64, 32\) in "
+                                         r"model\.safetensors, the model's model\.layers\.0\.mlp\.gate_proj\.weight "
+                                         r"expects \(48, 32\)"):
+        hf.load_pretrained(tmp_path / "llama", other, device="cpu")
+
+
+def test_pipelined_layouts_are_refused(tmp_path):
+    from parallel_layers import hf
+    from parallel_layers.parallelize import Parallelized
+
+    _save("llama", tmp_path)
+    par = Parallelized(module=_on_meta(tmp_path), optimizer=None, prefix="", pipeline=object(), loss_fn=_loss,
+                       ctx=None)
+    with pytest.raises(NotImplementedError, match=r"pipelined layout .* not supported yet; supported: tensor "
+                                                  r"parallel, ZeRO 1-3 and DataParallel at pp=1"):
+        hf.load_pretrained(tmp_path, par)
+
+
+def test_materialize_keeps_identity_attributes_and_hooks():
+    """Note [materialize in place]: what refers to a meta tensor still does after materialize."""
+    from parallel_layers import meta
+
+    with torch.device("meta"):
+        layer = torch.nn.Linear(3, 2)
+    weight, calls = layer.weight, []
+    weight.tp_shard = "kept"
+    weight.register_hook(lambda g: calls.append("grad hook") or g * 2)
+    handle = weight.register_post_accumulate_grad_hook(lambda p: calls.append("post-accumulate hook"))
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    meta.materialize(layer, "cpu")
+    assert layer.weight is weight and opt.param_groups[0]["params"][0] is weight and weight.tp_shard == "kept"
+    assert weight.device.type == "cpu" and not layer.bias.is_meta
+    with torch.no_grad():
+        weight.fill_(1.0)
+        layer.bias.zero_()
+    layer(torch.ones(1, 3)).sum().backward()
+    assert calls == ["grad hook", "post-accumulate hook"] and torch.equal(weight.grad, torch.full((2, 3), 2.0))
+    handle.remove()  # the handles still work
+    layer(torch.ones(1, 3)).sum().backward()
+    assert calls == ["grad hook", "post-accumulate hook", "grad hook"]
+
+
+def _load_with_one_bad_rank(rank, model, directory):
+    """Rank 1 loads from a directory without safetensors: what each rank raised, or None.
+    Without the agreement rank 0 would wait in the load's collectives until the run's timeout."""
+    from parallel_layers import hf
+
+    bad = os.path.join(directory, "no-weights")
+    try:
+        hf.load_pretrained(bad if rank == 1 else directory, model, device="cpu")
+    except Exception as e:  # noqa: BLE001 - what each rank raised comes back
+        return f"{type(e).__name__}: {e}"
+    return None
