@@ -114,6 +114,7 @@ class Parallelized:
 
 def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[list], torch.optim.Optimizer],
                 loss_fn: Callable[[Tensor, Tensor], Tensor], tp_plan: dict | str | None = None,
+                sequence_parallel: bool = False,
                 activation_checkpointing: str | None = None, zero_stage: int = 0,
                 wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
@@ -130,7 +131,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     layer list (dotted), or "auto" for a Hugging Face causal LM (with
     loss_fn=parallel_layers.pipeline.hf.causal_lm_loss); schedule, microbatches (default 2 * pp with a
     pipeline, else 1), virtual stages per rank (default 2 for "interleaved", else 1) and
-    split_points are those of PipelineStages / PipelineParallel.
+    split_points are those of PipelineStages / PipelineParallel. sequence_parallel: with a
+    tp_plan on a Hugging Face decoder, its activations between the TP regions are split on the
+    sequence (tensor_parallel/hf_sequence_parallel.py); not with a pipeline.
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -146,10 +149,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if pipelined and pipeline_layers is None:
         raise ValueError(f"a pipeline (pp={pp}, microbatches={microbatches}) needs pipeline_layers=, the name of the "
                          "model's attribute holding its list of layers (e.g. 'layers')")
+    if sequence_parallel and (tp_plan is None or pipelined):
+        # a stage boundary carries full-length hidden states, and the pipeline's Hugging Face
+        # layers rebuild positions and the mask from their length (pipeline/hf.py)
+        raise ValueError(f"parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
+                         f"tensor-parallel regions) and no pipeline; got {'no' if tp_plan is None else 'a'} "
+                         f"tp_plan, pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
 
     # 1. tensor parallelism
     if tp_plan is not None:
-        tp_plan_module.parallelize(model, None if tp_plan == "auto" else tp_plan, tp_group=ctx.tp_group)
+        tp_plan_module.parallelize(model, None if tp_plan == "auto" else tp_plan, tp_group=ctx.tp_group,
+                                   sequence_parallel=sequence_parallel)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)

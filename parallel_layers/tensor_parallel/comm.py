@@ -1,16 +1,22 @@
 """Collectives of the tensor-parallel region, each one autograd Function.
 
-Layout conventions: activations are [seq, batch, hidden] (Megatron's order) so that the
-sequence-parallel split is on dim 0 and every chunk is contiguous; tensor-parallel splits
-are on the last dim (hidden). Every function is the identity at group size 1.
+Layout conventions: tensor-parallel splits are on the last dim (hidden). The sequence-parallel
+split is on `seq_dim`: 0 for Megatron's [seq, batch, hidden] (the default; every chunk is
+contiguous), 1 for Hugging Face's [batch, seq, hidden] (Note [strided sequence chunks]). Every
+function is the identity at group size 1.
 
   copy_to_tp            identity forward,            all-reduce backward
   reduce_from_tp        all-reduce forward,          identity backward
   scatter_to_tp         split last dim forward,      all-gather last dim backward
   gather_from_tp        all-gather last dim forward, split last dim backward
-  gather_from_sp        all-gather dim 0 forward,    reduce-scatter dim 0 backward
-  reduce_scatter_to_sp  reduce-scatter dim 0 forward, all-gather dim 0 backward
-  scatter_to_sp         split dim 0 forward,         all-gather dim 0 backward
+  gather_from_sp        all-gather seq_dim forward,  reduce-scatter seq_dim backward (the
+                        consumer is tensor-parallel: each rank's gradient is a partial sum);
+                        with replicated_consumer=True, split seq_dim backward (the consumer
+                        repeats the same full-sequence compute on every rank, e.g. an LM head,
+                        so every rank's gradient is already the whole one: summing would
+                        multiply it by tp)
+  reduce_scatter_to_sp  reduce-scatter seq_dim forward, all-gather seq_dim backward
+  scatter_to_sp         split seq_dim forward,       all-gather seq_dim backward
 
 The lower-level helpers (`all_reduce`, `all_gather`, `reduce_scatter`) are what the layers'
 own autograd Functions call, with `async_op=True` where backward overlaps communication.
@@ -18,6 +24,7 @@ own autograd Functions call, with `async_op=True` where backward overlaps commun
 
 from __future__ import annotations
 
+import math
 
 import torch
 import torch.distributed as dist
@@ -56,29 +63,56 @@ def all_reduce(x: Tensor, group, async_op: bool = False):
         return dist.all_reduce(x, group=group, async_op=async_op)
 
 
+# Note [strided sequence chunks]: the collectives move rank-major buffers: rank r's chunk is
+# the r-th contiguous block. Viewing a tensor as [outer, ws, chunk, inner] around the split dim
+# (outer = the product of the dims before it, inner = of those after it) puts rank r's chunk at
+# [:, r]. When outer is 1 - dim 0, or a batch of one in [batch, seq, hidden] - that view IS the
+# rank-major buffer and nothing is copied. Otherwise the all-gather lands in a rank-major
+# buffer and one strided copy writes it into the preallocated [outer, ws * chunk, inner]
+# output (no cat of chunk lists, no transpose of the activation around the collective), and
+# the reduce-scatter makes its rank-major input with one strided copy; its output, this rank's
+# [outer, chunk, inner], is already in place. Outputs are contiguous, as the fused ops need.
+def _outer(shape, dim: int) -> int:
+    """The element count of the dims before `dim` (Note [strided sequence chunks])."""
+    return math.prod(shape[:dim])
+
+
 def all_gather(x: Tensor, dim: int, group) -> Tensor:
-    """Concatenate every rank's `x` along `dim` (rank order)."""
+    """Concatenate every rank's `x` along `dim` (rank order); contiguous."""
     ws = group_size(group)
     if ws == 1:
         return x
+    dim = dim % x.dim()
     check_agreement(f"all_gather(dim={dim})", x, group)
     x = x.contiguous()
-    out = x.new_empty((ws * x.shape[0], *x.shape[1:]))  # rank-major along dim 0
+    outer = _outer(x.shape, dim)
+    buf = x.new_empty((ws * x.shape[0], *x.shape[1:]))  # rank-major: rank r's x is the r-th block
     with fault.collective("all_gather", group):
-        dist.all_gather_single(out, x, group=group)
-    return out if dim == 0 else torch.cat(out.chunk(ws, 0), dim=dim)
+        dist.all_gather_single(buf, x, group=group)
+    shape = (*x.shape[:dim], ws * x.shape[dim], *x.shape[dim + 1:])
+    if outer == 1:  # the rank-major buffer is the result (Note [strided sequence chunks])
+        return buf.view(shape)
+    out = x.new_empty(shape)
+    out.view(outer, ws, -1).copy_(buf.view(ws, outer, -1).transpose(0, 1))
+    return out
 
 
-def reduce_scatter(x: Tensor, group, async_op: bool = False):
-    """Sum `x` over the group and keep this rank's chunk of dim 0: (out, handle or None)."""
+def reduce_scatter(x: Tensor, group, async_op: bool = False, dim: int = 0):
+    """Sum `x` over the group and keep this rank's chunk of `dim`: (out, handle or None); out
+    is contiguous."""
     ws = group_size(group)
-    if x.shape[0] % ws:
-        raise ValueError(f"cannot reduce-scatter dim 0 of size {x.shape[0]} evenly over {ws} ranks "
+    dim = dim % x.dim()
+    if x.shape[dim] % ws:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} evenly over {ws} ranks "
                          f"(shape {tuple(x.shape)}); under sequence parallelism the sequence length must "
                          f"divide by the tensor-parallel size")
-    check_agreement("reduce_scatter", x, group)
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] // ws, *x.shape[1:]))
+    check_agreement("reduce_scatter" if dim == 0 else f"reduce_scatter(dim={dim})", x, group)
+    outer = _outer(x.shape, dim)
+    chunk = (*x.shape[:dim], x.shape[dim] // ws, *x.shape[dim + 1:])
+    # the rank-major input (Note [strided sequence chunks]); this rank's block of it is `chunk`
+    x = x.contiguous() if outer == 1 else x.reshape(outer, ws, -1).transpose(0, 1).contiguous()
+    x = x.view(ws * chunk[0], *chunk[1:])  # the shape the collective checks: ws blocks of `chunk`
+    out = x.new_empty(chunk)
     with fault.collective("reduce_scatter", group):
         handle = dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
     return out, handle
@@ -144,35 +178,37 @@ class _GatherFromTP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, 0, group)
+    def forward(ctx, x, group, seq_dim, replicated_consumer):
+        ctx.group, ctx.seq_dim, ctx.replicated_consumer = group, seq_dim, replicated_consumer
+        return all_gather(x, seq_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group)[0], None
+        if ctx.replicated_consumer:  # every rank holds the same whole gradient: keep this rank's chunk
+            return split(grad, ctx.seq_dim, ctx.group), None, None, None
+        return reduce_scatter(grad, ctx.group, dim=ctx.seq_dim)[0], None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, group)[0]
+    def forward(ctx, x, group, seq_dim):
+        ctx.group, ctx.seq_dim = group, seq_dim
+        return reduce_scatter(x, group, dim=seq_dim)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, 0, ctx.group), None
+        return all_gather(grad, ctx.seq_dim, ctx.group), None, None
 
 
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, 0, group)
+    def forward(ctx, x, group, seq_dim):
+        ctx.group, ctx.seq_dim = group, seq_dim
+        return split(x, seq_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, 0, ctx.group), None
+        return all_gather(grad, ctx.seq_dim, ctx.group), None, None
 
 
 def _identity_at_size_one(fn):
@@ -186,6 +222,22 @@ copy_to_tp = _identity_at_size_one(_CopyToTP)
 reduce_from_tp = _identity_at_size_one(_ReduceFromTP)
 scatter_to_tp = _identity_at_size_one(_ScatterToTP)
 gather_from_tp = _identity_at_size_one(_GatherFromTP)
-gather_from_sp = _identity_at_size_one(_GatherFromSP)
-reduce_scatter_to_sp = _identity_at_size_one(_ReduceScatterToSP)
-scatter_to_sp = _identity_at_size_one(_ScatterToSP)
+
+
+def gather_from_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: int = 0, *,
+                   replicated_consumer: bool = False) -> Tensor:
+    """All-gather the sequence (`seq_dim`); backward reduce-scatters the gradient, or, with
+    replicated_consumer=True, keeps this rank's chunk of it (see the module doc)."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromSP.apply(x, group, seq_dim % x.dim(), replicated_consumer)
+
+
+def reduce_scatter_to_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: int = 0) -> Tensor:
+    """Sum over the group and keep this rank's chunk of the sequence; backward all-gathers."""
+    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, seq_dim % x.dim())
+
+
+def scatter_to_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: int = 0) -> Tensor:
+    """This rank's chunk of the sequence of a replicated `x`; backward all-gathers."""
+    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group, seq_dim % x.dim())

@@ -1,12 +1,17 @@
 """Megatron-style tensor-parallel linear layers as plain modules over plain tensors.
 
 Shapes: x [..., in] for the column layer, [..., in / tp] for the row layer (input_is_parallel).
-With sequence parallelism, activations are [seq, batch, hidden] and sharded on dim 0 (seq)
-outside the column -> row pair, and whole inside it.
+With sequence parallelism, activations are sharded on the sequence dim `seq_dim` outside the
+column -> row pair, and whole inside it: dim 0 for [seq, batch, hidden] (the default), 1 for
+Hugging Face's [batch, seq, hidden] (comm.py, Note [strided sequence chunks]).
 
   ColumnParallelLinear  weight [out / tp, in]: y_r = act(x A_r^T + b_r), output sharded on
                         the last dim. Backward all-reduces (SP: reduce-scatters) grad-input,
                         launched asynchronously and overlapped with the weight-gradient GEMM.
+                        SP with gathered_input=True: the module holding the layer gathered
+                        the sequence once for all its column layers (q, k and v read one
+                        input), so the layer neither gathers nor reduces: its input gradient
+                        is a partial sum that the gather's backward reduce-scatters.
   RowParallelLinear     weight [out, in / tp]: partial outputs all-reduced (SP:
                         reduce-scattered); the replicated bias is added once, after.
 
@@ -88,8 +93,10 @@ class _ColumnLinear(torch.autograd.Function):
     """y = act(gather_sp(x) @ W^T + b); backward overlaps the grad-input collective with dW."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, approximate, group, sequence_parallel):
-        x_full = comm.all_gather(x, 0, group) if sequence_parallel else x
+    def forward(ctx, x, weight, bias, approximate, group, input_comm, seq_dim):
+        # input_comm: "all_reduce" (replicated input), "sequence" (gather the sequence here,
+        # reduce-scatter the input gradient) or "none" (gathered before; gradient left partial)
+        x_full = comm.all_gather(x, seq_dim, group) if input_comm == "sequence" else x
         needs_grad = any(ctx.needs_input_grad[:3])
         if approximate is None:
             y, preact = F.linear(x_full, weight, bias), None
@@ -97,7 +104,7 @@ class _ColumnLinear(torch.autograd.Function):
             y, preact = linear_gelu_forward(x_full, weight, bias, approximate, needs_grad)
         if needs_grad:
             ctx.save_for_backward(x_full, weight, preact)
-        ctx.approximate, ctx.group, ctx.sequence_parallel = approximate, group, sequence_parallel
+        ctx.approximate, ctx.group, ctx.input_comm, ctx.seq_dim = approximate, group, input_comm, seq_dim
         ctx.has_bias = bias is not None
         return y
 
@@ -114,34 +121,34 @@ class _ColumnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (dz2 @ weight).view(x_full.shape)
             if comm.group_size(ctx.group) > 1:  # overlapped with the weight-gradient GEMM below
-                if ctx.sequence_parallel:
-                    dx, handle = comm.reduce_scatter(dx, ctx.group, async_op=True)
-                else:
+                if ctx.input_comm == "sequence":
+                    dx, handle = comm.reduce_scatter(dx, ctx.group, async_op=True, dim=ctx.seq_dim)
+                elif ctx.input_comm == "all_reduce":
                     handle = comm.all_reduce(dx, ctx.group, async_op=True)
         dw = linear_weight_grad(dz2, x_full.reshape(-1, k)) if ctx.needs_input_grad[1] else None
         db = db if ctx.has_bias and ctx.needs_input_grad[2] else None
-        fault.wait(handle, "ColumnParallelLinear backward " + ("reduce_scatter" if ctx.sequence_parallel else
+        fault.wait(handle, "ColumnParallelLinear backward " + ("reduce_scatter" if ctx.input_comm == "sequence" else
                                                                   "all_reduce"), ctx.group)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class _RowLinear(torch.autograd.Function):
-    """y = reduce(x @ W^T) over the TP group (SP: reduce-scatter on dim 0), + bias after the
+    """y = reduce(x @ W^T) over the TP group (SP: reduce-scatter on seq_dim), + bias after the
     reduction, added in place to the collective's fresh output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim):
         partial = F.linear(x, weight)
         if comm.group_size(group) > 1:
             if sequence_parallel:
-                partial, _ = comm.reduce_scatter(partial, group)
+                partial, _ = comm.reduce_scatter(partial, group, dim=seq_dim)
             else:
                 comm.all_reduce(partial, group)
         if bias is not None:
             partial.add_(bias)
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.group, ctx.sequence_parallel, ctx.seq_dim = group, sequence_parallel, seq_dim
         return partial
 
     @staticmethod
@@ -150,13 +157,19 @@ class _RowLinear(torch.autograd.Function):
         # (reduce_grad_over_tp) sums it over the group.
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
         if not any(ctx.needs_input_grad[:2]):  # only the bias trains: nothing was saved
-            return None, None, db, None, None
+            return None, None, db, None, None, None
         x, weight = ctx.saved_tensors
-        d = comm.all_gather(dy, 0, ctx.group) if ctx.sequence_parallel else dy
+        d = comm.all_gather(dy, ctx.seq_dim, ctx.group) if ctx.sequence_parallel else dy
         d2 = d.reshape(-1, weight.shape[0])
         dx = (d2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         dw = linear_weight_grad(d2, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
+
+
+def _check_seq_dim(seq_dim, layer: str) -> None:
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise TypeError(f"{layer}: seq_dim must be an int (0 for [seq, batch, hidden], 1 for [batch, seq, hidden]), "
+                        f"got {seq_dim!r}")
 
 
 def _check_input(x: Tensor, expected: int, layer: str, what: str) -> None:
@@ -196,8 +209,8 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
-                 activation: str | None = None, sequence_parallel: bool = False,
-                 tp_group: dist.ProcessGroup | None = None, device=None, dtype=None,
+                 activation: str | None = None, sequence_parallel: bool = False, seq_dim: int = 0,
+                 gathered_input: bool = False, tp_group: dist.ProcessGroup | None = None, device=None, dtype=None,
                  init_method: Callable[[Tensor], None] | None = None, fused_sizes: tuple[int, ...] | None = None,
                  _full: tuple[Tensor, Tensor | None] | None = None):
         super().__init__()
@@ -206,6 +219,11 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True with sequence_parallel=True is not supported: under sequence "
                              "parallelism the column output feeds a RowParallelLinear")
+        if gathered_input and not sequence_parallel:
+            raise ValueError("gathered_input=True needs sequence_parallel=True: it says the sequence was gathered "
+                             "before this layer (comm.gather_from_sp), whose backward reduce-scatters the input "
+                             "gradient that this layer leaves partial")
+        _check_seq_dim(seq_dim, "ColumnParallelLinear")
         check_size(in_features, "ColumnParallelLinear in_features")
         check_size(out_features, "ColumnParallelLinear out_features")
         tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
@@ -216,6 +234,7 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
             raise ValueError(f"fused_sizes {fused_sizes} sum to {sum(fused_sizes)}, not out_features {out_features}")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.seq_dim, self.gathered_input = seq_dim, gathered_input
         self.activation, self.tp_group, self.fused_sizes = activation, tp_group, fused_sizes
         weight, b = _full if _full is not None else _init_full(out_features, in_features, bias, device, dtype,
                                                                 init_method)
@@ -225,34 +244,40 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features, "ColumnParallelLinear", "in_features")
         x, weight, bias = linear_autocast_inputs(x, self.weight, self.bias)
-        y = _ColumnLinear.apply(x, weight, bias, _ACTIVATIONS[self.activation], self.tp_group,
-                                self.sequence_parallel and comm.group_size(self.tp_group) > 1)
+        input_comm = "all_reduce"
+        if self.sequence_parallel and comm.group_size(self.tp_group) > 1:
+            input_comm = "none" if self.gathered_input else "sequence"
+        y = _ColumnLinear.apply(x, weight, bias, _ACTIVATIONS[self.activation], self.tp_group, input_comm,
+                                self.seq_dim % x.dim())
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         tp = comm.group_size(self.tp_group)
         return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
                 f"tp={tp}, bias={self.bias is not None}, activation={self.activation}, "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+                + (f", seq_dim={self.seq_dim}, gathered_input={self.gathered_input}" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(_LinearConversions, nn.Module):
     """Linear layer with its input features split over the TP group (see the module doc)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, tp_group: dist.ProcessGroup | None = None, device=None,
-                 dtype=None, init_method: Callable[[Tensor], None] | None = None,
+                 sequence_parallel: bool = False, seq_dim: int = 0, tp_group: dist.ProcessGroup | None = None,
+                 device=None, dtype=None, init_method: Callable[[Tensor], None] | None = None,
                  _full: tuple[Tensor, Tensor | None] | None = None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True requires input_is_parallel=True (the input comes from a "
                              "ColumnParallelLinear)")
+        _check_seq_dim(seq_dim, "RowParallelLinear")
         check_size(in_features, "RowParallelLinear in_features")
         check_size(out_features, "RowParallelLinear out_features")
         tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
         check_divisible(in_features, tp, "RowParallelLinear in_features")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel, self.tp_group = input_is_parallel, sequence_parallel, tp_group
+        self.seq_dim = seq_dim
         weight, b = _full if _full is not None else _init_full(out_features, in_features, bias, device, dtype,
                                                                 init_method)
         self.weight = sharded_parameter(weight, 1, tp, rank)
@@ -268,10 +293,12 @@ class RowParallelLinear(_LinearConversions, nn.Module):
             _check_input(x, self.in_features, "RowParallelLinear", "in_features")
             x = comm.scatter_to_tp(x, self.tp_group)
         x, weight, bias = linear_autocast_inputs(x, self.weight, self.bias)
-        return _RowLinear.apply(x, weight, bias, self.tp_group, self.sequence_parallel and tp > 1)
+        return _RowLinear.apply(x, weight, bias, self.tp_group, self.sequence_parallel and tp > 1,
+                                self.seq_dim % x.dim())
 
     def extra_repr(self) -> str:
         tp = comm.group_size(self.tp_group)
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
                 f"tp={tp}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else ""))

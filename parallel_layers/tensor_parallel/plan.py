@@ -38,6 +38,11 @@ Everything that is not in the plan stays replicated; with tensor parallelism alo
 gradients are identical on every rank, so replicated parameters stay in sync.
 
 Without a plan, a Hugging Face model's published one is used (Note [published plans]).
+
+sequence_parallel=True (Hugging Face Llama, Mistral, Qwen2 and GPT-2 decoders, activations
+[batch, seq, hidden]): between the attention and MLP regions each rank holds 1 / tp of the
+sequence; the split, the gathers and the gradient sums are hf_sequence_parallel.py's (Note [hf
+sequence parallel boundaries]).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch.nn as nn
 
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel import hf_sequence_parallel
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
 
@@ -195,9 +201,15 @@ def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int,
         parent.split_size //= tp
 
 
-def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.ProcessGroup | None = None) -> nn.Module:
+def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.ProcessGroup | None = None, *,
+                sequence_parallel: bool = False) -> nn.Module:
     """Replace the modules named by `plan` with tensor-parallel layers (see the module doc);
-    plan=None: the model's published plan (Note [published plans])."""
+    plan=None: the model's published plan (Note [published plans]). sequence_parallel=True:
+    a Hugging Face decoder's activations between the regions split on the sequence (Note [hf
+    sequence parallel boundaries])."""
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"parallelize: sequence_parallel must be True or False, got {sequence_parallel!r}")
+    sp_layout = hf_sequence_parallel.find_layout(model) if sequence_parallel else None
     if plan is None:
         plan = published_plan(model)
     if not isinstance(plan, Mapping):
@@ -219,6 +231,9 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     for name, spec in targets.items():  # checked before any module is replaced
         if spec == _FUSED:
             _check_fused_activation(model, name, modules[name], targets)
+    if sp_layout is not None:
+        hf_sequence_parallel.check_plan(model, sp_layout, targets, lambda spec: isinstance(spec, Column),
+                                        lambda spec: isinstance(spec, Row))
     fixed_parents: set = set()
     for name, spec in targets.items():
         module = modules[name]
@@ -232,16 +247,22 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             continue
         weight, bias = _as_linear_weights(module)
         out_features, in_features = weight.shape
+        # inside a decoder layer under SP: the region gathers the sequence for its column layers,
+        # the row layers reduce-scatter it (Note [hf sequence parallel boundaries])
+        sp = dict(sequence_parallel=True, seq_dim=hf_sequence_parallel.SEQ_DIM) \
+            if sp_layout is not None and sp_layout.holds(name) else {}
         if isinstance(spec, Column):
             fused = _fused_sizes(spec.fused, out_features, name)
             _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)
             layer = ColumnParallelLinear(
                 in_features, out_features, bias is not None, tp_group=tp_group, gather_output=spec.gather_output,
-                activation=spec.activation, fused_sizes=fused, _full=(weight, bias))
+                activation=spec.activation, fused_sizes=fused, _full=(weight, bias), gathered_input=bool(sp), **sp)
         else:
             layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
-                                      input_is_parallel=spec.input_is_parallel, _full=(weight, bias))
+                                      input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
         setattr(parent, child, layer)
+    if sp_layout is not None:
+        hf_sequence_parallel.apply(model, sp_layout, tp_group)
     return model
 
 

@@ -111,3 +111,44 @@ def test_group_this_rank_is_not_in():
     results = run_distributed(_not_a_member, 3)
     assert results[:2] == ["member", "member"]
     assert results[2].startswith("rank 2 is not a member of the given process group (its ranks are [0, 1])")
+
+
+def _check_seq_dim_one(rank, ws):
+    """The sequence collectives on [batch, seq, hidden] (seq_dim=1): a batch of two (the strided
+    copy of Note [strided sequence chunks]) and of one (the rank-major buffer itself)."""
+    group = dist.group.WORLD
+    results = {}
+    for batch in (2, 1):
+        full = torch.arange(batch * 2.0 * ws * 3).reshape(batch, 2 * ws, 3)  # the same on every rank
+        chunk = full.chunk(ws, 1)[rank]
+        own = full * (rank + 1)  # a gradient that differs between ranks
+        total = ws * (ws + 1) / 2
+
+        x = chunk.clone().requires_grad_()
+        y = comm.gather_from_sp(x, group, seq_dim=1)
+        y.backward(own)  # partial gradients: reduce-scattered
+        results[f"gather b{batch}"] = (torch.equal(y, full) and y.is_contiguous()
+                                       and torch.equal(x.grad, total * chunk))
+
+        x = chunk.clone().requires_grad_()
+        y = comm.gather_from_sp(x, group, 1, replicated_consumer=True)
+        y.backward(own)  # this rank's chunk of its own gradient, nothing summed
+        results[f"gather replicated b{batch}"] = torch.equal(x.grad, own.chunk(ws, 1)[rank])
+
+        x = own.clone().requires_grad_()
+        y = comm.reduce_scatter_to_sp(x, group, seq_dim=-2)
+        y.backward(chunk * (rank + 1))  # all-gathered: rank r's chunk scaled by r + 1
+        want_grad = torch.cat([c * (r + 1) for r, c in enumerate(full.chunk(ws, 1))], dim=1)
+        results[f"reduce_scatter b{batch}"] = (torch.equal(y, total * chunk) and y.is_contiguous()
+                                               and torch.equal(x.grad, want_grad))
+
+        x = full.clone().requires_grad_()
+        y = comm.scatter_to_sp(x, group, seq_dim=1)
+        y.backward(chunk * (rank + 1))
+        results[f"scatter b{batch}"] = torch.equal(y, chunk) and torch.equal(x.grad, want_grad)
+    return results
+
+
+def test_sequence_collectives_on_dim_one():
+    for rank, results in enumerate(run_distributed(_check_seq_dim_one, 3)):
+        assert len(results) == 8 and all(results.values()), (rank, results)

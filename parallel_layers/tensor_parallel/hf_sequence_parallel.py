@@ -1,0 +1,205 @@
+"""Sequence parallelism for Hugging Face decoders, whose activations are [batch, seq, hidden].
+
+    tensor_parallel.parallelize(model, tp_group=ctx.tp_group, sequence_parallel=True)
+
+Megatron's sequence parallelism (Korthikanti et al., 2022): between the tensor-parallel
+regions - the residual stream, the norms - each rank of the TP group holds seq / tp positions
+of the sequence instead of all of them; every region (attention, MLP) gathers the sequence at
+its entry and its row layers reduce-scatter it back at its exit, in place of their all-reduce.
+Same communication volume as plain TP (an all-reduce is a reduce-scatter + an all-gather),
+1 / tp of the activation memory and of the norm / residual compute outside the regions. The
+sequence is dim 1 here (`SEQ_DIM`); the layers and collectives take it as `seq_dim` (comm.py,
+Note [strided sequence chunks]).
+
+Note [hf sequence parallel boundaries]: where the sequence is split and gathered, read off the
+forward of each supported family (transformers 5.23, `FAMILIES`):
+
+  - Split at the input of the first decoder layer (a forward pre-hook), not at the embedding:
+    the base model's forward computes position ids / cache positions, the rotary cos / sin
+    (Llama family) or adds the learned positions (GPT-2), and builds the causal mask, all from
+    the embedding output's sequence length, before the first layer. Splitting later keeps them
+    full-length; the layers receive them as arguments and hand them to attention untouched.
+    Backward of the split: all-gather (the embedding above is replicated compute).
+  - Gather at the entry of each region - the module that holds the column layers, `self_attn`
+    / `mlp` (Llama family), `attn` / `mlp` (GPT-2) - with a forward pre-hook: attention reads
+    the sequence length from its input (`input_shape = hidden_states.shape[:-1]`) to shape its
+    heads, so it must see the whole sequence; it then applies the full-length rotary cos / sin
+    and mask to the full-length q and k. One all-gather serves every column layer of the region
+    (q, k and v read one input), so those layers are `gathered_input=True`: no gather of their
+    own, and their input gradients stay partial (each rank's heads); the region input is read by
+    nothing else in these families, so the gather's backward reduce-scatters the sum.
+  - Exit: the region's row layers (`o_proj` / `down_proj`, GPT-2's `c_proj`s) reduce-scatter on
+    the sequence dim instead of all-reducing (backward: all-gather).
+  - Gather at the output of the final norm (a forward hook): the head computes the logits and
+    the loss of the whole sequence on every rank (a replicated head, or the column head that
+    gathers its output), so every rank's gradient of the gathered tensor is the whole, same one:
+    its backward keeps this rank's chunk (`replicated_consumer=True`); a reduce-scatter would
+    multiply it by tp.
+
+What is summed over tp: every replicated parameter of the decoder layers and of the final norm
+sees only this rank's positions, so its gradient is a partial sum (`reduce_grad_over_tp`): the
+RMSNorm / LayerNorm weights and biases, and the row biases (added after the reduce-scatter;
+`RowParallelLinear` registers them itself). The column and row weights (and column biases) see
+the whole sequence of their own shard and need nothing; the embedding and the head sit outside
+the split and are replicated compute.
+
+The sequence length must divide by tp; the split checks it with the input's shape, which every
+rank of the TP group shares, so every rank raises the same error. Requirements checked before
+anything is converted: a supported family (another family's forward may read the sequence
+length elsewhere, so it is refused by name rather than run wrongly), no cross-attention, and
+every linear layer of the decoder layers in the plan, the column layers of a region in a module
+below the decoder layer (the region) beside its row layers - a linear left replicated would run
+on a chunk, or read a gathered input as replicated compute.
+
+Not covered: hidden states recorded with `output_hidden_states=True` are the per-rank chunks
+between layers; dropout inside the split draws each rank's mask for its own positions (the
+parity tests use none); generation one token at a time cannot split a length of 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, reduce_grad_over_tp
+
+SEQ_DIM = 1  # [batch, seq, hidden]
+
+# model_type -> (decoder layer list, final norm), attribute names on the base model; each one's
+# forward read (Note [hf sequence parallel boundaries]) and parity-tested
+# (tests/tensor_parallel/test_sequence_parallel_hf.py).
+FAMILIES = {
+    "llama": ("layers", "norm"),
+    "mistral": ("layers", "norm"),
+    "qwen2": ("layers", "norm"),
+    "gpt2": ("h", "ln_f"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Module names (as in `model.named_modules()`) of the decoder layers and the final norm."""
+
+    layers: tuple[str, ...]
+    final_norm: str
+
+    def holds(self, name: str) -> bool:
+        """Is `name` a module inside a decoder layer (where the sequence is split)?"""
+        return any(name.startswith(layer + ".") for layer in self.layers)
+
+
+def find_layout(model: nn.Module) -> Layout:
+    """The decoder layers and final norm of a supported family; refuses anything else."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(f"parallelize: sequence_parallel=True supports the Hugging Face decoders whose forward was "
+                         f"checked for it, model_type in {sorted(FAMILIES)}; {type(model).__name__} has model_type "
+                         f"{family!r}. Use sequence_parallel=False (plain tensor parallelism) for it")
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(f"parallelize: sequence_parallel=True does not support cross-attention "
+                         f"({type(model).__name__} has config.add_cross_attention=True): the encoder states are not "
+                         "split on the sequence")
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, model) if prefix else model
+    base_name = prefix if base is not model else ""
+    layers_attr, norm_attr = FAMILIES[family]
+    layers, norm = getattr(base, layers_attr, None), getattr(base, norm_attr, None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not isinstance(norm, nn.Module):
+        raise ValueError(f"parallelize: sequence_parallel=True expects {type(model).__name__} ({family}) to hold its "
+                         f"decoder layers in {_join(base_name, layers_attr)} (a non-empty nn.ModuleList) and its final "
+                         f"norm in {_join(base_name, norm_attr)}, as transformers builds it")
+    return Layout(tuple(_join(base_name, layers_attr, str(i)) for i in range(len(layers))),
+                  _join(base_name, norm_attr))
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_row) -> None:
+    """Before any conversion: every linear of the decoder layers is in the plan, and each column
+    layer's parent (its region) sits below the decoder layer and holds row layers too."""
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if layout.holds(name) and _is_linear(module) and name not in targets:
+            raise ValueError(f"parallelize: sequence_parallel=True needs every linear layer of the decoder layers in "
+                             f"the tensor-parallel plan (attention and MLP run on the gathered sequence between a "
+                             f"column and a row layer); {name} ({type(module).__name__}) is not in it")
+    regions = {}
+    for name, spec in targets.items():
+        if not layout.holds(name):
+            continue
+        parent = name.rpartition(".")[0]
+        if is_column(spec):
+            if parent in layout.layers:
+                raise ValueError(f"parallelize: sequence_parallel=True gathers the sequence at the module holding "
+                                 f"the column layers (attention, MLP); {name} sits directly in the decoder layer "
+                                 f"{parent}, whose input is the split sequence")
+            regions.setdefault(parent, [0, 0])[0] += 1
+        elif is_row(spec):
+            regions.setdefault(parent, [0, 0])[1] += 1
+    for region, (columns, rows) in regions.items():
+        if not columns or not rows:
+            raise ValueError(f"parallelize: sequence_parallel=True needs each region ({region}) to hold both its "
+                             f"column layers (which read the gathered sequence) and its row layers (which "
+                             f"reduce-scatter it); {region} has {columns} column and {rows} row layer(s) in the plan")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) -> None:
+    """After conversion: the split, the gathers and the gradient sums of Note [hf sequence
+    parallel boundaries]."""
+    modules = dict(model.named_modules())
+    first = modules[layout.layers[0]]
+    first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0])),
+                                    with_kwargs=True)
+    regions = {name.rpartition(".")[0] for name, m in modules.items()
+               if layout.holds(name) and isinstance(m, ColumnParallelLinear)}
+    for region in sorted(regions):
+        modules[region].register_forward_pre_hook(
+            _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)
+    modules[layout.final_norm].register_forward_hook(
+        lambda m, args, out: comm.gather_from_sp(out, tp_group, SEQ_DIM, replicated_consumer=True))
+    for name in (*layout.layers, layout.final_norm):
+        for p in modules[name].parameters():
+            if not hasattr(p, "tp_shard"):  # replicated: norms, row biases (Note [hf sequence parallel boundaries])
+                reduce_grad_over_tp(p, tp_group)
+    model._pl_sequence_parallel = layout  # read by the tests and by repr-level inspection
+
+
+def _on_hidden_states(fn):
+    """A forward pre-hook (with kwargs) replacing the module's hidden states - its first
+    positional argument, or the `hidden_states` keyword as Llama-family layers pass it."""
+    def hook(module, args, kwargs):
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        raise TypeError(f"sequence parallelism: {type(module).__name__} was called without hidden states (no "
+                        f"positional argument, no hidden_states=); got keywords {sorted(kwargs)}")
+    return hook
+
+
+def _split(x: Tensor, tp_group, layer_name: str) -> Tensor:
+    tp = comm.group_size(tp_group)
+    if x.dim() != 3:
+        raise ValueError(f"sequence parallelism splits dim {SEQ_DIM} of the [batch, seq, hidden] hidden states "
+                         f"entering {layer_name}, but they have shape {tuple(x.shape)}")
+    seq = x.shape[SEQ_DIM]
+    if seq % tp:
+        below, above = seq // tp * tp, (seq // tp + 1) * tp
+        valid = f"{below} or {above}" if below else f"{above}"
+        raise ValueError(f"sequence parallelism splits the sequence over the tensor-parallel group: the hidden states "
+                         f"entering {layer_name} have shape {tuple(x.shape)} ([batch, seq, hidden]), and a sequence "
+                         f"length of {seq} does not divide by tp={tp}; valid lengths are multiples of {tp} (the "
+                         f"nearest: {valid}). Pad the batch (labels -100 on the padding) or parallelize with "
+                         "sequence_parallel=False")
+    return comm.scatter_to_sp(x, tp_group, SEQ_DIM)

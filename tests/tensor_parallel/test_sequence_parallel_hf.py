@@ -1,0 +1,205 @@
+"""Sequence parallelism on Hugging Face decoders ([batch, seq, hidden]): plan-free
+`tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
+Qwen2, Mistral and GPT-2 loaded with from_pretrained gives the plain transformers model's
+logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
+decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a sequence
+length tp does not divide is refused on every rank; the composing parallelize passes the
+option through and refuses it with a pipeline."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallel_layers.tensor_parallel import gather_full, parallelize
+from tests.dist_harness import run_distributed
+from tests.tensor_parallel.test_parallelize import _build
+
+transformers = pytest.importorskip("transformers")
+
+KINDS = ("llama", "qwen2", "mistral", "gpt2")
+TP, BATCH, SEQ, STEPS, VOCAB = 2, 2, 16, 3, 96  # _build's models: vocabulary 96, 32 positions
+# float32; the reduce-scatters and the summed norm gradients add in another order than one
+# process does. The issue's parity tolerance.
+RTOL = 1e-4
+
+
+def _rel(a, b, scale=None):
+    scale = b.abs().max() if scale is None else scale
+    return ((a - b).abs().max() / scale.clamp_min(1e-30)).item()
+
+
+def _module_scales(ref, grads):
+    """Per parameter, the largest magnitude among its module's reference tensors (gradients or
+    values). Errors are relative to that: the key bias's true gradient is exactly zero
+    (softmax ignores it), so both models' are rounding noise (and so is the zero-initialised
+    bias they step), which differ once SP sums in another order; measured against its
+    projection's weight the noise is at rounding level, and any real error is not."""
+    owners = {}
+    for name, p in ref.named_parameters():
+        t = p.grad if grads else p.detach()
+        owner = name.rpartition(".")[0]
+        owners[owner] = torch.maximum(owners.get(owner, torch.zeros(())), t.abs().max())
+    return {name: owners[name.rpartition(".")[0]] for name, _ in ref.named_parameters()}
+
+
+def _norm_inputs(model, layout_names, store):
+    """Record the input of every norm of the decoder layers and of the final norm (first call only)."""
+    def record(name):
+        def hook(module, args):  # returns None: the input is left as it is
+            store.setdefault(name, args[0].detach())
+        return hook
+
+    for name, module in model.named_modules():
+        inside = any(name.startswith(layer + ".") for layer in layout_names[0]) or name == layout_names[1]
+        if inside and "Norm" in type(module).__name__:
+            module.register_forward_pre_hook(record(name))
+
+
+def _as_ref(name, tensor, ref_modules):
+    """Our [out, in] weight in the layout of the reference's parameter (GPT-2's Conv1D is [in, out])."""
+    owner = ref_modules[name.rpartition(".")[0]]
+    return tensor.t() if type(owner).__name__ == "Conv1D" and name.endswith("weight") else tensor
+
+
+def _full(p, grad, group):
+    t = p.grad if grad else p.detach()
+    return gather_full(t, group, p.tp_shard) if hasattr(p, "tp_shard") else t.detach()
+
+
+def _parity(rank, ws, directories):
+    from parallel_layers.tensor_parallel.hf_sequence_parallel import find_layout
+
+    group = dist.group.WORLD
+    results = {}
+    for kind, directory in directories.items():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), tp_group=group,
+                          sequence_parallel=True)
+        ref.train()
+        par.train()
+        layout = find_layout(ref)
+        seen_ref, seen_par = {}, {}
+        _norm_inputs(ref, (layout.layers, layout.final_norm), seen_ref)
+        _norm_inputs(par, (layout.layers, layout.final_norm), seen_par)
+        # SGD, as in test_parallelize.py: Adam would blow the rounding noise of the key bias's
+        # exactly-zero gradient (Qwen2) up to lr-sized steps.
+        opt_ref, opt_par = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(par.parameters(), lr=0.1)
+        ref_params, ref_modules = dict(ref.named_parameters()), dict(ref.named_modules())
+        g = torch.Generator().manual_seed(1)
+        worst = {}
+
+        def note(key, value):
+            worst[key] = max(worst.get(key, 0.0), value)
+
+        for _ in range(STEPS):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            out_ref, out_par = ref(input_ids=ids, labels=ids), par(input_ids=ids, labels=ids)
+            note("logits", _rel(out_par.logits.detach(), out_ref.logits.detach()))
+            note("loss", abs(out_par.loss.item() - out_ref.loss.item()) / out_ref.loss.item())
+            out_ref.loss.backward()
+            out_par.loss.backward()
+            scales = _module_scales(ref, grads=True)
+            for name, p in par.named_parameters():
+                note(f"grad {name}", _rel(_as_ref(name, _full(p, True, group), ref_modules), ref_params[name].grad,
+                                          scales[name]))
+            opt_ref.step()
+            opt_par.step()
+            opt_ref.zero_grad()
+            opt_par.zero_grad()
+        scales = _module_scales(ref, grads=False)
+        for name, p in par.named_parameters():
+            note(f"param {name}", _rel(_as_ref(name, _full(p, False, group), ref_modules), ref_params[name].detach(),
+                                       scales[name]))
+        # This rank's norms saw its own chunk of the sequence (first step), and only that.
+        chunks = {name: (tuple(x.shape), _rel(x, seen_ref[name].chunk(ws, 1)[rank])) for name, x in seen_par.items()}
+        try:  # 15 positions at tp=2
+            par(input_ids=torch.randint(0, VOCAB, (BATCH, SEQ - 1), generator=g))
+            message = None
+        except ValueError as e:
+            message = str(e)
+        results[kind] = (worst, chunks, message)
+    return results
+
+
+def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
+    directories = {}
+    for kind in KINDS:
+        directories[kind] = str(tmp_path / kind)
+        _build(kind)[0].save_pretrained(directories[kind])
+    for rank, results in enumerate(run_distributed(_parity, TP, args=(directories,), timeout_s=300)):
+        assert sorted(results) == sorted(KINDS)
+        for kind, (worst, chunks, message) in results.items():
+            bad = {k: v for k, v in worst.items() if not v < RTOL}
+            assert not bad, f"{kind}, rank {rank}: relative errors above {RTOL}: {bad}"
+            assert any(k.startswith("grad ") for k in worst) and any(k.startswith("param ") for k in worst)
+            # 2 layers x 2 norms + the final norm, each fed [batch, seq / tp, hidden]: this rank's chunk
+            assert len(chunks) == 5, (kind, sorted(chunks))
+            for name, (shape, err) in chunks.items():
+                assert shape == (BATCH, SEQ // TP, 32), (kind, name, shape)
+                assert err < RTOL, (kind, name, err)
+            layer = "transformer.h.0" if kind == "gpt2" else "model.layers.0"
+            assert message == (
+                f"sequence parallelism splits the sequence over the tensor-parallel group: the hidden states entering "
+                f"{layer} have shape ({BATCH}, {SEQ - 1}, 32) ([batch, seq, hidden]), and a sequence length of "
+                f"{SEQ - 1} does not divide by tp={TP}; valid lengths are multiples of {TP} (the nearest: {SEQ - 2} "
+                f"or {SEQ}). Pad the batch (labels -100 on the padding) or parallelize with sequence_parallel=False")
+
+
+def _causal_lm_loss(out, ids):
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _composed(rank, ws, directory):
+    from parallel_layers import init_parallel
+    from parallel_layers import parallelize as compose
+
+    ctx = init_parallel(tp=ws, device="cpu")
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = compose(model, ctx, optimizer=sgd, loss_fn=_causal_lm_loss, tp_plan="auto", sequence_parallel=True)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    loss, want = par.forward_backward(ids, ids).item(), ref(input_ids=ids, labels=ids).loss.item()
+    norm_shapes = []
+    model.model.layers[1].input_layernorm.register_forward_pre_hook(lambda m, a: norm_shapes.append(a[0].shape[1]))
+    par.forward_backward(ids, ids)
+    try:
+        compose(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=sgd,
+                loss_fn=_causal_lm_loss, tp_plan="auto", sequence_parallel=True, pipeline_layers="model.layers",
+                microbatches=2)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return abs(loss - want) / want, norm_shapes, refusal
+
+
+def test_composing_parallelize_passes_sequence_parallel_through(tmp_path):
+    _build("llama")[0].save_pretrained(tmp_path)
+    for diff, norm_shapes, refusal in run_distributed(_composed, TP, args=(str(tmp_path),), timeout_s=300):
+        assert diff < RTOL
+        assert norm_shapes == [SEQ // TP]
+        assert refusal == ("parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
+                           "tensor-parallel regions) and no pipeline; got a tp_plan, pp=1, microbatches=2, "
+                           "pipeline_layers='model.layers'")
+
+
+def test_refusals_before_any_conversion():
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                                                num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(ValueError, match=r"sequence_parallel=True supports the Hugging Face decoders whose forward "
+                                         r"was checked for it, model_type in \['gpt2', 'llama', 'mistral', 'qwen2'\]; "
+                                         r"BertForMaskedLM has model_type 'bert'"):
+        parallelize(bert, {"bert.encoder.layer.*.intermediate.dense": "column"}, sequence_parallel=True)
+    model, _ = _build("llama")
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"needs every linear layer of the decoder layers in the tensor-parallel "
+                                         r"plan .*; model.layers.0.self_attn.q_proj \(Linear\) is not in it"):
+        parallelize(model, {"model.layers.*.mlp.*_proj": "column"}, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"each region \(model.layers.0.mlp\) to hold both its column layers .*; "
+                                         r"model.layers.0.mlp has 3 column and 0 row layer\(s\) in the plan"):
+        parallelize(model, {"model.layers.*.self_attn.[qkv]_proj": "column", "model.layers.*.self_attn.o_proj": "row",
+                            "model.layers.*.mlp.*_proj": "column"}, sequence_parallel=True)
+    assert {n: type(m) for n, m in model.named_modules()} == before  # nothing was converted
+    with pytest.raises(TypeError, match="sequence_parallel must be True or False, got 'yes'"):
+        parallelize(model, sequence_parallel="yes")
