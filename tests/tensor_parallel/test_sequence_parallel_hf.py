@@ -4,7 +4,8 @@ Qwen2, Mistral and GPT-2 loaded with from_pretrained gives the plain transformer
 logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
 decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a sequence
 length tp does not divide is refused on every rank; the composing parallelize passes the
-option through and refuses it with a pipeline."""
+option through (with and without activation checkpointing of the decoder layers, whose
+recompute re-runs the sequence collectives) and refuses it with a pipeline."""
 
 import pytest
 import torch
@@ -155,15 +156,26 @@ def _composed(rank, ws, directory):
     from parallel_layers import parallelize as compose
 
     ctx = init_parallel(tp=ws, device="cpu")
+    group = ctx.tp_group
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
-    par = compose(model, ctx, optimizer=sgd, loss_fn=_causal_lm_loss, tp_plan="auto", sequence_parallel=True)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
-    loss, want = par.forward_backward(ids, ids).item(), ref(input_ids=ids, labels=ids).loss.item()
-    norm_shapes = []
-    model.model.layers[1].input_layernorm.register_forward_pre_hook(lambda m, a: norm_shapes.append(a[0].shape[1]))
-    par.forward_backward(ids, ids)
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    ref_params, scales = dict(ref.named_parameters()), _module_scales(ref, grads=True)
+    results = {}
+    # with activation checkpointing of the decoder layers too: the recompute re-runs the
+    # region gathers and reduce-scatters (Note [recompute collectives])
+    for mode in (None, "full", "selective"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        par = compose(model, ctx, optimizer=sgd, loss_fn=_causal_lm_loss, tp_plan="auto", sequence_parallel=True,
+                      activation_checkpointing=mode, wrap=lambda m: type(m).__name__ == "LlamaDecoderLayer")
+        norm_shapes = []
+        model.model.layers[1].input_layernorm.register_forward_pre_hook(lambda m, a: norm_shapes.append(a[0].shape))
+        loss = par.forward_backward(ids, ids).item()
+        worst = max(_rel(_full(p, True, group), ref_params[name].grad, scales[name])
+                    for name, p in model.named_parameters())
+        results[mode] = (abs(loss - want.item()) / want.item(), worst, norm_shapes)
     try:
         compose(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=sgd,
                 loss_fn=_causal_lm_loss, tp_plan="auto", sequence_parallel=True, pipeline_layers="model.layers",
@@ -171,14 +183,16 @@ def _composed(rank, ws, directory):
         refusal = None
     except ValueError as e:
         refusal = str(e)
-    return abs(loss - want) / want, norm_shapes, refusal
+    return results, refusal
 
 
 def test_composing_parallelize_passes_sequence_parallel_through(tmp_path):
     _build("llama")[0].save_pretrained(tmp_path)
-    for diff, norm_shapes, refusal in run_distributed(_composed, TP, args=(str(tmp_path),), timeout_s=300):
-        assert diff < RTOL
-        assert norm_shapes == [SEQ // TP]
+    for results, refusal in run_distributed(_composed, TP, args=(str(tmp_path),), timeout_s=300):
+        assert sorted(results, key=str) == sorted([None, "full", "selective"], key=str)
+        for mode, (loss_diff, grad_diff, norm_shapes) in results.items():
+            assert loss_diff < RTOL and grad_diff < RTOL, (mode, loss_diff, grad_diff)
+            assert norm_shapes and all(shape == (BATCH, SEQ // TP, 32) for shape in norm_shapes), (mode, norm_shapes)
         assert refusal == ("parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
                            "tensor-parallel regions) and no pipeline; got a tp_plan, pp=1, microbatches=2, "
                            "pipeline_layers='model.layers'")
