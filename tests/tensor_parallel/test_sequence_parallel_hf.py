@@ -217,3 +217,16 @@ def test_refusals_before_any_conversion():
     assert {n: type(m) for n, m in model.named_modules()} == before  # nothing was converted
     with pytest.raises(TypeError, match="sequence_parallel must be True or False, got 'yes'"):
         parallelize(model, sequence_parallel="yes")
+
+
+def test_sequence_layer_arguments():
+    from parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    with pytest.raises(ValueError, match=r"gathered_input=True needs sequence_parallel=True: it says the sequence was "
+                                         r"gathered before this layer \(comm.gather_from_sp\)"):
+        ColumnParallelLinear(4, 4, gathered_input=True)
+    with pytest.raises(TypeError, match=r"ColumnParallelLinear: seq_dim must be an int \(0 for \[seq, batch, hidden\], "
+                                        r"1 for \[batch, seq, hidden\]\), got '1'"):
+        ColumnParallelLinear(4, 4, sequence_parallel=True, seq_dim="1")
+    with pytest.raises(TypeError, match=r"RowParallelLinear: seq_dim must be an int .*, got None"):
+        RowParallelLinear(4, 4, sequence_parallel=True, seq_dim=None)
