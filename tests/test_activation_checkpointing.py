@@ -2,13 +2,14 @@
 - it recomputes: the block's forward ops run again in backward ("full": all of them, GEMMs and
   attention included; "selective": the norms, not the GEMMs), fewer bytes are saved for backward,
   and the gradients are those without checkpointing, bit for bit, dropout included;
-- the reference GPT (GPT_TP_PLAN; and with sequence parallelism, converted by hand since the plan
-  has no SP) and a tiny Hugging Face Llama loaded with from_pretrained (its published plan) train
-  to the single-process model's losses, gradient norms and parameters after 3 SGD steps at tp2,
-  dp2 ZeRO-3, tp2 x dp2 ZeRO-3 and (GPT) pp2, in both modes; under ZeRO-3 every group is reduced
-  once a step and the blocks' parameters are freed after backward, and at dp2 the all-gathers and
-  reductions are those of the same training without checkpointing, in the same order (nothing
-  gathered for the recompute, no gradient reduced twice);
+- the reference GPT and a tiny Hugging Face Llama loaded with from_pretrained train to the
+  single-process model's losses, gradient norms and parameters after 3 SGD steps, in both modes,
+  at tp2 with sequence parallelism (the GPT's converted by hand, as GPT_TP_PLAN has none; the
+  Llama's by its published plan with sequence_parallel=True, in [batch, seq, hidden]), dp2
+  ZeRO-3, tp2 x dp2 ZeRO-3 (GPT_TP_PLAN; the Llama's published plan) and pp2 (GPT); under ZeRO-3
+  every group is reduced once a step and the blocks' parameters are freed after backward, and at
+  dp2 the all-gathers and reductions are those of the same training without checkpointing, in
+  the same order (nothing gathered for the recompute, no gradient reduced twice);
 - the bad calls it refuses, on every rank."""
 
 import copy
@@ -28,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 STEPS = 3
 MODES = ("full", "selective")
 CFG = dict(vocab=64, seq_len=16, d_model=32, heads=4, layers=2, qkv_bias=False)  # as tests/test_parallelize.py
-LR = {"gpt": 0.5, "gpt_sp": 0.5, "llama": 0.1}
+LR = {"gpt": 0.5, "gpt_sp": 0.5, "llama": 0.1, "llama_sp": 0.1}
 # float32: checkpointing changes no arithmetic (the recompute repeats the forward's ops), so
 # the layouts differ from one process only in the order of sums, as in tests/test_parallelize.py
 # (measured up to 7.5e-7 relative there); 2e-5 still catches a wrong gradient (~1e-2).
@@ -209,24 +210,6 @@ def test_selective_refuses_what_it_cannot_recompute_and_bad_arguments():
 
 
 # ---- distributed parity -------------------------------------------------------------------------
-class _GatherSequence(torch.autograd.Function):
-    """All-gather dim 0 forward; backward keeps this rank's chunk: the replicated head after it
-    computes the whole loss on every rank, so its input's gradient is complete (no sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        from parallel_layers.tensor_parallel import comm
-
-        ctx.group = group
-        return comm.all_gather(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from parallel_layers.tensor_parallel import comm
-
-        return comm.split(grad, 0, ctx.group), None
-
-
 def _sequence_parallel_forward(self, x):  # Block.forward, with the sequence length of the gathered qkv
     qkv = self.qkv(self.ln1(x))
     s, b, _ = qkv.shape
@@ -241,7 +224,7 @@ def _sequence_parallel(model, group):
     layers are SP layers, activations between blocks are split on the sequence."""
     from parallel_layers.models import Block
     from parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
-    from parallel_layers.tensor_parallel import scatter_to_sp
+    from parallel_layers.tensor_parallel.comm import gather_from_sp, scatter_to_sp
 
     class SequenceParallelBlock(Block):
         forward = _sequence_parallel_forward
@@ -257,7 +240,9 @@ def _sequence_parallel(model, group):
         for p in (*b.ln1.parameters(), *b.ln2.parameters()):  # each rank sees its sequence chunk only
             reduce_grad_over_tp(p, group)
     model.layers[0].register_forward_hook(lambda m, args, out: scatter_to_sp(out, group))
-    model.layers[-1].register_forward_pre_hook(lambda m, args: (_GatherSequence.apply(args[0], group),))
+    # the head computes the whole loss on every rank: its input's gradient is complete (no sum)
+    model.layers[-1].register_forward_pre_hook(
+        lambda m, args: (gather_from_sp(args[0], group, replicated_consumer=True),))
 
 
 def _llama_loss(out, targets):
@@ -266,7 +251,7 @@ def _llama_loss(out, targets):
 
 def _build(kind, directory):
     """(model, tp plan, block type, loss_fn): the single-device model, built alike on every rank."""
-    if kind == "llama":
+    if kind in ("llama", "llama_sp"):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
         return transformers.AutoModelForCausalLM.from_pretrained(directory), "auto", LlamaDecoderLayer, _llama_loss
@@ -277,7 +262,7 @@ def _build(kind, directory):
 
 
 def _data(kind, batch):
-    vocab = 128 if kind == "llama" else CFG["vocab"]
+    vocab = 128 if kind.startswith("llama") else CFG["vocab"]
     ids = torch.randint(0, vocab, (STEPS, batch, CFG["seq_len"] + 1), generator=torch.Generator().manual_seed(3))
     return ids[..., :-1], ids[..., 1:]
 
@@ -329,7 +314,8 @@ def _train(kind, ctx, directory, mode, zero_stage, microbatches, calls):
         _sequence_parallel(model, ctx.tp_group)
     model.train()
     par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR[kind]), loss_fn=loss_fn,
-                      tp_plan=plan, activation_checkpointing=mode, zero_stage=zero_stage,
+                      tp_plan=plan, sequence_parallel=kind == "llama_sp", activation_checkpointing=mode,
+                      zero_stage=zero_stage,
                       wrap=lambda m: isinstance(m, block), pipeline_layers="layers" if kind != "llama" else None,
                       microbatches=microbatches)
     blocks = [m for m in model.modules() if isinstance(m, block)]
@@ -359,9 +345,13 @@ def _train(kind, ctx, directory, mode, zero_stage, microbatches, calls):
 
 def _layout_runs(tp, dp, pp, zero_stage):
     """The (kind, mode) trainings of a layout: kept few, as each costs ~40 collectives a step.
-    Sequence parallelism at tp2; the training without checkpointing (None) where the ZeRO-3
-    collectives are compared, dp2; the Llama wherever a pipeline does not cut it."""
-    kinds = ["gpt"] + (["gpt_sp"] if (tp, dp, pp) == (2, 1, 1) else []) + (["llama"] if pp == 1 else [])
+    tp2 runs sequence parallelism (the GPT's by hand, the Llama's by the published plan); the
+    plain TP plans at tp2 run in tp2 x dp2; the training without checkpointing (None), whose
+    ZeRO-3 collectives the others must repeat, at dp2."""
+    if (tp, dp, pp) == (2, 1, 1):
+        kinds = ["gpt_sp", "llama_sp"]
+    else:
+        kinds = ["gpt"] + (["llama"] if pp == 1 else [])
     modes = (None, *MODES) if zero_stage == 3 and tp == 1 else MODES
     return [(kind, mode) for kind in kinds for mode in modes]
 
@@ -396,16 +386,16 @@ _REFERENCES = {}
 
 def _reference(kind, directory, batch):
     """The single-process training, computed once here rather than on every rank."""
-    key = ("gpt" if kind == "gpt_sp" else kind, batch)  # the SP GPT's reference is the GPT's
+    key = (kind.removesuffix("_sp"), batch)  # a sequence-parallel model's reference is the plain model's
     if key not in _REFERENCES:
         _REFERENCES[key] = _single_process(key[0], directory, batch)
     return _REFERENCES[key]
 
 
 @pytest.mark.parametrize("tp,dp,pp,zero_stage", [
-    (2, 1, 1, 0),  # tensor parallel (GPT plain and sequence parallel, Llama's published plan)
+    (2, 1, 1, 0),  # tensor parallel with sequence parallelism, the GPT and the Llama
     (1, 2, 1, 3),  # ZeRO-3 over dp=2
-    (2, 2, 1, 3),  # tp2 x dp2, ZeRO-3
+    (2, 2, 1, 3),  # tp2 x dp2, ZeRO-3: GPT_TP_PLAN, the Llama's published plan
     (1, 1, 2, 0),  # pp=2, 1f1b over 2 microbatches (GPT)
 ])
 def test_checkpointed_layouts_match_one_process(tp, dp, pp, zero_stage, llama_dir):
