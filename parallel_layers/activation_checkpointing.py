@@ -7,17 +7,18 @@ and is recomputed, block by block, during backward:
 
   "full"       nothing inside the block is kept for backward: only its inputs (held for the
                recompute). The recompute re-runs the whole block, its TP collectives included.
-  "selective"  the outputs of the block's GEMMs are kept - aten mm / addmm / bmm / baddbmm, the
-               fused attention kernels (scaled_dot_product_*; their work is the two attention
-               GEMMs and they keep O(seq) memory), and the library's fused GEMM + bias + GeLU
-               (torch.ops.parallel_layers.linear_gelu: it is a GEMM, so its outputs - the GeLU
-               and the pre-activation - are kept together, as one op's outputs are); the
-               elementwise ops around them (norms, activations, residual adds, rotary
-               embeddings, casts) are recomputed. Attention that falls back to the math path
-               keeps its bmm outputs (the scores), as GEMM outputs. The op-level policy of
-               torchtitan's `activation_checkpoint.mode = "selective"`, through torch's
-               `create_selective_checkpoint_contexts`; recomputing only cheap ops is Megatron's
-               selective recompute (Korthikanti et al., 2022). See Note [selective writes].
+  "selective"  the outputs of the block's linear layers' GEMMs are kept - aten mm / addmm, and
+               the library's fused GEMM + bias + GeLU (torch.ops.parallel_layers.linear_gelu: it
+               is a GEMM, so its outputs - the GeLU and the pre-activation - are kept together,
+               as one op's outputs are) - and those of the fused attention kernels
+               (scaled_dot_product_*: two GEMMs' work, O(seq) memory); the elementwise ops
+               around them (norms, activations, residual adds, rotary embeddings, casts) are
+               recomputed, and so is attention's core on the math path (bmm / baddbmm, softmax,
+               dropout: O(seq^2) memory, cheap to redo), as in Megatron's selective recompute
+               (Korthikanti et al., 2022) and as parallel_layers.plan estimates "selective".
+               The op-level policy of torchtitan's `activation_checkpoint.mode = "selective"`
+               (which keeps mm too, not bmm), through torch's
+               `create_selective_checkpoint_contexts`. See Note [selective writes].
 
 Note [checkpoint inside the hooks]: the block's `forward` is checkpointed, not its `__call__`,
 so the module hooks around it (ZeRO-3's gather before forward, free after, backward pre-hook
@@ -58,11 +59,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 MODES = ("full", "selective")
 
 _aten = torch.ops.aten
-# Ops whose outputs "selective" keeps: the GEMMs, the fused attention kernels, the library's
-# fused GEMM + bias + GeLU. Only functional overloads: an out= GEMM writes into a buffer whose
-# allocation is recomputed, and skipping the GEMM in the recompute would leave it unwritten.
+# Ops whose outputs "selective" keeps: the linear layers' GEMMs (a linear of any rank is an mm /
+# addmm over its flattened input; bmm is attention's QK^T and AV, recomputed), the fused
+# attention kernels, the library's fused GEMM + bias + GeLU. Only functional overloads: an out=
+# GEMM writes into a buffer whose allocation is recomputed, and skipping the GEMM in the
+# recompute would leave it unwritten.
 _GEMMS = frozenset(
-    [_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default]
+    [_aten.mm.default, _aten.addmm.default]
     + [getattr(_aten, name).default for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests._parity import trained_parameters
 from tests.dist_harness import run_distributed
 from tests.hf._tiny import save_tiny_llama
 
@@ -113,6 +114,24 @@ def test_checkpointing_recomputes_and_saves_less(llama_dir):
             else:  # the GEMMs and the attention are kept
                 assert gemm_calls == sum(ops.get(op, 0) for op in gemms) and ops_m.get(attention, 0) == 0
         assert runs["full"][0] < runs["selective"][0] < saved, (kind, [runs[m][0] for m in (None, *MODES)])
+
+
+def test_selective_recomputes_the_attention_core_of_the_math_path(llama_dir):
+    # Eager attention (matmul, softmax, matmul): its O(seq^2) scores are recomputed, as in
+    # Megatron's selective recompute; the linear layers' GEMMs (mm) are kept.
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    aten = torch.ops.aten
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, CFG["seq_len"] + 1), generator=torch.Generator().manual_seed(1))
+    runs = {mode: _step_single(copy.deepcopy(base), mode, LlamaDecoderLayer, ids) for mode in (None, "selective")}
+    (saved, ops, loss, grads), (saved_s, ops_s, loss_s, grads_s) = runs[None], runs["selective"]
+    assert loss_s == loss and all(torch.equal(grads_s[n], g) for n, g in grads.items())
+    n_blocks = 2
+    assert ops_s.get(aten._softmax.default, 0) == n_blocks and ops.get(aten._softmax.default, 0) == 0
+    assert ops_s.get(aten.bmm.default, 0) == ops.get(aten.bmm.default, 0) + 2 * n_blocks  # QK^T and AV again
+    assert ops_s.get(aten.mm.default, 0) == ops.get(aten.mm.default, 0)  # no linear layer again
+    assert saved_s < saved
 
 
 class _DropoutBlock(nn.Module):
@@ -306,8 +325,7 @@ class _ZeROCalls:
 
 
 def _train(kind, ctx, directory, mode, zero_stage, microbatches, calls):
-    from parallel_layers import ZeRO, parallelize
-    from parallel_layers.tensor_parallel import gather_full
+    from parallel_layers import parallelize
 
     model, plan, block, loss_fn = _build(kind, directory)
     if kind == "gpt_sp":
@@ -335,11 +353,7 @@ def _train(kind, ctx, directory, mode, zero_stage, microbatches, calls):
         par.zero_grad()
         dist.all_reduce(loss, group=ctx.dp_group)
         losses.append(loss.item() / dp)
-    originals = model.state_dict(keep_vars=True)
-    held = {id(p) for p in par.module.parameters()}
-    state = par.module.full_state_dict() if isinstance(par.module, ZeRO) else \
-        {n: t for n, t in originals.items() if id(t) in held}
-    params = {n: gather_full(t, ctx.tp_group, getattr(originals[n], "tp_shard", None)) for n, t in state.items()}
+    params = trained_parameters(model, par, ctx)
     return losses, norms, params, list(calls), freed
 
 
