@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests._parity import trained_parameters
 from tests.dist_harness import run_distributed
 
 STEPS = 3
@@ -89,8 +90,7 @@ def _single_process(kind, batch):
 
 
 def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
-    from parallel_layers import ZeRO, init_parallel, parallelize
-    from parallel_layers.tensor_parallel import gather_full
+    from parallel_layers import init_parallel, parallelize
 
     ctx = init_parallel(tp=tp, dp=dp, pp=pp, device="cpu")
     model, plan, block = _model(kind)
@@ -107,12 +107,7 @@ def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
         par.zero_grad()
         dist.all_reduce(loss, group=ctx.dp_group)
         losses.append(loss.item() / dp)
-    # The parameters this rank trains, gathered over tp, under the unparallelized model's names.
-    originals = model.state_dict(keep_vars=True)
-    held = {id(p) for p in par.module.parameters()}
-    state = par.module.full_state_dict() if isinstance(par.module, ZeRO) else \
-        {n: t for n, t in originals.items() if id(t) in held}
-    params = {n: gather_full(t, ctx.tp_group, getattr(originals[n], "tp_shard", None)) for n, t in state.items()}
+    params = trained_parameters(model, par, ctx)
     ref_losses, ref_norms, ref_params = _single_process(kind, per_replica * dp)
     assert ref_norms[0] > CLIP
     loss_diff = max(abs(a - b) / b for a, b in zip(losses + norms, ref_losses + ref_norms))
