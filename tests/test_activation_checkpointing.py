@@ -6,10 +6,11 @@
   single-process model's losses, gradient norms and parameters after 3 SGD steps, in both modes,
   at tp2 with sequence parallelism (the GPT's converted by hand, as GPT_TP_PLAN has none; the
   Llama's by its published plan with sequence_parallel=True, in [batch, seq, hidden]), dp2
-  ZeRO-3, tp2 x dp2 ZeRO-3 (GPT_TP_PLAN; the Llama's published plan) and pp2 (GPT); under ZeRO-3
-  every group is reduced once a step and the blocks' parameters are freed after backward, and at
-  dp2 the all-gathers and reductions are those of the same training without checkpointing, in
-  the same order (nothing gathered for the recompute, no gradient reduced twice);
+  ZeRO-3, tp2 x dp2 ZeRO-3 (GPT_TP_PLAN; the Llama's published plan) and pp2 (the Llama cut into
+  its own modules by pipeline_layers="auto"); under ZeRO-3 every group is reduced once a step
+  and the blocks' parameters are freed after backward, and at dp2 the all-gathers and
+  reductions are those of the same training without checkpointing, in the same order (nothing
+  gathered for the recompute, no gradient reduced twice);
 - the bad calls it refuses, on every rank."""
 
 import copy
@@ -264,8 +265,9 @@ def _sequence_parallel(model, group):
         lambda m, args: (gather_from_sp(args[0], group, replicated_consumer=True),))
 
 
-def _llama_loss(out, targets):
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+def _llama_loss(out, targets):  # the model's ModelOutput, or the last pipeline stage's logits
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _build(kind, directory):
@@ -331,10 +333,11 @@ def _train(kind, ctx, directory, mode, zero_stage, microbatches, calls):
     if kind == "gpt_sp":
         _sequence_parallel(model, ctx.tp_group)
     model.train()
+    hf = kind.startswith("llama")  # pipelined as its own modules (pipeline/hf.py)
     par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR[kind]), loss_fn=loss_fn,
                       tp_plan=plan, sequence_parallel=kind == "llama_sp", activation_checkpointing=mode,
-                      zero_stage=zero_stage,
-                      wrap=lambda m: isinstance(m, block), pipeline_layers="layers" if kind != "llama" else None,
+                      zero_stage=zero_stage, wrap=lambda m: isinstance(m, block),
+                      pipeline_layers=("auto" if ctx.dims.pp > 1 else None) if hf else "layers",
                       microbatches=microbatches)
     blocks = [m for m in model.modules() if isinstance(m, block)]
     assert all(getattr(m, "_pl_activation_checkpointing", None) == mode for m in blocks)
@@ -365,7 +368,7 @@ def _layout_runs(tp, dp, pp, zero_stage):
     if (tp, dp, pp) == (2, 1, 1):
         kinds = ["gpt_sp", "llama_sp"]
     else:
-        kinds = ["gpt"] + (["llama"] if pp == 1 else [])
+        kinds = ["gpt", "llama"]
     modes = (None, *MODES) if zero_stage == 3 and tp == 1 else MODES
     return [(kind, mode) for kind in kinds for mode in modes]
 
@@ -410,7 +413,7 @@ def _reference(kind, directory, batch):
     (2, 1, 1, 0),  # tensor parallel with sequence parallelism, the GPT and the Llama
     (1, 2, 1, 3),  # ZeRO-3 over dp=2
     (2, 2, 1, 3),  # tp2 x dp2, ZeRO-3: GPT_TP_PLAN, the Llama's published plan
-    (1, 1, 2, 0),  # pp=2, 1f1b over 2 microbatches (GPT)
+    (1, 1, 2, 0),  # pp=2, 1f1b over 2 microbatches (the Llama cut by pipeline_layers="auto")
 ])
 def test_checkpointed_layouts_match_one_process(tp, dp, pp, zero_stage, llama_dir):
     microbatches = 2 if pp > 1 else None
