@@ -88,17 +88,22 @@ _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 # the base model, whose attribute name is `model.base_model_prefix`); a model instance's
 # `_tp_plan` (transformers 5) is the whole plan, prefixed, LM head and embedding included.
 # With plan=None, parallelize uses it, with transformers' style names mapped to ours; a style
-# with no counterpart here is refused with the module it names. "embedding_rowwise" /
-# "embedding_colwise" entries leave the embedding replicated for now (correct, without the
-# memory saving of a vocabulary-parallel embedding). Families that publish no plan (GPT-2 in
-# transformers 5.23) get a built-in one. A head tied to the input embedding stays
-# replicated: sharding it would untie it.
+# with no counterpart here is refused with the module it names. In a plan passed explicitly,
+# "embedding_rowwise" (rows = the vocabulary) is VocabParallel(). In the published plans
+# (Llama, Qwen2 and Mistral's ask "embedding_rowwise") it and "embedding_colwise" leave the
+# embedding replicated for now: correct, without the memory saving; the vocabulary-parallel
+# embedding is not yet tested through every path a plan-free model takes (sequence
+# parallelism, pipelines, meta loading). Families that publish no plan (GPT-2 in transformers
+# 5.23) get a built-in one. A head tied to the input embedding stays replicated: a Hugging
+# Face head ties by sharing the weight parameter, which sharding would untie (VocabParallel()
+# on such an embedding is refused).
 HF_STYLES = {
     "colwise": Column(),
     "colwise_gather_output": Column(gather_output=True),
     "packed_colwise": Column(fused=2),  # [gate; up] packed in one weight
     "rowwise": Row(),
     "rowwise_split_input": Row(input_is_parallel=False),
+    "embedding_rowwise": VocabParallel(),  # rows = the vocabulary
 }
 _REPLICATED_FOR_NOW = ("embedding_rowwise", "embedding_colwise")
 BUILTIN_PLANS = {
@@ -273,6 +278,12 @@ def _convert_embedding(model: nn.Module, name: str, module: nn.Module, spec: Voc
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise ValueError(f"parallelize: VocabParallel() supports nn.Embedding without max_norm, scale_grad_by_freq "
                          f"and sparse; {name} sets one of them")
+    holders = [f"{n}.{k}" for n, m in model.named_modules() if m is not module
+               for k, t in m.named_parameters(recurse=False) if t is module.weight]
+    if holders:
+        raise ValueError(f"parallelize: VocabParallel() on {name} would untie it from {holders}, which hold its weight "
+                         "as their own parameter (a tied head); leave the embedding replicated, or have the head read "
+                         "the embedding module through tensor_parallel.tied_logits (Note [vocab-parallel head])")
     layer = VocabParallelEmbedding.from_embedding(module, sequence_parallel=spec.sequence_parallel, tp_group=tp_group)
     for parent in model.modules():
         for child, m in list(parent.named_children()):

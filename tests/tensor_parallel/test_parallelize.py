@@ -44,6 +44,9 @@ def _build(kind):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)), LLAMA_PLAN
     if kind == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**small)), LLAMA_PLAN
+    if kind == "llama_vocab":  # the embedding split on the vocabulary too, by transformers' spelling
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)), \
+            {**LLAMA_PLAN, "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)), LLAMA_PLAN
 
 
@@ -99,7 +102,8 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
     return worst, sharded
 
 
-@pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True)])
+@pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
+                                             ("llama_vocab", True)])
 def test_hf_model_parallelized_matches_single_process(kind, pretrained, tmp_path):
     directory = None
     if pretrained:
@@ -132,7 +136,15 @@ def test_hf_style_names_in_a_plan_and_refused_ones():
     model, _ = _build("llama")
     plan = published_plan(model)
     assert plan["model.layers.*.self_attn.q_proj"] == Column() and plan["lm_head"] == Column(gather_output=True)
-    assert "model.embed_tokens" not in plan  # "embedding_rowwise": replicated for now
+    # its "embedding_rowwise" stays replicated in plan-free use (Note [published plans])
+    assert model._tp_plan["model.embed_tokens"] == "embedding_rowwise" and "model.embed_tokens" not in plan
+    tied, _ = _build("llama")
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"VocabParallel\(\) on model.embed_tokens would untie it from "
+                                         r"\['lm_head.weight'\]"):
+        parallelize(tied, {"model.embed_tokens": "embedding_rowwise"})
     model._tp_plan = {**model._tp_plan, "model.norm": "sequence_parallel"}
     with pytest.raises(ValueError, match="published plan asks 'sequence_parallel' for 'model.norm' "
                                          r"\(e.g. \['model.norm'\]\); supported Hugging Face styles"):
