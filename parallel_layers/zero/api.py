@@ -52,6 +52,21 @@ def _default_wrap(model: nn.Module):
     return lambda m: id(m) in children
 
 
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """Parameters registered by more than one module (a head tied to the embedding by sharing
+    its weight, as Hugging Face models tie). Note [shared parameters]: at ZeRO-3 a wrapped
+    module's group is freed after that module's forward, but a shared parameter is read by
+    another module too (GPT-2's lm_head reads wte.weight after the transformer's forward), so
+    shared parameters go to the root group, which stays gathered for the whole forward, as
+    FSDP asks of parameters shared across its units. (A module held in two places, as our GPT's
+    head holds the embedding module, is one registration: its group's hooks run at each use.)"""
+    count: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            count[id(p)] = count.get(id(p), 0) + 1
+    return {i for i, n in count.items() if n > 1}
+
+
 class ZeRO(LocalAccumulation, nn.Module):
     def __init__(self, model: nn.Module, optimizer_factory: Callable, stage: int = 3, *,
                  group: dist.ProcessGroup | None = None, wrap: Callable[[nn.Module], bool] | None = None,
@@ -79,7 +94,8 @@ class ZeRO(LocalAccumulation, nn.Module):
                                                   offload=offload_optimizer) for p in params])
 
         wrap = wrap or _default_wrap(model)
-        owned: set[int] = set()
+        shared = _shared_parameters(model)  # to the root group (Note [shared parameters])
+        owned: set[int] = set(shared)
         self.groups: list[ParamGroup] = []
         module_group: dict[int, ParamGroup] = {}
         for name, module in model.named_modules():
@@ -91,7 +107,7 @@ class ZeRO(LocalAccumulation, nn.Module):
                 g = param_group(name, params, root=False)
                 self.groups.append(g)
                 module_group[id(module)] = g
-        rest = [p for p in model.parameters() if id(p) not in owned]
+        rest = [p for p in model.parameters() if id(p) not in owned or id(p) in shared]
         self.root_group = param_group("<root>", rest, root=True) if rest else None
         if self.root_group is not None:
             self.groups.append(self.root_group)
