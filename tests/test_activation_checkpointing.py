@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests._parity import trained_parameters
+from tests._parity import train_one_process, trained_parameters
 from tests.dist_harness import run_distributed
 from tests.hf._tiny import save_tiny_llama
 
@@ -291,17 +291,9 @@ def _data(kind, batch):
 def _single_process(kind, directory, batch):
     model, _, _, loss_fn = _build(kind, directory)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=LR[kind])
     ids, targets = _data(kind, batch)
-    losses, norms = [], []
-    for step in range(STEPS):
-        loss = loss_fn(model(ids[step]), targets[step])
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
+    return train_one_process(model, loss_fn, torch.optim.SGD(model.parameters(), lr=LR[kind]), ids,
+                             targets, CLIP)
 
 
 class _ZeROCalls:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._parity import trained_parameters
+from tests._parity import train_one_process, trained_parameters
 from tests.dist_harness import run_distributed
 
 STEPS = 3
@@ -76,17 +76,8 @@ def _model(kind):
 
 def _single_process(kind, batch):
     model = _model(kind)[0]
-    opt = _sgd(model.parameters())
     ids, targets = _data(batch)
-    losses, norms = [], []
-    for step in range(STEPS):
-        loss = model.loss(model(ids[step]), targets[step])
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
+    return train_one_process(model, model.loss, _sgd(model.parameters()), ids, targets, CLIP)
 
 
 def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
