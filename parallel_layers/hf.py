@@ -24,7 +24,9 @@ blocks of a fused QKV, a vocabulary shard without its padding, the boxes a ZeRO 
 covers (Note [flat pieces]) - and reads exactly those boxes with safetensors' `get_slice`,
 so a rank's reads and memory are its share of the model, not the model. Meta tensors get
 storage first (parallel_layers/meta.py). GPT-2's Conv1D weights are stored [in, out]: a
-box of a weight that `parallelize` made [out, in] is read transposed.
+box of a weight that `parallelize` made [out, in] is read transposed. A pipeline rank holds
+its stages only, under the Hugging Face names; the last stage's copy of a head tied to the
+input embedding is found in the files under the tie's other name.
 """
 
 from __future__ import annotations
@@ -192,12 +194,10 @@ def _reference(hf_model: nn.Module) -> nn.Module:
 
 
 def _unwrap(model) -> tuple[nn.Module, torch.device | None]:
-    """(the module to load into, the device of its context) for a module or a `Parallelized`."""
+    """(the module to load into, the device of its context) for a module or a `Parallelized`
+    (with a pipeline: this rank's stages, possibly inside ZeRO or DataParallel)."""
     from parallel_layers.parallelize import Parallelized
     if isinstance(model, Parallelized):
-        if model.pipeline is not None:
-            raise NotImplementedError("hf.load_pretrained: a pipelined layout (pp > 1 or microbatches > 1) is not "
-                                      "supported yet; supported: tensor parallel, ZeRO 1-3 and DataParallel at pp=1")
         return model.module, model.ctx.device
     return model, None
 
@@ -222,12 +222,19 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
     by_local: dict[int, list[str]] = {}
     for name, tp in described.tensors.items():
         by_local.setdefault(id(tp.local), []).append(name)
+    # The other names of a tied parameter: a pipeline stage may hold a tie under the name the
+    # files dropped (the last stage's lm_head.weight, where the files keep the embedding's).
+    names_of: dict[int, list[str]] = {}
+    for name, p in reference.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    aliases = {name: names for names in names_of.values() for name in names}
 
     def in_files(name):  # transformers also reads a base model's file into a model with a head
-        if name in shapes:
-            return name
-        if base and name.startswith(base + ".") and name[len(base) + 1:] in shapes:
-            return name[len(base) + 1:]
+        for alias in aliases.get(name, [name]):
+            if alias in shapes:
+                return alias
+            if base and alias.startswith(base + ".") and alias[len(base) + 1:] in shapes:
+                return alias[len(base) + 1:]
         return None
 
     sources, missing, wrong = {}, [], []
@@ -286,13 +293,15 @@ def _read_pieces(described: placement.ModelPlacement, sources: dict[str, _Source
         del f, tensor, data  # the mapping goes with the last reference
 
 
-def _buffers_from_reference(hf_model: nn.Module, reference: nn.Module, loaded: set[str]) -> None:
-    """Every buffer not in `loaded` (read from the files) gets the value the constructor
-    computes (Note [buffers not in the files])."""
+def _buffers_from_reference(hf_model: nn.Module, held: nn.Module, reference: nn.Module, loaded: set[str]) -> None:
+    """Every buffer this rank holds (in `held`: a pipeline rank holds its stages' only) and
+    did not read from the files (`loaded`) gets the value the constructor computes (Note
+    [buffers not in the files])."""
     ref_buffers = dict(reference.named_buffers())
+    mine = {id(b) for b in held.buffers()}
     with torch.no_grad():
         for name, buf in hf_model.named_buffers():
-            if name in loaded:
+            if name in loaded or id(buf) not in mine:
                 continue
             if name not in ref_buffers:
                 raise KeyError(f"hf.load_pretrained: buffer {name} is neither in the files nor built by "
@@ -302,7 +311,8 @@ def _buffers_from_reference(hf_model: nn.Module, reference: nn.Module, loaded: s
 
 def load_pretrained(directory: str, model, *, device: torch.device | str | None = None, group=None):
     """Fill `model` - this rank's part of a transformers model at any layout (tensor parallel,
-    ZeRO 1-3, DataParallel, or the `Parallelized` of `parallelize`), possibly built on the meta
+    ZeRO 1-3, DataParallel, or the `Parallelized` of `parallelize`, pipelined by
+    `pipeline_layers="auto"` or not), possibly built on the meta
     device - from the safetensors in `directory` (`model.safetensors`, or the files of
     `model.safetensors.index.json`), each rank reading only the boxes it holds; a collective
     over `group` (default: every rank). Returns `model`.
@@ -320,17 +330,20 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
     hf_model = _hf_model(module, "hf.load_pretrained")
     rank, _ = rank_world(group)
     mine = described = sources = files = reference = None
+    used: set[str] = set()
     try:
         files = _weight_files(os.fspath(directory))
         shapes = _file_shapes(files)
         reference = _reference(hf_model)
         described = placement.describe(module)
         sources = _plan_sources(described, hf_model, reference, shapes, files)
+        used = {s.key for s in sources.values() if s.key is not None}
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
-    raise_if_any(all_gather(describe_error(mine) if mine else None, group), mine, "hf.load_pretrained")
+    reports = all_gather((describe_error(mine) if mine else None, used), group)
+    raise_if_any([error for error, _ in reports], mine, "hf.load_pretrained")
 
-    used = {s.key for s in sources.values()}
+    used = set().union(*(keys for _, keys in reports))  # pipeline ranks read different tensors
     unexpected = [k for k in files if k not in used]
     if unexpected and rank == 0:
         warnings.warn(f"hf.load_pretrained: {directory} holds {len(unexpected)} tensor(s) the model does not have, "
@@ -342,7 +355,7 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
             meta.materialize(module, device if device is not None else ctx_device or default_device())
             described = placement.describe(module)  # the same tensors, now with storage
         _read_pieces(described, sources, files)
-        _buffers_from_reference(hf_model, reference, {n for n, s in sources.items() if not s.from_reference})
+        _buffers_from_reference(hf_model, module, reference, {n for n, s in sources.items() if not s.from_reference})
     except Exception as e:  # noqa: BLE001
         mine = e
     raise_if_any(all_gather(describe_error(mine) if mine else None, group), mine, "hf.load_pretrained")

@@ -6,7 +6,9 @@ Layouts (real gloo processes): Llama at tp=2 through the TP-only `tensor_paralle
 from a sharded `model.safetensors.index.json` (first, one rank's error raised on both ranks);
 through the composing `parallelize`: Llama at tp=2 x dp=2 with ZeRO-3, GPT-2 (Conv1D weights
 stored [in, out], head tied) at tp=2 x dp=2 with ZeRO-1 (master shards that are views of the full
-parameters), Qwen2 at dp=2 with DataParallel. In one process: every family (Llama, Qwen2,
+parameters), Qwen2 at dp=2 with DataParallel; a Llama with a tied head cut into pipeline stages
+(pipeline_layers='auto') at pp=2 and pp=2 x tp=2, every stage's pieces checked against the files
+and every parameter after the steps. In one process: every family (Llama, Qwen2,
 Mistral, GPT-2) unparallelized, so the rotary buffers no file holds are checked per family; the
 errors."""
 
@@ -102,6 +104,7 @@ def _meta_load_and_train(rank, world, directory, tp, dp, stage, api):
 
 
 def _reference(directory):
+    """The plain model's logits (before, after) and losses of the 3 steps, and the trained model."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     with torch.no_grad():
         logits = [model(_probe()).logits]
@@ -114,7 +117,7 @@ def _reference(directory):
         losses.append(loss.item())
     with torch.no_grad():
         logits.append(model(_probe()).logits)
-    return logits, losses
+    return logits, losses, model
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -122,7 +125,7 @@ def test_meta_built_model_loads_and_trains_like_from_pretrained(tmp_path, case):
     family, tp, dp, stage, api, sharded = CASES[case]
     _save(family, tmp_path, sharded)
     (tmp_path / "no-weights").mkdir()
-    (ref_before, ref_after), ref_losses = _reference(tmp_path)
+    (ref_before, ref_after), ref_losses, _ = _reference(tmp_path)
     results = run_distributed(_meta_load_and_train, tp * dp, args=(str(tmp_path), tp, dp, stage, api), timeout_s=240)
     for (before, after), losses, _ in results:
         # float32; the parallel model sums its row layers and the dp halves in another order
@@ -187,16 +190,60 @@ def test_errors_name_the_values(tmp_path):
         hf.load_pretrained(tmp_path / "llama", other, device="cpu")
 
 
-def test_pipelined_layouts_are_refused(tmp_path):
-    from parallel_layers import hf
-    from parallel_layers.parallelize import Parallelized
+def _pieces(par):
+    """name -> [(box origin, box sizes, values)] of every tensor this rank holds."""
+    from parallel_layers import placement
 
-    _save("llama", tmp_path)
-    par = Parallelized(module=_on_meta(tmp_path), optimizer=None, prefix="", pipeline=object(), loss_fn=_loss,
-                       ctx=None)
-    with pytest.raises(NotImplementedError, match=r"pipelined layout .* not supported yet; supported: tensor "
-                                                  r"parallel, ZeRO 1-3 and DataParallel at pp=1"):
-        hf.load_pretrained(tmp_path, par)
+    return {name: [(p.global_offsets, p.sizes, p.view(t.local).tolist()) for p in t.pieces]
+            for name, t in placement.describe(par.module).tensors.items()}
+
+
+def _meta_load_pipelined(rank, world, directory, tp):
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(tp=tp, pp=2, device="cpu")
+    model = _on_meta(directory)
+    par = parallelize(model, ctx, optimizer=_adamw, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
+                      pipeline_layers="auto", microbatches=2)
+    assert all(p.is_meta for p in par.module.parameters())  # the premise: nothing allocated yet
+    hf.load_pretrained(directory, par)  # on ctx.device
+    loaded = _pieces(par)
+    buffers = {n: b.tolist() for n, b in model.named_buffers() if not b.is_meta}  # rotary: on every stage here
+    losses = []
+    for ids in _batches():
+        losses.append(par.forward_backward(ids, ids).item())
+        par.step()
+        par.zero_grad()
+    return loaded, buffers, losses, _pieces(par)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2-tp2"])
+def test_meta_built_model_loads_into_pipeline_stages(tmp_path, tp):
+    """A Llama whose head is tied to its embedding, cut into stages by pipeline_layers='auto': each
+    stage reads the tensors (at tp=2, the slices) it holds - the tie's copy at each end of the
+    pipeline from the one tensor the files keep - and trains as the plain model does."""
+    _tiny.save_tiny_llama(tmp_path, tie_word_embeddings=True)
+    _, ref_losses, ref = _reference(tmp_path)
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    results = run_distributed(_meta_load_pipelined, 2 * tp, args=(str(tmp_path), tp), timeout_s=240)
+    held = [name for loaded, *_ in results for name in loaded]
+    assert sorted(set(held)) == sorted(pretrained.state_dict())  # every tensor on some stage
+    assert "lm_head.weight" in results[-1][0] and "model.embed_tokens.weight" in results[0][0]
+    for loaded, buffers, losses, after in results:
+        for name, pieces in loaded.items():  # exactly the files' values, box by box
+            for origin, sizes, values in pieces:
+                box = tuple(slice(o, o + n) for o, n in zip(origin, sizes))
+                assert torch.equal(torch.tensor(values), pretrained.state_dict()[name][box]), name
+        assert buffers and all(torch.equal(torch.tensor(v), pretrained.get_buffer(n)) for n, v in buffers.items())
+        # float32; the two microbatches' gradients (and the tie's two copies', and TP's row
+        # layers') are summed in another order than one batch: ~1e-7 relative, ~1e-6 after AdamW.
+        assert losses == pytest.approx(ref_losses, rel=1e-4)
+        for name, pieces in after.items():
+            for origin, sizes, values in pieces:
+                box = tuple(slice(o, o + n) for o, n in zip(origin, sizes))
+                assert torch.allclose(torch.tensor(values), ref.state_dict()[name][box], rtol=1e-4, atol=1e-4), name
+    assert not torch.allclose(ref.lm_head.weight, pretrained.lm_head.weight, atol=1e-3)  # the steps moved it
 
 
 def test_materialize_keeps_identity_attributes_and_hooks():
