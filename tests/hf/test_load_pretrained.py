@@ -6,9 +6,9 @@ Layouts (real gloo processes): Llama at tp=2 through the TP-only `tensor_paralle
 from a sharded `model.safetensors.index.json` (first, one rank's error raised on both ranks);
 through the composing `parallelize`: Llama at tp=2 x dp=2 with ZeRO-3, GPT-2 (Conv1D weights
 stored [in, out], head tied) at tp=2 x dp=2 with ZeRO-1 (master shards that are views of the full
-parameters), Qwen2 at dp=2 with DataParallel; a Llama with a tied head cut into pipeline stages
-(pipeline_layers='auto') at pp=2 and pp=2 x tp=2, every stage's pieces checked against the files
-and every parameter after the steps. In one process: every family (Llama, Qwen2,
+parameters), Qwen2 at dp=2 with DataParallel; cut into pipeline stages (pipeline_layers='auto'):
+a Llama with a tied head and Mistral at pp=2, the tied Llama and an untied one at pp=2 x tp=2,
+every stage's pieces checked against the files and every parameter after the steps. In one process: every family (Llama, Qwen2,
 Mistral, GPT-2) unparallelized, so the rotary buffers no file holds are checked per family; the
 errors."""
 
@@ -51,7 +51,10 @@ def _adamw(params):
 
 
 def _save(family, directory, sharded=False):
-    getattr(_tiny, f"save_tiny_{family}")(directory)
+    if family == "llama-tied":  # the head is the input embedding's weight
+        _tiny.save_tiny_llama(directory, tie_word_embeddings=True)
+    else:
+        getattr(_tiny, f"save_tiny_{family}")(directory)
     if sharded:  # the same weights cut into several files under model.safetensors.index.json
         model = transformers.AutoModelForCausalLM.from_pretrained(directory)
         os.remove(os.path.join(directory, "model.safetensors"))
@@ -198,38 +201,54 @@ def _pieces(par):
             for name, t in placement.describe(par.module).tensors.items()}
 
 
-def _meta_load_pipelined(rank, world, directory, tp):
+def _meta_load_pipelined(rank, world, directories, tp):
+    """Every family of one layout in the same processes (one start-up: imports dominate)."""
     from parallel_layers import hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
 
     ctx = init_parallel(tp=tp, pp=2, device="cpu")
-    model = _on_meta(directory)
-    par = parallelize(model, ctx, optimizer=_adamw, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
-                      pipeline_layers="auto", microbatches=2)
-    assert all(p.is_meta for p in par.module.parameters())  # the premise: nothing allocated yet
-    hf.load_pretrained(directory, par)  # on ctx.device
-    loaded = _pieces(par)
-    buffers = {n: b.tolist() for n, b in model.named_buffers() if not b.is_meta}  # rotary: on every stage here
-    losses = []
-    for ids in _batches():
-        losses.append(par.forward_backward(ids, ids).item())
-        par.step()
-        par.zero_grad()
-    return loaded, buffers, losses, _pieces(par)
+    out = {}
+    for family, directory in directories.items():
+        model = _on_meta(directory)
+        par = parallelize(model, ctx, optimizer=_adamw, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
+                          pipeline_layers="auto", microbatches=2)
+        assert all(p.is_meta for p in par.module.parameters())  # the premise: nothing allocated yet
+        hf.load_pretrained(directory, par)  # on ctx.device
+        loaded = _pieces(par)
+        buffers = {n: b.tolist() for n, b in model.named_buffers() if not b.is_meta}  # rotary: every stage here
+        losses = []
+        for ids in _batches():
+            losses.append(par.forward_backward(ids, ids).item())
+            par.step()
+            par.zero_grad()
+        out[family] = (loaded, buffers, losses, _pieces(par))
+    return out
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2-tp2"])
+# tp -> the families loaded into pp=2 x tp stages (Mistral's one key/value head does not split over tp=2)
+PIPELINED = {1: ("llama-tied", "mistral"), 2: ("llama-tied", "llama")}
+
+
+@pytest.mark.parametrize("tp", list(PIPELINED), ids=lambda tp: "pp2" if tp == 1 else f"pp2-tp{tp}")
 def test_meta_built_model_loads_into_pipeline_stages(tmp_path, tp):
-    """A Llama whose head is tied to its embedding, cut into stages by pipeline_layers='auto': each
-    stage reads the tensors (at tp=2, the slices) it holds - the tie's copy at each end of the
-    pipeline from the one tensor the files keep - and trains as the plain model does."""
-    _tiny.save_tiny_llama(tmp_path, tie_word_embeddings=True)
-    _, ref_losses, ref = _reference(tmp_path)
-    pretrained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    results = run_distributed(_meta_load_pipelined, 2 * tp, args=(str(tmp_path), tp), timeout_s=240)
+    """Decoders cut into stages by pipeline_layers='auto': each stage reads the tensors (at tp=2,
+    the slices) it holds - a head tied to the embedding at each end of the pipeline from the one
+    tensor the files keep - and trains as the plain model does."""
+    directories = {family: str(tmp_path / family) for family in PIPELINED[tp]}
+    for family, directory in directories.items():
+        _save(family, directory)
+    results = run_distributed(_meta_load_pipelined, 2 * tp, args=(directories, tp), timeout_s=300)
+    for family, directory in directories.items():
+        _check_pipelined(directory, [r[family] for r in results], tied=family == "llama-tied")
+
+
+def _check_pipelined(directory, results, tied):
+    _, ref_losses, ref = _reference(directory)
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(directory)
     held = [name for loaded, *_ in results for name in loaded]
     assert sorted(set(held)) == sorted(pretrained.state_dict())  # every tensor on some stage
-    assert "lm_head.weight" in results[-1][0] and "model.embed_tokens.weight" in results[0][0]
+    if tied:  # the tie's copies at both ends of the pipeline
+        assert "lm_head.weight" in results[-1][0] and "model.embed_tokens.weight" in results[0][0]
     for loaded, buffers, losses, after in results:
         for name, pieces in loaded.items():  # exactly the files' values, box by box
             for origin, sizes, values in pieces:
