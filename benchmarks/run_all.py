@@ -34,6 +34,8 @@ SUITE = [
     ("bench_dp", [], ["--layers", "2", "--d-model", "128", "--tokens", "64", "--reps", "3"]),
     ("bench_pipeline", [], ["--stages", "2", "--reps", "2", "--forward-ms", "4"]),
     ("bench_scaling", [], ["--worlds", "1", "2", "--reps", "2", "--d-model", "64", "--layers", "2"]),
+    ("bench_hf", [], ["--hidden", "128", "--layers", "2", "--vocab", "512", "--seq", "64", "--reps", "2",
+                      "--trials", "1", "--dtypes", "float32"]),
 ]
 
 
@@ -120,6 +122,23 @@ def section_scaling(d: dict, out: Path) -> list[str]:
         ["world", "ms/step", "tokens/s", "efficiency"], rows) + ["", "![scaling](bench_scaling.png)", ""]
 
 
+def section_hf(d: dict) -> list[str]:
+    kinds = ("ours", "hf_tp", "zero3", "fsdp2", "ddp")
+    rows = [[config, *(r["step_s"][k] * 1e3 if k in r["step_s"] else "-" for k in kinds),
+             *(f"{r['ratios'][k]:.2f} ({', '.join(f'{v:.2f}' for v in r['trial_ratios'][k])})" if k in r["ratios"]
+               else "-" for k in ("ours_over_hf_tp", "zero3_over_fsdp2", "zero3_over_ddp"))]
+            for config, r in d["results"].items()]
+    a = d["args"]
+    return ["## Hugging Face Llama step: tp=2 and dp=2 against the PyTorch-native stacks", "",
+            f"Llama of {a['layers']} layers, vocabulary {a['vocab']}, [{a['batch']}x{a['seq']}] tokens per rank, "
+            f"AdamW, 2 ranks on gloo; ms per step (median over {a['trials']} trials) and ratios (median of the "
+            "trials' ratios; per trial in brackets). Targets: ours / hf_tp <= 0.85, ZeRO-3 / FSDP2 <= 0.85, "
+            "ZeRO-3 / DDP <= 1.15. Load average after the run: "
+            f"{' '.join(f'{v:.1f}' for v in d['machine'].get('loadavg_after', []))}.", ""] + _table(
+        ["config", "ours tp2", "transformers tp_plan=auto", "ZeRO-3", "FSDP2", "DDP", "ours / tp_plan=auto",
+         "ZeRO-3 / FSDP2", "ZeRO-3 / DDP"], rows) + ["", "![hf](bench_hf.png)", ""]
+
+
 def _plot_pipeline(d: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -192,6 +211,7 @@ def write_report(out: Path, runs: list[dict]) -> Path:
             ("ours_over_ddp", "ours / DDP step time (target <= 1.0)")]),
         "bench_pipeline": lambda d: section_pipeline(d, out),
         "bench_scaling": lambda d: section_scaling(d, out),
+        "bench_hf": section_hf,
     }
     for r in runs:
         d = _load(out, r["name"]) if r["ok"] else None

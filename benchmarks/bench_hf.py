@@ -1,0 +1,213 @@
+"""A Hugging Face Llama training step: ours vs the PyTorch-native stacks at tp=2 and at dp=2.
+
+    python benchmarks/bench_hf.py [--hidden 512 1024] [--layers 4] [--dtypes float32 bfloat16]
+                                  [--batch 1 --seq 256] [--reps 6] [--trials 3]
+
+The model, for each --hidden h: a transformers LlamaConfig with h / 64 heads and h / 256
+key-value heads (grouped-query attention; at least 4 and 2), a SwiGLU MLP of 8h/3 rounded up to
+a multiple of 32 (1376 at h = 512), --layers decoder layers, an untied head and a vocabulary of
+--vocab (4096: small, so that the decoder layers dominate the step as in a large model; with
+LlamaConfig's default 32000 the embedding, head and their gradients would be most of a model
+this size). It is built from the config, saved with `save_pretrained` and every variant loads it back
+with `from_pretrained` (nothing is downloaded). A step is forward + Hugging Face's causal-LM
+loss + backward + AdamW step + zero_grad on [--batch, --seq] token ids, the same ids for every
+variant, two processes on gloo, one thread each. Variants, each set up as its documentation
+advises:
+
+  tp=2  ours:       parallel_layers.parallelize(model, init_parallel(tp=2), tp_plan="auto"):
+                    the plan the model publishes, no plan of our own
+        hf_tp:      transformers' from_pretrained(dir, distributed_config=DistributedConfig(
+                    tp_plan="auto")) (DTensor; tp_plan="auto" as a keyword is its deprecated spelling)
+  dp=2  zero3:      parallelize(model, init_parallel(dp=2), zero_stage=3, wrap=the decoder layers)
+        fsdp2:      torch.distributed.fsdp.fully_shard on each decoder layer, then on the root
+                    (reshard_after_forward=True, its default)
+        ddp:        torch.nn.parallel.DistributedDataParallel
+(each rank of dp=2 has its own batch of --batch sequences). The variants of one axis are built
+together in a pair of processes and timed round-robin, one step of each per round
+(_common.time_interleaved), their order reversed on every other trial, then freed before the next
+axis's; each of --trials is a fresh pair of processes; a ratio
+is the median over trials of the ratio within each trial. --dtypes: float32, or bfloat16 (the
+model loaded in bfloat16: parameters, activations, gradients and AdamW state, no autocast).
+Writes benchmarks/results/bench_hf.json (every trial's times) and bench_hf.png.
+Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, machine, spawn, time_interleaved, write_json  # noqa: E402
+
+AXES = {"tp": ("ours", "hf_tp"), "dp": ("zero3", "fsdp2", "ddp")}
+# (numerator, denominator, target): the issue's targets for each ratio of step times
+RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15))
+
+
+def llama_config(hidden: int, layers: int, vocab: int, seq: int):
+    import transformers
+
+    heads = max(4, hidden // 64)  # tp=2 needs at least 2 key-value heads: 4 heads at the smoke test's sizes
+    return transformers.LlamaConfig(hidden_size=hidden, intermediate_size=32 * math.ceil(8 * hidden / 3 / 32),
+                                    num_hidden_layers=layers, num_attention_heads=heads,
+                                    num_key_value_heads=max(2, heads // 4), vocab_size=vocab,
+                                    max_position_embeddings=max(seq, 512), tie_word_embeddings=False)
+
+
+def _variant(kind: str, model_dir: str, dtype: torch.dtype, lr: float = 1e-4):
+    """(step function of token ids) for one variant, built in this process."""
+    import transformers
+
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    def loss_fn(output, ids):
+        return causal_lm_loss(output.logits, ids)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=lr)
+
+    if kind == "hf_tp":
+        from transformers.distributed import DistributedConfig
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"))
+        return _plain_step(model, adamw(model.parameters()), loss_fn)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    decoder_layer = type(model.model.layers[0])
+    if kind in ("ours", "zero3"):
+        ctx = init_parallel(tp=2 if kind == "ours" else 1, device="cpu")
+        par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan="auto" if kind == "ours" else None,
+                          zero_stage=3 if kind == "zero3" else 0, wrap=lambda m: isinstance(m, decoder_layer))
+
+        def step(ids):
+            par.forward_backward(ids, ids)
+            par.step()
+            par.zero_grad()
+        return step
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return _plain_step(model, adamw(model.parameters()), loss_fn)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    return _plain_step(ddp, adamw(ddp.parameters()), loss_fn)
+
+
+def _plain_step(model, opt, loss_fn):
+    def step(ids):
+        loss_fn(model(input_ids=ids), ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse):
+    # transformers' distributed loading reads the torchrun variables; the process group is ours
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_WORLD_SIZE=str(ws))
+    times = {}
+    for axis in axes:  # one axis's variants at a time: the others' memory is freed first
+        kinds = AXES[axis][::-1] if reverse else AXES[axis]
+        steps = {kind: _variant(kind, model_dir, getattr(torch, dtype_name)) for kind in kinds}
+        # tp: every rank the same batch; dp: each rank its own
+        g = torch.Generator().manual_seed(rank if axis == "dp" else 0)
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        times.update(time_interleaved({kind: (lambda fn=fn: fn(ids)) for kind, fn in steps.items()}, reps))
+        del steps
+        gc.collect()
+    return times
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(results)
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(configs) + 2), 3.8))
+    width = 0.8 / len(RATIOS)
+    for i, (a, b, target) in enumerate(RATIOS):
+        xs = [j + (i - (len(RATIOS) - 1) / 2) * width for j in range(len(configs))]
+        ax.bar(xs, [results[c]["ratios"].get(f"{a}_over_{b}", math.nan) for c in configs], width,
+                      label=f"{a} / {b} (target <= {target})")
+        for x in xs:  # each bar's target, drawn over the bars
+            ax.hlines(target, x - width / 2, x + width / 2, colors="k", linestyles="dashed", lw=1, zorder=3)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(configs)), configs)
+    ax.set(ylabel="step time ratio (lower: ours faster)", title="Hugging Face Llama step, 2 ranks")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096,
+                    help="small, so that the decoder layers and not the embedding and head dominate the step")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step (per rank at dp=2)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    ap.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES))
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--trials", type=int, default=3, help="fresh process pairs; ratios are medians over them")
+    ap.add_argument("--name", default="bench_hf", help="result file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_hf-") as tmp:
+        for hidden in args.hidden:
+            import transformers
+
+            model_dir = os.path.join(tmp, f"llama-{hidden}")
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(llama_config(hidden, args.layers, args.vocab, args.seq))
+            params = sum(p.numel() for p in model.parameters())
+            model.save_pretrained(model_dir)
+            del model
+            for dtype in args.dtypes:
+                config = f"h{hidden} {dtype}"
+                trials = []
+                for trial in range(args.trials):
+                    ranks = spawn(_rank, 2, (args.axes, model_dir, dtype, args.batch, args.seq, args.vocab,
+                                             args.reps, trial % 2 == 1))
+                    times = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the slower rank's median
+                    trials.append(times)
+                ratios, trial_ratios = {}, {}
+                for a, b, _ in RATIOS:
+                    if a in trials[0] and b in trials[0]:
+                        trial_ratios[f"{a}_over_{b}"] = [t[a] / t[b] for t in trials]
+                        ratios[f"{a}_over_{b}"] = statistics.median(trial_ratios[f"{a}_over_{b}"])
+                step_s = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
+                results[config] = {"hidden": hidden, "dtype": dtype, "params": params, "step_s": step_s,
+                                   "trials": trials, "trial_ratios": trial_ratios, "ratios": ratios}
+                print(f"Llama h={hidden} x {args.layers} layers ({params / 1e6:.1f}M params), {dtype}, "
+                      f"[{args.batch}x{args.seq}] tokens, ms per step over {args.trials} trials:")
+                for kind in step_s:
+                    print(f"  {kind:6s} " + "  ".join(f"{t[kind] * 1e3:8.1f}" for t in trials))
+                for a, b, target in RATIOS:
+                    if f"{a}_over_{b}" in ratios:
+                        per_trial = ", ".join(f"{v:.2f}" for v in trial_ratios[f"{a}_over_{b}"])
+                        print(f"  {a} / {b} = {ratios[f'{a}_over_{b}']:.2f} (trials {per_trial}; target <= {target})")
+    load = os.getloadavg()
+    path = write_json(args.name, {"benchmark": "hf", "machine": {**machine(), "loadavg_after": load},
+                                  "args": vars(args), "results": results})
+    plot(results, RESULTS / f"{args.name}.png")
+    print(f"load average after the run {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
