@@ -3,6 +3,7 @@
     python -m parallel_layers.plan --params 7e9 --layers 32 --hidden 4096 --seq 4096 \\
         --gpus 64 --gpus-per-node 8 --gpu-mem 80GB
     python -m parallel_layers.plan --hf-config path/to/model_dir --seq 4096 --gpus 64 --gpus-per-node 8 --gpu h100
+    python -m parallel_layers.plan --hf-config small_model/ --seq 128 --gpus 2 --gpus-per-node 2 --verify 2
 
     best, rejected = recommend(ModelSpec(7e9, 32, 4096, 4096), ClusterSpec(64, 8, parse_size("80GB")))
     best, rejected = recommend(ModelSpec.from_hf_config("model_dir", seq=4096), ClusterSpec.preset("h100", 64))
@@ -12,6 +13,8 @@ recomputation and optimizer offload) is estimated (per-rank memory, communicatio
 pipeline bubble, step time), the rules of docs/parallelism.md ("Composing") pick one, and every
 other layout carries the reason it lost, with its numbers. docs/planner.md has the whole model,
 its sources, and the published layouts it is checked against (tests/test_plan_published.py).
+`--verify N` runs the N best layouts that fit this machine and compares the predicted peak
+memory and step time with measured ones (parallel_layers/_verify.py).
 
 Memory per rank, the model (bytes per parameter of this rank's share, Ψ = the largest pipeline
 stage's params / tp, with norms and row biases replicated over tp, N = dp * cp):
@@ -22,6 +25,9 @@ stage's params / tp, with norms and row biases replicated over tp, N = dp * cp):
   ZeRO 1: optimizer / N. ZeRO 2: also grads / N, plus one layer's full grads (reduced per layer).
   ZeRO 3: also params / N, plus two layers' full params (the gathered one and the prefetched one).
   Optimizer offload (ZeRO >= 1): the optimizer shard lives in host memory instead.
+  The peak (Note [peak memory]): params + optimizer + the larger of (activations + the loss's
+  temporaries + the gradients that exist by the loss: DataParallel's buckets, and with m > 1
+  the accumulated ones plus the largest layer's being added) and all the gradients.
 Activations, per layer and token (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit with dropout and eager
 attention; e bytes per element, a heads, q = heads * head_dim, k = kv_heads * head_dim, f the MLP
@@ -37,7 +43,9 @@ width, t = tp, sequence parallel divides the part outside the TP region by t too
   only each layer's input, e*h per token (/ t with sequence parallel), plus one layer's full
   activations while it is recomputed.
   The last stage adds the head: final norm input and output (2h elements) and the
-  cross-entropy's fp32 softmax over its vocab / t slice (4 * vocab / t bytes).
+  cross-entropy's fp32 softmax over its vocab / t slice (4 * vocab / t bytes; the whole vocab
+  when the head's output is gathered, TrainSpec.vocab_parallel_loss=False), and for a moment two
+  more such fp32 copies (the logits and the loss's input in forward; two gradients in backward).
   1F1B: stage 0 holds p microbatches of activations, the last stage one; interleaved (v virtual
   stages) stage 0 holds (1 + (p - 1) / (p v)) times that. Context parallel splits each sequence's
   tokens over cp ranks (the scores still span the whole sequence).
@@ -326,6 +334,7 @@ class TrainSpec:
     zero: int | None = None  # None: searched (0-3)
     tensor_parallel: int | None = None  # None: searched; fixed to compare with a system that had one
     pipeline_parallel: int | None = None  # None: searched (e.g. 1 for a system without pipelines)
+    vocab_parallel_loss: bool = True  # False: the head's logits are gathered to the whole vocab on every tp rank
 
     def __post_init__(self):
         if self.precision not in _PRECISIONS:
@@ -387,10 +396,14 @@ class Estimate:
     flops: float = 0.0  # hardware flops per step, all GPUs (recomputation included)
     host: float = 0.0  # host bytes per GPU (offloaded optimizer)
     modelled_only: str | None = None  # what of this layout parallel_layers cannot run yet
+    loss_temporaries: float = 0.0  # the loss's float32 logits copies beyond the one kept for backward
+    grads_at_loss: float = 0.0  # gradient bytes alive while the activations are (see `memory`)
 
     @property
     def memory(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        """Peak bytes per rank (Note [peak memory])."""
+        return (self.params + self.optimizer
+                + max(self.activations + self.loss_temporaries + self.grads_at_loss, self.grads))
 
     def tflops_per_gpu(self, gpus: int) -> float:
         """Achieved hardware TFLOP/s per GPU (as Megatron reports it: recomputation counted)."""
@@ -441,8 +454,21 @@ def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int, tokens: float,
     total = tokens * layers * _layer_token_bytes(model, train, tp, recompute)
     if head:
         e, outside_tp = train.act_bytes, tp if train.sequence_parallel else 1
-        total += tokens * (e * 2 * model.hidden / outside_tp + 4 * model.vocab / tp)
+        total += tokens * (e * 2 * model.hidden / outside_tp + 4 * _loss_vocab(train, model, tp))
     return total
+
+
+def _loss_vocab(train: TrainSpec, model: ModelSpec, tp: int) -> float:
+    """Vocabulary entries per token the loss sees on a rank: its vocab-parallel slice, or all of
+    it when the head's output is gathered (transformers' 'colwise_gather_output' lm_head)."""
+    return model.vocab / tp if train.vocab_parallel_loss else model.vocab
+
+
+def loss_temporaries(model: ModelSpec, train: TrainSpec, tp: int, tokens: float) -> float:
+    """Float32 [tokens, vocab] copies the loss holds for a moment beyond the log-softmax kept
+    for backward: in forward the logits and the cross-entropy's flattened input beside the
+    log-softmax; in backward the gradient of the log-softmax and of its input beside it."""
+    return 2 * 4 * tokens * _loss_vocab(train, model, tp)
 
 
 def _token_flops(model: ModelSpec, train: TrainSpec, recompute: str) -> tuple[float, float]:
@@ -506,6 +532,18 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     acts = max(first, last)
     if rc == "full":  # the layer being recomputed holds its activations until its backward is done
         acts += tokens * _layer_token_bytes(model, train, tp, "none")
+    # Note [peak memory]: the states of the ZeRO paper (params, grads, optimizer) never all peak
+    # with the activations. Gradients are made in backward as the activations are freed, so a
+    # rank peaks either at the loss (all activations kept, the loss's logits copies, and what
+    # gradients exist by then: DataParallel's buckets, and with m > 1 those accumulated from the
+    # earlier microbatches) or at the end of backward (every gradient); params and optimizer
+    # state are there throughout (from the second step on).
+    # Only the last stage computes the loss: its copies count where they raise the larger stage.
+    temporaries = max(first, last + loss_temporaries(model, train, tp, tokens)) - max(first, last)
+    # With m > 1 a microbatch's gradient of a parameter is made in a buffer of its own and then
+    # added to the accumulated one: the largest layer's (often the head's) is in flight too.
+    accumulated = psi * gb / (shards if zero >= 2 else 1) + layer * gb if m > 1 else 0.0
+    at_loss = (psi * gb if zero == 0 and shards > 1 else 0.0) + accumulated
 
     ring = lambda n: (n - 1) / n  # noqa: E731  (fraction of a buffer each rank sends in a ring pass)
     # Stages 0 and 1 accumulate full gradients locally over the microbatches and reduce once;
@@ -546,7 +584,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     step = (compute / (1 - bubble) + tp_bytes / bandwidth(tp) + cp_bytes / bandwidth(tp * cp)
             + pp_bytes / bandwidth(cluster.gpus) + max(0.0, dp_bytes / bandwidth(tp * cp * dp) - overlap * compute)
             + offload_time)
-    e = Estimate(layout, micro_batch, params, grads, opt, acts, comm, bubble, step, flops=flops, host=host)
+    e = Estimate(layout, micro_batch, params, grads, opt, acts, comm, bubble, step, flops=flops, host=host,
+                 loss_temporaries=temporaries, grads_at_loss=at_loss)
     if cp > 1:
         e.modelled_only = "context parallel is modelled only: parallel_layers does not implement it yet"
     return e
@@ -605,8 +644,9 @@ def _memory_options(train: TrainSpec, zero: int) -> list[tuple[str, bool]]:
 
 def _memory_reason(e: Estimate, cluster: ClusterSpec) -> str:
     return (f"needs {e.memory / GB:.1f} GB per GPU > {cluster.gpu_mem_bytes / GB:.0f} GB (params "
-            f"{e.params / GB:.1f} + grads {e.grads / GB:.1f} + optimizer {e.optimizer / GB:.1f} + activations "
-            f"{e.activations / GB:.1f} at microbatch {e.micro_batch}, recompute {e.layout.recompute}"
+            f"{e.params / GB:.1f} + optimizer {e.optimizer / GB:.1f} + the larger of activations {e.activations / GB:.1f} "
+            f"+ loss temporaries {e.loss_temporaries / GB:.1f} + grads meanwhile {e.grads_at_loss / GB:.1f} and grads "
+            f"{e.grads / GB:.1f}, at microbatch {e.micro_batch}, recompute {e.layout.recompute}"
             f"{', optimizer offloaded' if e.layout.offload else ''})")
 
 
@@ -781,6 +821,8 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
     lay = e.layout
     unsupported = [f"context parallel cp={lay.cp}"] if lay.cp > 1 else []
     unsupported += ["optimizer offload through parallelize"] if lay.offload else []
+    if train.sequence_parallel and lay.tp > 1 and (lay.pp > 1 or lay.microbatches > 1):
+        unsupported.append(f"sequence parallel with a pipeline (pp={lay.pp}, microbatches={lay.microbatches})")
     return {
         "init_parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
         "parallelize": {"zero_stage": lay.zero, "microbatches": lay.microbatches,
@@ -813,35 +855,35 @@ def _rank_of(reason: str) -> int:
 
 
 # ---- CLI ----------------------------------------------------------------------------------
-def _row(e: Estimate, mark: str) -> str:
-    return (f"{mark:1s} {str(e.layout):50s} {e.params / GB:6.1f} {e.grads / GB:6.1f} {e.optimizer / GB:6.1f} "
-            f"{e.activations / GB:6.1f} {e.memory / GB:7.1f} {sum(e.comm.values()) / GB:8.2f} "
+def _row(e: Estimate, mark: str, unit: float = GB) -> str:
+    return (f"{mark:1s} {str(e.layout):50s} {e.params / unit:6.1f} {e.grads / unit:6.1f} {e.optimizer / unit:6.1f} "
+            f"{e.activations / unit:6.1f} {e.memory / unit:7.1f} {sum(e.comm.values()) / unit:8.2f} "
             f"{100 * e.bubble:6.1f} {e.step_time:8.2f}")
 
 
 def format_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, best: Estimate | None,
                 rejected: list[Estimate], rows: int = 15, contenders: int = 5, per_kind: int = 2) -> str:
     dropout = model.dropout if train.dropout is None else train.dropout
+    unit, u = (GB, "GB") if cluster.gpu_mem_bytes >= 10 * GB else (1e6, "MB")  # a small machine's run: MB
     lines = [f"model: {model.name + ', ' if model.name else ''}{model.params / 1e9:.2f}B params, {model.layers} "
              f"layers, hidden {model.hidden}, {model.n_heads} heads ({model.n_kv_heads} kv, head dim {model.d_head}), "
              f"{model.mlp} ffn {model.ffn_width}, vocab {model.vocab} ({'tied' if model.tied else 'untied'} head), "
              f"seq {model.seq}",
-             f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node}/node, {cluster.gpu_mem_bytes / GB:.0f} GB, "
-             f"{cluster.flops / 1e12:.0f} TFLOP/s at {cluster.mfu:.0%}, {cluster.intra_node_bw / GB:.0f}/"
-             f"{cluster.inter_node_bw / GB:.0f} GB/s intra/inter-node)",
+             f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node}/node, {cluster.gpu_mem_bytes / GB:.3g} GB, "
+             f"{cluster.flops / 1e12:.3g} TFLOP/s at {cluster.mfu:.0%}, {cluster.intra_node_bw / GB:.3g}/"
+             f"{cluster.inter_node_bw / GB:.3g} GB/s intra/inter-node)",
              f"training: global batch {train.global_batch} sequences, {train.precision} precision Adam, "
              f"{'flash' if train.flash_attention else 'eager'} attention, dropout {'on' if dropout else 'off'}, "
              f"sequence parallel {'on' if train.sequence_parallel else 'off'}, recompute {train.recompute}", "",
-             f"  {'layout':50s} {'params':>6s} {'grads':>6s} {'optim':>6s} {'activ':>6s} {'total':>7s} "
+             f"  {'layout':50s} {'params':>6s} {'grads':>6s} {'optim':>6s} {'activ':>6s} {'peak':>7s} "
              f"{'comm':>8s} {'bubble':>6s} {'step':>8s}",
-             f"  {'':50s} {'GB':>6s} {'GB':>6s} {'GB':>6s} {'GB':>6s} {'GB':>7s} {'GB/step':>8s} {'%':>6s} "
-             f"{'s (est)':>8s}"]
+             f"  {'':50s} {u:>6s} {u:>6s} {u:>6s} {u:>6s} {u:>7s} {u + '/step':>8s} {'%':>6s} {'s (est)':>8s}"]
     shown = ([best] if best else []) + rejected[:rows - 1]
-    lines += [_row(e, "*" if e is best else "") for e in shown]
+    lines += [_row(e, "*" if e is best else "", unit) for e in shown]
     lines.append("")
     if best:
         lines.append(f"recommended: {best.layout}, microbatch {best.micro_batch} sequences, est. "
-                     f"{best.tflops_per_gpu(cluster.gpus):.0f} TFLOP/s per GPU")
+                     f"{best.tflops_per_gpu(cluster.gpus):.3g} TFLOP/s per GPU")
         if best.modelled_only:
             lines.append(f"  note: {best.modelled_only}")
     else:
@@ -860,7 +902,8 @@ def _optional_int(text: str) -> int | None:
     return None if text == "auto" else int(text)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict | None:
+    """The CLI; with --verify it returns the verify report (parallel_layers/_verify.py) too."""
     ap = argparse.ArgumentParser(prog="python -m parallel_layers.plan", description=__doc__.split("\n\n")[0])
     shape = ap.add_argument_group("model (--hf-config, or the shape by hand)")
     shape.add_argument("--hf-config", help="a Hugging Face config.json or model directory (llama, mistral, qwen2, "
@@ -882,13 +925,13 @@ def main(argv: list[str] | None = None) -> None:
                     "below override them")
     hw.add_argument("--gpu-mem", help="e.g. 80GB (required without --gpu)")
     hw.add_argument("--tflops", type=float, default=None, help="dense 16-bit peak per GPU, default 989")
-    hw.add_argument("--mfu", type=float, default=0.5, help="fraction of peak reached")
+    hw.add_argument("--mfu", type=float, default=None, help="fraction of peak reached, default 0.5")
     hw.add_argument("--intra-node-bw", default=None, help="per GPU, per second, default 450GB (NVLink)")
     hw.add_argument("--inter-node-bw", default=None, help="per GPU, per second, default 50GB (InfiniBand)")
     hw.add_argument("--pcie-bw", default="25GB", help="per GPU to host, for optimizer offload")
     tr = ap.add_argument_group("training")
     tr.add_argument("--global-batch", type=int, default=512, help="sequences per step")
-    tr.add_argument("--precision", choices=list(_PRECISIONS), default="mixed")
+    tr.add_argument("--precision", choices=list(_PRECISIONS), default=None, help="default mixed (fp32 with --verify)")
     tr.add_argument("--flash-attention", action="store_true", help="do not store the s x s attention scores")
     tr.add_argument("--no-dropout", action="store_true", help="default: the model's own dropout")
     tr.add_argument("--no-sequence-parallel", action="store_true")
@@ -901,7 +944,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="N or auto (modelled only: parallel_layers does not implement context parallel yet)")
     tr.add_argument("--zero", type=_optional_int, default=None, help="0-3, or auto")
     ap.add_argument("--rows", type=int, default=15, help="table rows to print")
+    ver = ap.add_argument_group("verify on this machine (parallel_layers/_verify.py)")
+    ver.add_argument("--verify", type=int, nargs="?", const=3, default=None, metavar="N",
+                     help="run the N (default 3) best layouts that fit --gpus local processes for a few steps and "
+                     "print predicted vs measured peak memory and step time per rank; needs --hf-config")
+    ver.add_argument("--verify-steps", type=int, default=3, help="steps per layout (the first is not timed)")
+    ver.add_argument("--verify-timeout", type=float, default=600.0, help="seconds for all the runs, then they are killed")
     args = ap.parse_args(argv)
+    if args.verify is not None:
+        return _verify_main(ap, args)
     try:
         model = _model_from_args(ap, args)
         hw_args = {k: v for k, v in (("gpu_mem_bytes", args.gpu_mem and parse_size(args.gpu_mem)),
@@ -909,21 +960,65 @@ def main(argv: list[str] | None = None) -> None:
                                      ("intra_node_bw", args.intra_node_bw and parse_size(args.intra_node_bw)),
                                      ("inter_node_bw", args.inter_node_bw and parse_size(args.inter_node_bw)))
                    if v is not None}
-        hw_args.update(mfu=args.mfu, pcie_bw=parse_size(args.pcie_bw))
+        hw_args.update(mfu=0.5 if args.mfu is None else args.mfu, pcie_bw=parse_size(args.pcie_bw))
         if args.gpu:
             cluster = ClusterSpec.preset(args.gpu, args.gpus, args.gpus_per_node, **hw_args)
         elif "gpu_mem_bytes" not in hw_args:
             ap.error(f"give --gpu (one of {sorted(GPU_PRESETS)}) or --gpu-mem")
         else:
             cluster = ClusterSpec(args.gpus, args.gpus_per_node, **hw_args)
-        train = TrainSpec(args.global_batch, args.precision, False if args.no_dropout else None, args.flash_attention,
-                          not args.no_sequence_parallel, args.recompute,
-                          {"auto": None, "on": True, "off": False}[args.offload], args.micro_batch,
-                          args.virtual_stages, args.context_parallel, args.zero)
+        train = _train_from_args(args)
     except (ValueError, FileNotFoundError) as err:
         ap.error(str(err))
     best, rejected = recommend(model, cluster, train)
     print(format_plan(model, cluster, train, best, rejected, rows=args.rows))
+
+
+def _train_from_args(args) -> TrainSpec:
+    return TrainSpec(args.global_batch, args.precision or "mixed", False if args.no_dropout else None,
+                     args.flash_attention, not args.no_sequence_parallel, args.recompute,
+                     {"auto": None, "on": True, "off": False}[args.offload], args.micro_batch, args.virtual_stages,
+                     args.context_parallel, args.zero)
+
+
+def _verify_main(ap: argparse.ArgumentParser, args) -> dict:
+    """--verify: plan for this machine (measured) and run the top layouts (parallel_layers/_verify.py)."""
+    from parallel_layers import _verify
+
+    if not args.hf_config:
+        ap.error("--verify builds the model from a Hugging Face config: give --hf-config (a config.json or a "
+                 "save_pretrained directory)")
+    if args.gpus != args.gpus_per_node:
+        ap.error(f"--verify runs --gpus local processes on this machine (one node): --gpus {args.gpus} must equal "
+                 f"--gpus-per-node {args.gpus_per_node}")
+    measured = {"--gpu": args.gpu, "--tflops": args.tflops, "--intra-node-bw": args.intra_node_bw,
+                "--inter-node-bw": args.inter_node_bw, "--mfu": args.mfu}
+    given = [flag for flag, value in measured.items() if value is not None]
+    if given:
+        ap.error(f"--verify measures this machine's GEMM rate and bandwidth; drop {given} (--gpu-mem may set the "
+                 "memory per rank)")
+    if args.precision == "mixed":
+        ap.error("--verify trains in float32 (the worker's dtype): --precision fp32 or leave it out, got mixed")
+    args.precision = "fp32"
+    try:
+        model = _model_from_args(ap, args)
+        train = _train_from_args(args)
+        report = _verify.verify(model, train, args.hf_config, args.gpus, top=args.verify, steps=args.verify_steps,
+                                gpu_mem_bytes=args.gpu_mem and parse_size(args.gpu_mem),
+                                timeout_s=args.verify_timeout, rows=args.rows)
+    except (ValueError, FileNotFoundError) as err:
+        ap.error(str(err))
+    except _verify.VerifyError as err:
+        raise SystemExit(str(err)) from None
+    print(_verify.format_report(report))
+    off = [row for row in _verify.compare(report) if abs(row["memory_ratio"] - 1) > _verify.MEMORY_RTOL]
+    if not report["runs"]:
+        raise SystemExit("--verify: no layout fits this machine and is runnable by parallel_layers (see above)")
+    if off:
+        raise SystemExit(f"--verify: measured peak memory is off the prediction by more than "
+                         f"{_verify.MEMORY_RTOL:.0%} on {len(off)} rank(s): "
+                         + "; ".join(f"{r['layout']} rank {r['rank']} x{r['memory_ratio']:.2f}" for r in off))
+    return report
 
 
 def _model_from_args(ap: argparse.ArgumentParser, args) -> ModelSpec:

@@ -274,13 +274,15 @@ def test_recomputation_costs_compute():
 def test_the_least_recomputation_that_fits_is_chosen():
     """7B, seq 4096, eager attention, 64 GPUs: without recomputation nothing fits data-parallel
     alone (CASES above); selective recomputation removes the 5as/h term and ZeRO-1 then fits;
-    with flash attention (no scores kept) nothing needs recomputing."""
+    with flash attention (no scores kept) nothing needs recomputing. (The recommendation is a
+    near-tie between that and TP 2 without recomputation, each within 5% of the other.)"""
     model, cluster = CASES["7B on 64 GPUs"][:2]
     best, rejected = recommend(model, cluster, TrainSpec(global_batch=512))
-    assert best.layout.recompute == "selective"
-    plain = plan.estimate(model, cluster, TrainSpec(global_batch=512), dataclasses.replace(best.layout,
+    dp_only = next(e for e in [best, *rejected] if e.layout.tp == e.layout.pp == 1 and e.layout.zero == 1)
+    assert dp_only.layout.recompute == "selective"
+    plain = plan.estimate(model, cluster, TrainSpec(global_batch=512), dataclasses.replace(dp_only.layout,
                                                                                            recompute="none"))
-    assert plain.memory > 80 * GB >= best.memory
+    assert plain.memory > 80 * GB >= dp_only.memory
     flash, _ = recommend(model, cluster, TrainSpec(global_batch=512, flash_attention=True))
     assert flash.layout.recompute == "none"
     full_only, _ = recommend(model, cluster, TrainSpec(global_batch=512, recompute=("none", "full")))
@@ -374,12 +376,18 @@ def test_launch_args_describe_how_to_run_a_layout():
     """The bridge to a run (issue 18's --verify): init_parallel's mesh, parallelize's options, and
     what the library cannot run yet."""
     model = ModelSpec(None, 32, 4096, 2048, heads=32, vocab=32000)
-    train = TrainSpec(global_batch=64)
+    train = TrainSpec(global_batch=64, sequence_parallel=False)
     e = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), train, Layout(2, 4, 4, 1, 16, virtual=2, recompute="full"))
     args = plan.launch_args(e, train)
     assert args["init_parallel"] == {"tp": 4, "pp": 4, "dp": 2}
     assert args["parallelize"] == {"zero_stage": 1, "microbatches": 16, "schedule": "interleaved", "virtual": 2,
-                                   "activation_checkpointing": "full", "sequence_parallel": True}
+                                   "activation_checkpointing": "full", "sequence_parallel": False}
     assert args["micro_batch"] == 2 and args["unsupported"] == []
+    # parallelize splits the sequence between TP regions only without a pipeline
+    sp = dataclasses.replace(train, sequence_parallel=True)
+    assert plan.launch_args(e, sp)["unsupported"] == ["sequence parallel with a pipeline (pp=4, microbatches=16)"]
+    single = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), sp, Layout(8, 4, 1, 1, 1))
+    assert plan.launch_args(single, sp)["parallelize"]["sequence_parallel"] is True
+    assert plan.launch_args(single, sp)["unsupported"] == []
     cp = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), train, Layout(2, 4, 1, 1, 16, cp=4, offload=True))
     assert plan.launch_args(cp, train)["unsupported"] == ["context parallel cp=4", "optimizer offload through parallelize"]

@@ -1,0 +1,70 @@
+"""`python -m parallel_layers.plan ... --verify` (parallel_layers/_verify.py): the planner's top
+layouts for 2 local processes run under torchrun (gloo, the composing parallelize) on a tiny
+Hugging Face Llama, and each rank's measured peak memory is within 15% of the prediction
+(issue 18's acceptance). The memory terms are made large enough to measure above the resident
+set's noise: a vocabulary of 8192 (the head's [tokens, vocab] float32 logits and softmax) and
+eager attention's [heads, seq, seq] probabilities at seq 128."""
+
+import pytest
+
+from parallel_layers import _verify, plan
+
+WORLD = 2
+
+
+def _save_tiny_llama(directory) -> None:
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=8192, max_position_embeddings=256,
+                             tie_word_embeddings=False).save_pretrained(directory)
+
+
+def _cli(directory, *extra) -> list[str]:
+    return ["--hf-config", str(directory), "--seq", "128", "--gpus", str(WORLD), "--gpus-per-node", str(WORLD),
+            "--global-batch", "8", *extra]
+
+
+def test_verify_runs_the_top_layouts_and_memory_is_within_15_percent(tmp_path, capsys):
+    _save_tiny_llama(tmp_path)
+    report = plan.main(_cli(tmp_path, "--verify", "2", "--verify-steps", "2", "--verify-timeout", "240"))
+    out = capsys.readouterr().out
+    assert len(report["runs"]) == 2, "each of the top 2 layouts ran"
+    for run in report["runs"]:
+        assert len(run["measured"]) == WORLD, f"{run['layout']}: every rank reported"
+        assert run["layout"] in out
+    rows = _verify.compare(report)
+    assert len(rows) == 2 * WORLD
+    for row in rows:
+        assert row["measured_memory"] > 0 and row["measured_step"] > 0, row
+        assert row["memory_ratio"] == pytest.approx(1, abs=_verify.MEMORY_RTOL), (
+            f"{row['layout']} rank {row['rank']}: measured {row['measured_memory']} B vs predicted "
+            f"{row['predicted_memory']} B")
+    assert "VmHWM" in out and "GFLOP/s" in out, "the output says what is measured and how"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gpus-per-node", "1"], "--gpus 2 must equal --gpus-per-node 1"),
+    (["--gpu", "h100"], "drop ['--gpu']"),
+    (["--precision", "mixed"], "--verify trains in float32"),
+    (["--verify-steps", "1"], "--verify-steps must be >= 2"),
+], ids=["two-nodes", "preset", "mixed", "one-step"])
+def test_bad_flag_combinations_name_the_values(tmp_path, capsys, extra, message):
+    _save_tiny_llama(tmp_path)
+    argv = _cli(tmp_path, "--verify", "2") + extra
+    with pytest.raises(SystemExit) as exc:
+        plan.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_verify_needs_a_hugging_face_config(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--layers", "4", "--hidden", "256", "--seq", "128", "--gpus", "2", "--gpus-per-node", "2",
+                   "--verify"])
+    assert "--verify builds the model from a Hugging Face config" in capsys.readouterr().err
+
+
+def test_workers_past_the_timeout_are_killed_and_reported(tmp_path):
+    _save_tiny_llama(tmp_path)
+    with pytest.raises(SystemExit, match="ran past --verify-timeout 1 s and were killed"):
+        plan.main(_cli(tmp_path, "--verify", "1", "--verify-timeout", "1"))
