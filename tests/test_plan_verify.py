@@ -68,3 +68,16 @@ def test_workers_past_the_timeout_are_killed_and_reported(tmp_path):
     _save_tiny_llama(tmp_path)
     with pytest.raises(SystemExit, match="ran past --verify-timeout 1 s and were killed"):
         plan.main(_cli(tmp_path, "--verify", "1", "--verify-timeout", "1"))
+
+
+def test_a_failing_worker_fails_verify_with_its_error(tmp_path):
+    """A config the planner reads (it needs only the shape) but transformers cannot build: the
+    workers' traceback comes back in the error, and the command exits non-zero."""
+    import json
+
+    _save_tiny_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "no-such-rope", "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=r"(?s)the workers failed \(exit code [1-9].*no-such-rope"):
+        plan.main(_cli(tmp_path, "--verify", "1", "--verify-timeout", "240"))
