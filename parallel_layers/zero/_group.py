@@ -67,6 +67,7 @@ class ParamGroup:
         self.offload = first.offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
         self.keep_full = first.keep_full  # False: the full parameters are freed between uses (ZeRO-3)
         self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
+        self._reducing = None  # (output, work handle, input) of a reduce-scatter not yet finished
         self._gloo = dist.get_backend(self.group) == "gloo"
 
     # The members' full parameters and master shards, in order (the optimizer, hooks, tests).
@@ -135,21 +136,36 @@ class ParamGroup:
         self.unshard()
 
     # ---- gradients ----------------------------------------------------------------------
-    def reduce_grads(self, free_full_grads: bool) -> None:
-        """Reduce-scatter the full gradients (averaged over ranks) into the shard gradients."""
+    def reduce_grads(self, free_full_grads: bool, async_op: bool = False) -> None:
+        """Reduce-scatter the full gradients (averaged over ranks) into the shard gradients.
+        With async_op, return once the reduce-scatter is launched; `finish_reduce()` waits for
+        it and accumulates into the shard gradients (Note [overlapped reduce-scatter] in _hooks.py)."""
         grads = [sp.grad_to_reduce() for sp in self.members]
         buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world)
+        del grads
+        if free_full_grads:  # buf holds their copy
+            for sp in self.members:
+                sp.full.grad = None
+        handle = None
         if self.world > 1:
             out = buf.new_empty(buf.shape[1])  # [S]: this rank's slot
             fault.check_agreement(f"ZeRO reduce_scatter of {self.name}", buf, self.group)
             with fault.collective(f"ZeRO reduce_scatter of {self.name}", self.group):
-                dist.reduce_scatter_single(out, buf.view(-1), group=self.group)
+                handle = dist.reduce_scatter_single(out, buf.view(-1), group=self.group, async_op=True)
         else:
             out = buf[0]
-        shard_grads = [sp.shard_grad() for sp in self.members]
+        self._reducing = (out, handle, buf)  # buf stays alive until the collective is done
+        if not async_op:
+            self.finish_reduce()
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter `reduce_grads` launched, if any, and accumulate this
+        rank's slot into the shard gradients."""
+        if self._reducing is None:
+            return
+        out, handle, _ = self._reducing
+        self._reducing = None
+        fault.wait(handle, f"ZeRO reduce_scatter of {self.name}", self.group)
         if self.offload:
             out = out.to("cpu")
-        shard_copy.reduce_scatter_copy_out(out, shard_grads, accumulate=True)
-        if free_full_grads:
-            for sp in self.members:
-                sp.full.grad = None
+        shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad() for sp in self.members], accumulate=True)

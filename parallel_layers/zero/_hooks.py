@@ -32,6 +32,13 @@ wrapped module skipped in forward on one rank only is not supported at stage 3: 
 all-gathers would not match across ranks. With PARALLEL_LAYERS_DEBUG=1 that is an error on
 every rank (the agreement check before each all-gather); without, a hang or a CollectiveError.
 
+Note [overlapped reduce-scatter]: at stages 2/3 a group's reduce-scatter is launched
+asynchronously as soon as the group is reduced in the agreed order and waited for (its slot
+accumulated into the shard gradients) when the next group's is launched, or at the end of
+backward: the collective runs while backward computes the layers before it, as FSDP2 overlaps
+its reduce-scatters, and at most two are in flight. The launch order, the only thing the ranks
+must agree on, is unchanged. Reductions outside backward (stage 1, after `no_sync()`) wait at once.
+
 Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first forward.
 Afterwards, while group i computes, the all-gather of the group after it runs (forward) or
 of the group before it (backward, which runs in reverse): one collective waited on, one in
@@ -98,6 +105,7 @@ class ZeROHooks:
         self.backward = {g: _BackwardState() for g in groups}
         self.forward_order: list[ParamGroup] = []  # groups as their forward ran, first step (Note [ZeRO prefetch])
         self.callback_queued = False
+        self.reducing: ParamGroup | None = None  # Note [overlapped reduce-scatter]
         self.handles = []
         if stage == 2:
             self._install_grad_hooks()
@@ -125,8 +133,15 @@ class ZeROHooks:
         """Reduce, in the agreed order, the groups whose backward is done."""
         self.backward[g].done = True
         while self.syncing() and self.reduced < len(self.order) and self.backward[self.order[self.reduced]].done:
-            self.order[self.reduced].reduce_grads(free_full_grads=True)
+            self._launch_reduce(self.order[self.reduced])
             self.reduced += 1
+
+    def _launch_reduce(self, g: ParamGroup) -> None:
+        """Launch g's reduce-scatter, then finish the one before it (Note [overlapped reduce-scatter])."""
+        g.reduce_grads(free_full_grads=True, async_op=True)
+        if self.reducing is not None:
+            self.reducing.finish_reduce()
+        self.reducing = g
 
     def _queue_finalize(self) -> None:
         if not self.callback_queued:
@@ -138,8 +153,11 @@ class ZeROHooks:
         self.callback_queued = False
         if self.syncing():
             for g in self.order[self.reduced:]:
-                g.reduce_grads(free_full_grads=True)
+                self._launch_reduce(g)
             self.unreduced = False
+        if self.reducing is not None:
+            self.reducing.finish_reduce()
+            self.reducing = None
         self.reduced = 0
         self.backward = {g: _BackwardState() for g in self.groups}
         for g in self.groups:
