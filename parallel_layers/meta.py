@@ -79,6 +79,10 @@ def materialize_module(module: nn.Module, device: torch.device | str, skip: set[
                     continue
                 swap_in(t, empty_like(t, device))
                 done.add(id(t))
+    for m in module.modules():  # tensors that share one allocation (SwiGLUMLP's gate and up) get it back
+        pack = getattr(m, "pack_", None)
+        if callable(pack) and any(id(p) in done for p in m.parameters()):
+            pack()
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:

@@ -60,7 +60,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import activation_checkpointing as activation_checkpointing_module
-from parallel_layers import meta
+from parallel_layers import fused, meta
 from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.parallel_dims import ParallelContext
@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                 activation_checkpointing: str | None = None, zero_stage: int = 0,
                 wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
-                split_points: list[int] | None = None) -> Parallelized:
+                split_points: list[int] | None = None, fused_kernels: bool = True) -> Parallelized:
     """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
 
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
@@ -133,7 +133,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     pipeline, else 1), virtual stages per rank (default 2 for "interleaved", else 1) and
     split_points are those of PipelineStages / PipelineParallel. sequence_parallel: with a
     tp_plan on a Hugging Face decoder, its activations between the TP regions are split on the
-    sequence (tensor_parallel/hf_sequence_parallel.py); not with a pipeline.
+    sequence (tensor_parallel/hf_sequence_parallel.py); not with a pipeline. fused_kernels: a
+    Hugging Face decoder's SwiGLU MLPs run as one GEMM with the activation fused, over the same
+    parameters (parallel_layers/fused.py); False keeps the model's own modules.
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -156,16 +158,19 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                          f"tensor-parallel regions) and no pipeline; got {'no' if tp_plan is None else 'a'} "
                          f"tp_plan, pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
 
-    # 1. tensor parallelism
+    # 1. tensor parallelism, and the fused modules (after it: they take its layers' shards)
     if tp_plan is not None:
         tp_plan_module.parallelize(model, None if tp_plan == "auto" else tp_plan, tp_group=ctx.tp_group,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=sequence_parallel, fused_kernels=fused_kernels)
+    elif fused_kernels:
+        fused.fuse(model)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)
     # 3. the device, and this rank's pipeline stages
     if not meta.has_meta(model):  # a meta-built model gets its storage later (parallel_layers/meta.py)
         model.to(ctx.device)
+        fused.pack(model)  # the move gave every tensor storage of its own
     net, prefix = model, ""
     if pipelined:
         if pipeline_layers == "auto":  # a Hugging Face decoder's own modules, under its own names

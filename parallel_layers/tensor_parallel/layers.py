@@ -43,6 +43,22 @@ from parallel_layers.tensor_parallel.sharding import check_divisible, check_size
 _ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
 
 
+# TEMPORARY eager stand-ins for the linear_swiglu ops (replaced at merge)
+def linear_swiglu_forward(x, weight, bias, save_preact):
+    z = F.linear(x, weight, bias)
+    g, u = z.chunk(2, dim=-1)
+    return F.silu(g) * u, (z if save_preact else z.new_empty(0))
+
+
+def swiglu_backward(dy, preact):
+    g, u = preact.float().chunk(2, dim=-1)
+    s = torch.sigmoid(g)
+    d_u = dy.float() * g * s
+    d_g = dy.float() * u * s * (1 + g * (1 - s))
+    dz = torch.cat([d_g, d_u], dim=-1).to(dy.dtype)
+    return dz, dz.reshape(-1, dz.shape[-1]).float().sum(0).to(dy.dtype)
+
+
 def _default_init(weight: Tensor, bias: Tensor | None) -> None:
     """nn.Linear's initialisation, on the full (unsharded) tensors, in nn.Linear's RNG order."""
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
@@ -117,19 +133,77 @@ class _ColumnLinear(torch.autograd.Function):
         else:
             dz, db = bias_gelu_backward(dy, preact, ctx.approximate)
         dz2 = dz.reshape(-1, n)
-        dx, handle = None, None
-        if ctx.needs_input_grad[0]:
-            dx = (dz2 @ weight).view(x_full.shape)
-            if comm.group_size(ctx.group) > 1:  # overlapped with the weight-gradient GEMM below
-                if ctx.input_comm == "sequence":
-                    dx, handle = comm.reduce_scatter(dx, ctx.group, async_op=True, dim=ctx.seq_dim)
-                elif ctx.input_comm == "all_reduce":
-                    handle = comm.all_reduce(dx, ctx.group, async_op=True)
+        dx, handle = _input_grad(ctx, dz2, weight, x_full.shape) if ctx.needs_input_grad[0] else (None, None)
         dw = linear_weight_grad(dz2, x_full.reshape(-1, k)) if ctx.needs_input_grad[1] else None
         db = db if ctx.has_bias and ctx.needs_input_grad[2] else None
-        fault.wait(handle, "ColumnParallelLinear backward " + ("reduce_scatter" if ctx.input_comm == "sequence" else
-                                                                  "all_reduce"), ctx.group)
+        _wait_input_grad(ctx, handle)
         return dx, dw, db, None, None, None, None
+
+
+def _input_grad(ctx, dz2: Tensor, weight: Tensor, x_shape) -> tuple[Tensor, object]:
+    """dx = dz @ W, and its collective launched asynchronously (input_comm "sequence":
+    reduce-scatter; "all_reduce"; "none": left partial), to overlap the weight-gradient GEMM."""
+    dx, handle = (dz2 @ weight).view(x_shape), None
+    if comm.group_size(ctx.group) > 1:
+        if ctx.input_comm == "sequence":
+            dx, handle = comm.reduce_scatter(dx, ctx.group, async_op=True, dim=ctx.seq_dim)
+        elif ctx.input_comm == "all_reduce":
+            handle = comm.all_reduce(dx, ctx.group, async_op=True)
+    return dx, handle
+
+
+def _wait_input_grad(ctx, handle) -> None:
+    fault.wait(handle, "ColumnParallelLinear backward " + ("reduce_scatter" if ctx.input_comm == "sequence" else
+                                                              "all_reduce"), ctx.group)
+
+
+def _rows_packed(a: Tensor, b: Tensor) -> Tensor:
+    """[a; b] along dim 0: a view when b's rows directly follow a's in one storage (the layout
+    SwiGLUMLP.pack_ gives gate and up), else a copy."""
+    if _adjacent(a, b):
+        return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride(), a.storage_offset())
+    return torch.cat([a, b])
+
+
+def _adjacent(a: Tensor, b: Tensor) -> bool:
+    """Whether b's elements directly follow a's in one storage (both contiguous, same dtype)."""
+    return (a.dtype == b.dtype and a.device == b.device and a.is_contiguous() and b.is_contiguous()
+            and a.shape[1:] == b.shape[1:] and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel())
+
+
+class _ColumnSwiGLU(torch.autograd.Function):
+    """y = silu(x Wg^T + bg) * (x Wu^T + bu) from one GEMM on [Wg; Wu] (linear_swiglu), with the
+    column layer's collectives (_ColumnLinear). Gate and up stay two parameters (their names,
+    their shards); the packed weight is a view of them when they are adjacent in memory, else
+    a copy made in forward and again in backward: only the parameters are saved, so under
+    ZeRO-3 the gathered weights are freed after forward and gathered again for backward, as
+    for any layer."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, b_gate, b_up, group, input_comm, seq_dim):
+        x_full = comm.all_gather(x, seq_dim, group) if input_comm == "sequence" else x
+        needs_grad = any(ctx.needs_input_grad[:5])
+        bias = _rows_packed(b_gate, b_up) if b_gate is not None else None
+        y, preact = linear_swiglu_forward(x_full, _rows_packed(w_gate, w_up), bias, needs_grad)
+        if needs_grad:
+            ctx.save_for_backward(x_full, w_gate, w_up, preact)
+        ctx.group, ctx.input_comm, ctx.seq_dim, ctx.has_bias = group, input_comm, seq_dim, b_gate is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_full, w_gate, w_up, preact = ctx.saved_tensors
+        n, k = w_gate.shape[0], w_gate.shape[1]
+        dz, db = swiglu_backward(dy, preact)
+        dz2 = dz.reshape(-1, 2 * n)
+        dx, handle = (_input_grad(ctx, dz2, _rows_packed(w_gate, w_up), x_full.shape) if ctx.needs_input_grad[0]
+                      else (None, None))
+        dw = linear_weight_grad(dz2, x_full.reshape(-1, k)) if any(ctx.needs_input_grad[1:3]) else None
+        db = db if ctx.has_bias and any(ctx.needs_input_grad[3:5]) else None
+        _wait_input_grad(ctx, handle)
+        return (dx, dw[:n] if dw is not None else None, dw[n:] if dw is not None else None,
+                db[:n] if db is not None else None, db[n:] if db is not None else None, None, None, None)
 
 
 class _RowLinear(torch.autograd.Function):
@@ -302,3 +376,60 @@ class RowParallelLinear(_LinearConversions, nn.Module):
                 f"tp={tp}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}"
                 + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else ""))
+
+
+class SwiGLUMLP(nn.Module):
+    """A SwiGLU MLP, `down_proj(silu(gate_proj(x)) * up_proj(x))` (Llama, Qwen2, Mistral), whose
+    gate and up projections run as one GEMM with the activation fused (linear_swiglu).
+
+    It holds the MLP's own three modules under their names, so state dicts, checkpoints and
+    exports are unchanged: gate_proj / up_proj both ColumnParallelLinear (matching shards: rank
+    r's output is [gate_r, up_r]) or both nn.Linear; down_proj the RowParallelLinear or
+    nn.Linear that follows. `pack_()` puts the gate and up weights (and biases) in one
+    allocation, gate rows then up rows, so the packed weight the GEMM reads is a view of the
+    two parameters; ZeRO-3, which gives each parameter its own storage, gets a copy per call.
+    """
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        kinds = (type(gate_proj), type(up_proj))
+        if kinds not in ((ColumnParallelLinear, ColumnParallelLinear), (nn.Linear, nn.Linear)):
+            raise TypeError(f"SwiGLUMLP: gate_proj and up_proj must both be ColumnParallelLinear or both nn.Linear, "
+                            f"got {kinds[0].__name__} and {kinds[1].__name__}")
+        if gate_proj.weight.shape != up_proj.weight.shape or (gate_proj.bias is None) != (up_proj.bias is None):
+            raise ValueError(f"SwiGLUMLP: gate_proj and up_proj must match: weights {tuple(gate_proj.weight.shape)} "
+                             f"and {tuple(up_proj.weight.shape)}, bias {gate_proj.bias is not None} and "
+                             f"{up_proj.bias is not None}")
+        if isinstance(gate_proj, ColumnParallelLinear):
+            settings = ("tp_group", "sequence_parallel", "seq_dim", "gathered_input", "gather_output", "activation")
+            differ = [a for a in settings if getattr(gate_proj, a) != getattr(up_proj, a)]
+            if differ or gate_proj.gather_output or gate_proj.activation or gate_proj.fused_sizes:
+                raise ValueError(f"SwiGLUMLP: gate_proj and up_proj must be plain column layers with the same "
+                                 f"settings (differing: {differ}; gather_output={gate_proj.gather_output}, "
+                                 f"activation={gate_proj.activation}, fused_sizes={gate_proj.fused_sizes})")
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.pack_()
+
+    def pack_(self) -> None:
+        """Gate and up weights (and biases) into one allocation each, in place: the parameters
+        keep their identity (optimizer, hooks, attributes), their values and names. A no-op on
+        the meta device (meta.materialize packs them when it gives them storage)."""
+        for name in ("weight", "bias"):
+            gate, up = getattr(self.gate_proj, name), getattr(self.up_proj, name)
+            if gate is None or gate.is_meta or _adjacent(gate, up):
+                continue
+            packed = torch.cat([gate.detach(), up.detach()])
+            with torch.no_grad():
+                gate.data, up.data = packed[:gate.shape[0]], packed[gate.shape[0]:]
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_proj, self.up_proj
+        group, input_comm, seq_dim = None, "none", 0  # plain nn.Linear: no collective at all
+        if isinstance(gate, ColumnParallelLinear):  # as ColumnParallelLinear.forward decides
+            _check_input(x, gate.in_features, "SwiGLUMLP gate_proj/up_proj", "in_features")
+            group, seq_dim, input_comm = gate.tp_group, gate.seq_dim % x.dim(), "all_reduce"
+            if gate.sequence_parallel and comm.group_size(group) > 1:
+                input_comm = "none" if gate.gathered_input else "sequence"
+        xc, w_gate, b_gate = linear_autocast_inputs(x, gate.weight, gate.bias)
+        _, w_up, b_up = linear_autocast_inputs(x, up.weight, up.bias)
+        return self.down_proj(_ColumnSwiGLU.apply(xc, w_gate, w_up, b_gate, b_up, group, input_comm, seq_dim))

@@ -98,8 +98,10 @@ class ShardedParam:
         the memory-mapped safetensors file, which cannot be resized ("Trying to resize storage that
         is not resizable"). Stage 3 frees a full parameter by resizing its storage to zero, so such
         a parameter is first copied into storage of its own - once, at construction, before any
-        forward has saved a reference to it."""
-        if not self.full.untyped_storage().resizable():
+        forward has saved a reference to it. So is one that shares its storage with another
+        parameter (SwiGLUMLP packs gate and up weights into one): resizing it would free both."""
+        storage = self.full.untyped_storage()
+        if not storage.resizable() or storage.nbytes() != self.full.numel() * self.full.element_size():
             self.full.data = self.full.data.clone()
 
     def _master_shard(self, alias: bool) -> Tensor:

@@ -3,7 +3,9 @@ parameters live in the memory-mapped safetensors file), against the same model t
 one process: losses and parameters after several AdamW steps (SGD for GPT-2, whose key bias
 has an exactly-zero true gradient that Adam would blow up from rounding noise). GPT-2 under
 ZeRO-3 with the default wrap: its head reads the embedding's weight after the transformer's
-forward (Note [shared parameters] in zero/api.py)."""
+forward (Note [shared parameters] in zero/api.py). DataParallel and ZeRO-3 run the Llama with
+its MLPs fused (parallel_layers/fused.py), as `parallelize` does: the MLP's input gradient has
+no collective of its own, and ZeRO-3 gives the packed gate and up weights storage each."""
 
 import pytest
 import torch
@@ -32,10 +34,12 @@ def _sgd(params):
 def _train(rank, world, directory, wrapper):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from parallel_layers import DataParallel, ZeRO
+    from parallel_layers import DataParallel, ZeRO, fused
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     assert not next(model.parameters()).untyped_storage().resizable()  # the premise: memory-mapped
+    if wrapper in ("dp", "zero3"):  # as parallelize runs them: fused MLPs, gate and up in one allocation
+        assert fused.fuse(model)
     if wrapper == "dp":
         wrapped = DataParallel(model)
         opt = _adamw(model.parameters())
