@@ -19,7 +19,16 @@ forward of each supported family (transformers 5.23, `FAMILIES`):
     (Llama family) or adds the learned positions (GPT-2), and builds the causal mask, all from
     the embedding output's sequence length, before the first layer. Splitting later keeps them
     full-length; the layers receive them as arguments and hand them to attention untouched.
-    Backward of the split: all-gather (the embedding above is replicated compute).
+    Backward of the split: all-gather (the embedding above is replicated compute). A
+    vocabulary-parallel embedding (VocabParallelEmbedding: each rank looks up the ids of its
+    rows, zeros elsewhere) does not all-reduce its partial sums when the family's forward hands
+    its output to layer 0 as it is (Llama, Mistral, Qwen2: `_EMBEDDING_FEEDS_LAYER_0`; between
+    the two, only the output's shape, dtype and device are read, for the positions, the mask
+    and the rotary cos / sin): layer 0's entry reduce-scatters them on the sequence instead, as
+    Megatron's embedding does - one reduce-scatter where plain TP all-reduces and then drops
+    (tp - 1) / tp of the result; backward all-gathers the gradient, which every rank's lookup
+    then reads whole. GPT-2 adds the learned positions to the output first (a sum of partial
+    sums would count them tp times), so its vocabulary-parallel embedding all-reduces.
   - Gather at the entry of each region - the module that holds the column layers, `self_attn`
     / `mlp` (Llama family), `attn` / `mlp` (GPT-2) - with a forward pre-hook: attention reads
     the sequence length from its input (`input_shape = hidden_states.shape[:-1]`) to shape its
@@ -41,7 +50,8 @@ sees only this rank's positions, so its gradient is a partial sum (`reduce_grad_
 RMSNorm / LayerNorm weights and biases, and the row biases (added after the reduce-scatter;
 `RowParallelLinear` registers them itself). The column and row weights (and column biases) see
 the whole sequence of their own shard and need nothing; the embedding and the head sit outside
-the split and are replicated compute.
+the split: replicated compute, or a vocabulary-parallel embedding whose rows' gradient is whole
+(it reads the all-gathered gradient of the full sequence).
 
 The sequence length must divide by tp; the split checks it with the input's shape, which every
 rank of the TP group shares, so every rank raises the same error. Requirements checked before
@@ -66,6 +76,7 @@ from torch import Tensor
 
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, reduce_grad_over_tp
+from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
 
 SEQ_DIM = 1  # [batch, seq, hidden]
 
@@ -78,6 +89,9 @@ FAMILIES = {
     "qwen2": ("layers", "norm"),
     "gpt2": ("h", "ln_f"),
 }
+# model_type -> the base model's input embedding, for the families whose forward passes its
+# output to decoder layer 0 unchanged (Note [hf sequence parallel boundaries]).
+_EMBEDDING_FEEDS_LAYER_0 = {"llama": "embed_tokens", "mistral": "embed_tokens", "qwen2": "embed_tokens"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +100,7 @@ class Layout:
 
     layers: tuple[str, ...]
     final_norm: str
+    embedding: str | None = None  # whose output reaches layers[0] unchanged, if the family's does
 
     def holds(self, name: str) -> bool:
         """Is `name` a module inside a decoder layer (where the sequence is split)?"""
@@ -113,8 +128,9 @@ def find_layout(model: nn.Module) -> Layout:
         raise ValueError(f"parallelize: sequence_parallel=True expects {type(model).__name__} ({family}) to hold its "
                          f"decoder layers in {_join(base_name, layers_attr)} (a non-empty nn.ModuleList) and its final "
                          f"norm in {_join(base_name, norm_attr)}, as transformers builds it")
+    embedding = _EMBEDDING_FEEDS_LAYER_0.get(family)
     return Layout(tuple(_join(base_name, layers_attr, str(i)) for i in range(len(layers))),
-                  _join(base_name, norm_attr))
+                  _join(base_name, norm_attr), _join(base_name, embedding) if embedding else None)
 
 
 def _join(*parts: str) -> str:
@@ -159,7 +175,11 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
     parallel boundaries]."""
     modules = dict(model.named_modules())
     first = modules[layout.layers[0]]
-    first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0])),
+    embedding = modules.get(layout.embedding) if layout.embedding else None
+    partial = isinstance(embedding, VocabParallelEmbedding) and comm.group_size(tp_group) > 1
+    if partial:  # its partial sums are reduce-scattered at layer 0 (Note [hf sequence parallel boundaries])
+        embedding.partial_output = True
+    first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0], partial)),
                                     with_kwargs=True)
     regions = {name.rpartition(".")[0] for name, m in modules.items()
                if layout.holds(name) and isinstance(m, ColumnParallelLinear)}
@@ -188,7 +208,9 @@ def _on_hidden_states(fn):
     return hook
 
 
-def _split(x: Tensor, tp_group, layer_name: str) -> Tensor:
+def _split(x: Tensor, tp_group, layer_name: str, partial: bool) -> Tensor:
+    """This rank's chunk of the sequence: of `x`, or, when `x` is each rank's partial sum (a
+    vocabulary-parallel embedding's output), of their sum."""
     tp = comm.group_size(tp_group)
     if x.dim() != 3:
         raise ValueError(f"sequence parallelism splits dim {SEQ_DIM} of the [batch, seq, hidden] hidden states "
@@ -202,4 +224,6 @@ def _split(x: Tensor, tp_group, layer_name: str) -> Tensor:
                          f"length of {seq} does not divide by tp={tp}; valid lengths are multiples of {tp} (the "
                          f"nearest: {valid}). Pad the batch (labels -100 on the padding) or parallelize with "
                          "sequence_parallel=False")
+    if partial:
+        return comm.reduce_scatter_to_sp(x, tp_group, SEQ_DIM)
     return comm.scatter_to_sp(x, tp_group, SEQ_DIM)

@@ -43,10 +43,6 @@ sequence_parallel=True (Hugging Face Llama, Mistral, Qwen2 and GPT-2 decoders, a
 [batch, seq, hidden]): between the attention and MLP regions each rank holds 1 / tp of the
 sequence; the split, the gathers and the gradient sums are hf_sequence_parallel.py's (Note [hf
 sequence parallel boundaries]).
-
-fused_kernels=True (the default): after the conversion, a Hugging Face decoder's SwiGLU MLPs
-(gate_proj and up_proj column-parallel, down_proj row-parallel) become SwiGLUMLP, one packed
-column-parallel GEMM with the activation fused, over the same parameters (parallel_layers/fused.py).
 """
 
 from __future__ import annotations
@@ -58,7 +54,6 @@ from collections.abc import Mapping
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import hf_sequence_parallel
@@ -93,15 +88,16 @@ _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 # the base model, whose attribute name is `model.base_model_prefix`); a model instance's
 # `_tp_plan` (transformers 5) is the whole plan, prefixed, LM head and embedding included.
 # With plan=None, parallelize uses it, with transformers' style names mapped to ours; a style
-# with no counterpart here is refused with the module it names. In a plan passed explicitly,
-# "embedding_rowwise" (rows = the vocabulary) is VocabParallel(). In the published plans
-# (Llama, Qwen2 and Mistral's ask "embedding_rowwise") it and "embedding_colwise" leave the
-# embedding replicated for now: correct, without the memory saving; the vocabulary-parallel
-# embedding is not yet tested through every path a plan-free model takes (sequence
-# parallelism, pipelines, meta loading). Families that publish no plan (GPT-2 in transformers
-# 5.23) get a built-in one. A head tied to the input embedding stays replicated: a Hugging
-# Face head ties by sharing the weight parameter, which sharding would untie (VocabParallel()
-# on such an embedding is refused).
+# with no counterpart here is refused with the module it names. "embedding_rowwise" (rows = the
+# vocabulary; Llama, Qwen2 and Mistral's published plans ask it) is VocabParallel(), in a
+# published plan as in an explicit one; its parity is tested plan-free at tp=2, with Hugging
+# Face sequence parallelism (which reduce-scatters its partial sums at decoder layer 0, Note
+# [hf sequence parallel boundaries]), in pipeline stages and loaded from the meta device.
+# "embedding_colwise" (no family here asks it) leaves the embedding replicated. Families that
+# publish no plan (GPT-2 in transformers 5.23) get a built-in one. A head tied to the input
+# embedding stays replicated, and so does that embedding: a Hugging Face head ties by sharing
+# the weight parameter, which sharding would untie (VocabParallel() on such an embedding, in
+# an explicit plan, is refused).
 HF_STYLES = {
     "colwise": Column(),
     "colwise_gather_output": Column(gather_output=True),
@@ -110,7 +106,7 @@ HF_STYLES = {
     "rowwise_split_input": Row(input_is_parallel=False),
     "embedding_rowwise": VocabParallel(),  # rows = the vocabulary
 }
-_REPLICATED_FOR_NOW = ("embedding_rowwise", "embedding_colwise")
+_REPLICATED = ("embedding_colwise",)
 BUILTIN_PLANS = {
     "gpt2": {
         "transformer.h.*.attn.c_attn": Column(fused=3),  # fused [q; k; v], Conv1D
@@ -141,15 +137,15 @@ def published_plan(model: nn.Module) -> dict:
     tied = _tied_to_input_embedding(model)
     out = {}
     for pattern, style in plan.items():
-        if style in _REPLICATED_FOR_NOW:
+        if style in _REPLICATED:
             continue
         if style not in HF_STYLES:
             names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)][:3]
             raise ValueError(f"parallelize: {type(model).__name__}'s published plan asks {style!r} for {pattern!r} "
                              f"(e.g. {names}); supported Hugging Face styles: {sorted(HF_STYLES)}; pass plan= "
                              "with 'column' / 'row' entries instead")
-        if any(fnmatch.fnmatchcase(n, pattern) for n in tied):
-            continue
+        if any(fnmatch.fnmatchcase(n, pattern) for n in tied) or (tied and style == "embedding_rowwise"):
+            continue  # the tie and both its ends stay replicated
         out[pattern] = HF_STYLES[style]
     return out
 
@@ -212,15 +208,13 @@ def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int,
 
 
 def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.ProcessGroup | None = None, *,
-                sequence_parallel: bool = False, fused_kernels: bool = True) -> nn.Module:
+                sequence_parallel: bool = False) -> nn.Module:
     """Replace the modules named by `plan` with tensor-parallel layers (see the module doc);
     plan=None: the model's published plan (Note [published plans]). sequence_parallel=True:
     a Hugging Face decoder's activations between the regions split on the sequence (Note [hf
-    sequence parallel boundaries]). fused_kernels=True: then a Hugging Face decoder's SwiGLU
-    MLPs run as one packed column-parallel GEMM with the activation fused (parallel_layers/fused.py)."""
-    for flag, value in (("sequence_parallel", sequence_parallel), ("fused_kernels", fused_kernels)):
-        if not isinstance(value, bool):
-            raise TypeError(f"parallelize: {flag} must be True or False, got {value!r}")
+    sequence parallel boundaries])."""
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"parallelize: sequence_parallel must be True or False, got {sequence_parallel!r}")
     sp_layout = hf_sequence_parallel.find_layout(model) if sequence_parallel else None
     if plan is None:
         plan = published_plan(model)
@@ -273,8 +267,6 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
         setattr(parent, child, layer)
-    if fused_kernels:  # before the SP hooks, which then land on the fused modules
-        fused_modules.fuse(model)
     if sp_layout is not None:
         hf_sequence_parallel.apply(model, sp_layout, tp_group)
     return model

@@ -5,7 +5,10 @@ selected) and split on dim 0: rank r holds rows [r * V_r, (r + 1) * V_r), V_r = 
 
   VocabParallelEmbedding     ids [...] -> [..., D]: each rank looks up the ids it owns,
                              zeros elsewhere, and the partial results are all-reduced
-                             (SP: reduce-scattered on dim 0, activations [seq, batch, D]).
+                             (SP: reduce-scattered on dim 0, activations [seq, batch, D];
+                             `partial_output`: returned unreduced, for a consumer that
+                             reduce-scatters them itself, as Hugging Face sequence
+                             parallelism does at decoder layer 0's input).
   vocab_parallel_logits      hidden [..., D] -> local logits [..., V_r] with the embedding's
                              weight (tied head): copy-to-TP (SP: all-gather) then a local GEMM.
   vocab_parallel_cross_entropy  local logits + global targets -> loss, never gathering the
@@ -46,6 +49,9 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx}")
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
+        # True: forward returns this rank's partial sum [..., D]; whoever reads it must sum it
+        # over tp (tensor_parallel/hf_sequence_parallel.py sets it and reduce-scatters it).
+        self.partial_output = False
         self.padded_num_embeddings = math.ceil(num_embeddings / tp) * tp
         self.rows_per_rank = self.padded_num_embeddings // tp
         self.vocab_start = rank * self.rows_per_rank
@@ -76,6 +82,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.partial_output:
+            return out
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sp(out, self.tp_group)
         return comm.reduce_from_tp(out, self.tp_group)
@@ -88,7 +96,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}, local {self.rows_per_rank}), "
-                f"{self.embedding_dim}, tp={comm.group_size(self.tp_group)}, sequence_parallel={self.sequence_parallel}")
+                f"{self.embedding_dim}, tp={comm.group_size(self.tp_group)}, sequence_parallel={self.sequence_parallel}"
+                + (", partial_output=True" if self.partial_output else ""))
 
 
 def vocab_parallel_logits(hidden: Tensor, embedding: VocabParallelEmbedding) -> Tensor:

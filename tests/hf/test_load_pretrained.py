@@ -103,7 +103,8 @@ def _meta_load_and_train(rank, world, directory, tp, dp, stage, api):
         losses.append(mean.item() / world)
     with torch.no_grad():
         logits.append(net(_probe()).logits.tolist())
-    return logits, losses, one_bad_rank if api == "tensor_parallel" else None
+    vocab_parallel = type(model.get_input_embeddings()).__name__ == "VocabParallelEmbedding"
+    return logits, losses, one_bad_rank if api == "tensor_parallel" else None, vocab_parallel
 
 
 def _reference(directory):
@@ -130,7 +131,9 @@ def test_meta_built_model_loads_and_trains_like_from_pretrained(tmp_path, case):
     (tmp_path / "no-weights").mkdir()
     (ref_before, ref_after), ref_losses, _ = _reference(tmp_path)
     results = run_distributed(_meta_load_and_train, tp * dp, args=(str(tmp_path), tp, dp, stage, api), timeout_s=240)
-    for (before, after), losses, _ in results:
+    for (before, after), losses, _, vocab_parallel in results:
+        # the published plans of Llama and Qwen2 split an untied embedding on the vocabulary
+        assert vocab_parallel == (tp > 1 and family != "gpt2")
         # float32; the parallel model sums its row layers and the dp halves in another order
         # (~1e-7 relative), which AdamW's normalisation amplifies over 3 steps to ~1e-6.
         assert torch.allclose(torch.tensor(before), ref_before, rtol=1e-4, atol=1e-4)
@@ -221,7 +224,8 @@ def _meta_load_pipelined(rank, world, directories, tp):
             losses.append(par.forward_backward(ids, ids).item())
             par.step()
             par.zero_grad()
-        out[family] = (loaded, buffers, losses, _pieces(par))
+        vocab_parallel = type(model.get_input_embeddings()).__name__ == "VocabParallelEmbedding"
+        out[family] = (loaded, buffers, losses, _pieces(par), vocab_parallel)
     return out
 
 
@@ -239,7 +243,10 @@ def test_meta_built_model_loads_into_pipeline_stages(tmp_path, tp):
         _save(family, directory)
     results = run_distributed(_meta_load_pipelined, 2 * tp, args=(directories, tp), timeout_s=300)
     for family, directory in directories.items():
-        _check_pipelined(directory, [r[family] for r in results], tied=family == "llama-tied")
+        results_of = [r[family] for r in results]
+        # an untied embedding is vocabulary-parallel at tp > 1 (the published plan), a tied one not
+        assert all(r[-1] == (tp > 1 and family != "llama-tied") for r in results_of), family
+        _check_pipelined(directory, [r[:-1] for r in results_of], tied=family == "llama-tied")
 
 
 def _check_pipelined(directory, results, tied):

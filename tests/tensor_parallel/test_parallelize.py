@@ -122,12 +122,13 @@ def _check_parity(fn, args, min_sharded=1):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
-    # "rowwise", the untied lm_head "colwise_gather_output"); GPT-2 publishes none and gets
-    # the built-in one. 2 layers x (q, k, v, o, gate, up, down) + lm_head = 15 sharded weights
-    # (plus q/k/v biases for Qwen2); GPT-2: 2 layers x (c_attn weight and bias, c_fc weight and
-    # bias, the two row weights) = 12 (row biases stay replicated; its head is tied).
+    # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
+    # vocabulary-parallel); GPT-2 publishes none and gets the built-in one. 2 layers x (q, k, v,
+    # o, gate, up, down) + lm_head + embedding = 16 sharded weights (plus q/k/v biases for
+    # Qwen2); GPT-2: 2 layers x (c_attn weight and bias, c_fc weight and bias, the two row
+    # weights) = 12 (row biases stay replicated; its head is tied, so its embedding too).
     _build(kind)[0].save_pretrained(tmp_path)
-    _check_parity(_hf_parity, (kind, 3, str(tmp_path), True), min_sharded=12 if kind == "gpt2" else 15)
+    _check_parity(_hf_parity, (kind, 3, str(tmp_path), True), min_sharded=12 if kind == "gpt2" else 16)
 
 
 def test_hf_style_names_in_a_plan_and_refused_ones():
@@ -136,12 +137,14 @@ def test_hf_style_names_in_a_plan_and_refused_ones():
     model, _ = _build("llama")
     plan = published_plan(model)
     assert plan["model.layers.*.self_attn.q_proj"] == Column() and plan["lm_head"] == Column(gather_output=True)
-    # its "embedding_rowwise" stays replicated in plan-free use (Note [published plans])
-    assert model._tp_plan["model.embed_tokens"] == "embedding_rowwise" and "model.embed_tokens" not in plan
+    assert model._tp_plan["model.embed_tokens"] == "embedding_rowwise"
+    assert plan["model.embed_tokens"] == VocabParallel()
     tied, _ = _build("llama")
     tied.config.tie_word_embeddings = True
     tied.tie_weights()
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    # a head tied by parameter: both ends of the tie stay replicated (Note [published plans])
+    assert "lm_head" not in published_plan(tied) and "model.embed_tokens" not in published_plan(tied)
     with pytest.raises(ValueError, match=r"VocabParallel\(\) on model.embed_tokens would untie it from "
                                          r"\['lm_head.weight'\]"):
         parallelize(tied, {"model.embed_tokens": "embedding_rowwise"})

@@ -2,7 +2,9 @@
 `tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
 Qwen2, Mistral and GPT-2 loaded with from_pretrained gives the plain transformers model's
 logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
-decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a sequence
+decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a forward
+issues no all-reduce (the vocabulary-parallel embedding's partial sums are reduce-scattered at
+decoder layer 0, the row layers reduce-scatter); a sequence
 length tp does not divide is refused on every rank; the composing parallelize passes the
 option through (with and without activation checkpointing of the decoder layers, whose
 recompute re-runs the sequence collectives) and refuses it with a pipeline."""
@@ -12,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel_layers.tensor_parallel import gather_full, parallelize
+from parallel_layers.tensor_parallel import VocabParallelEmbedding, gather_full, parallelize
 from tests.dist_harness import run_distributed
+from tests.tensor_parallel.test_layers import _count_collectives
 from tests.tensor_parallel.test_parallelize import _build
 
 transformers = pytest.importorskip("transformers")
@@ -114,12 +117,15 @@ def _parity(rank, ws, directories):
                                        scales[name]))
         # This rank's norms saw its own chunk of the sequence (first step), and only that.
         chunks = {name: (tuple(x.shape), _rel(x, seen_ref[name].chunk(ws, 1)[rank])) for name, x in seen_par.items()}
+        with torch.no_grad(), _count_collectives() as counts:  # one forward's collectives
+            par(input_ids=torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+        vocab_parallel = isinstance(par.get_input_embeddings(), VocabParallelEmbedding)
         try:  # 15 positions at tp=2
             par(input_ids=torch.randint(0, VOCAB, (BATCH, SEQ - 1), generator=g))
             message = None
         except ValueError as e:
             message = str(e)
-        results[kind] = (worst, chunks, message)
+        results[kind] = (worst, chunks, message, dict(counts), vocab_parallel, len(layout.layers))
     return results
 
 
@@ -130,7 +136,7 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
         _build(kind)[0].save_pretrained(directories[kind])
     for rank, results in enumerate(run_distributed(_parity, TP, args=(directories,), timeout_s=300)):
         assert sorted(results) == sorted(KINDS)
-        for kind, (worst, chunks, message) in results.items():
+        for kind, (worst, chunks, message, counts, vocab_parallel, layers) in results.items():
             bad = {k: v for k, v in worst.items() if not v < RTOL}
             assert not bad, f"{kind}, rank {rank}: relative errors above {RTOL}: {bad}"
             assert any(k.startswith("grad ") for k in worst) and any(k.startswith("param ") for k in worst)
@@ -139,6 +145,12 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
             for name, (shape, err) in chunks.items():
                 assert shape == (BATCH, SEQ // TP, 32), (kind, name, shape)
                 assert err < RTOL, (kind, name, err)
+            # Llama, Qwen2, Mistral: the published plan's vocabulary-parallel embedding, its partial
+            # sums reduce-scattered at layer 0 (Megatron's), not all-reduced and then split; GPT-2's
+            # embedding is tied to its head, so replicated. No all-reduce anywhere in the forward.
+            assert vocab_parallel == (kind != "gpt2"), kind
+            assert counts["all_reduce"] == 0, (kind, counts)
+            assert counts["reduce_scatter_single"] == 2 * layers + vocab_parallel, (kind, counts)  # + o / down_proj
             layer = "transformer.h.0" if kind == "gpt2" else "model.layers.0"
             assert message == (
                 f"sequence parallelism splits the sequence over the tensor-parallel group: the hidden states entering "
