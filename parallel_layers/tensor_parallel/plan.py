@@ -43,6 +43,10 @@ sequence_parallel=True (Hugging Face Llama, Mistral, Qwen2 and GPT-2 decoders, a
 [batch, seq, hidden]): between the attention and MLP regions each rank holds 1 / tp of the
 sequence; the split, the gathers and the gradient sums are hf_sequence_parallel.py's (Note [hf
 sequence parallel boundaries]).
+
+fused_kernels=True (the default): after the conversion, a Hugging Face decoder's SwiGLU MLPs
+(gate_proj and up_proj column-parallel, down_proj row-parallel) become SwiGLUMLP, one packed
+column-parallel GEMM with the activation fused, over the same parameters (parallel_layers/fused.py).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import hf_sequence_parallel
@@ -208,13 +213,15 @@ def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int,
 
 
 def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.ProcessGroup | None = None, *,
-                sequence_parallel: bool = False) -> nn.Module:
+                sequence_parallel: bool = False, fused_kernels: bool = True) -> nn.Module:
     """Replace the modules named by `plan` with tensor-parallel layers (see the module doc);
     plan=None: the model's published plan (Note [published plans]). sequence_parallel=True:
     a Hugging Face decoder's activations between the regions split on the sequence (Note [hf
-    sequence parallel boundaries])."""
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"parallelize: sequence_parallel must be True or False, got {sequence_parallel!r}")
+    sequence parallel boundaries]). fused_kernels=True: then a Hugging Face decoder's SwiGLU
+    MLPs run as one packed column-parallel GEMM with the activation fused (parallel_layers/fused.py)."""
+    for flag, value in (("sequence_parallel", sequence_parallel), ("fused_kernels", fused_kernels)):
+        if not isinstance(value, bool):
+            raise TypeError(f"parallelize: {flag} must be True or False, got {value!r}")
     sp_layout = hf_sequence_parallel.find_layout(model) if sequence_parallel else None
     if plan is None:
         plan = published_plan(model)
@@ -267,6 +274,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
         setattr(parent, child, layer)
+    if fused_kernels:  # before the SP hooks, which then land on the fused modules
+        fused_modules.fuse(model)
     if sp_layout is not None:
         hf_sequence_parallel.apply(model, sp_layout, tp_group)
     return model
