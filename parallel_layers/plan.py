@@ -114,12 +114,13 @@ class ModelSpec:
     positions: int = 0  # rows of a learned position table (GPT-2's wpe); 0 for rotary/ALiBi models
     dropout: bool = True  # the model's own dropout (GPT-2: 0.1; Llama: 0); TrainSpec may override
     name: str = ""
+    mlp_kept: int | None = None  # ffn-wide tensors an MLP keeps for backward a token (default gelu 2, swiglu 4)
 
     def __post_init__(self):
         for name in ("layers", "hidden", "seq", "vocab"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelSpec.{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("heads", "ffn", "kv_heads", "head_dim"):
+        for name in ("heads", "ffn", "kv_heads", "head_dim", "mlp_kept"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"ModelSpec.{name} must be positive or None, got {getattr(self, name)!r}")
         if self.mlp not in MLP_KINDS:
@@ -208,6 +209,11 @@ class ModelSpec:
 #     learned positions, LayerNorm (weight and bias) twice per layer and at the end, biases on
 #     every Conv1D, the head tied to the token embedding.
 _GATED = {"llama": "attention_bias", "mistral": None, "qwen2": "qkv"}
+# ffn-wide tensors GPT-2's MLP keeps for backward a token, by activation_function: torch's fused
+# gelu keeps its input (and c_proj its output); transformers' "gelu_new" (NewGELUActivation) is
+# 0.5 * x * (1 + tanh(...)) in elementwise ops, which keep x, the tanh, 0.5 * x, 1 + tanh and
+# the product (measured by --verify: 25% over the peak with 2).
+_GPT2_GELU_KEPT = {"gelu_new": 5, "gelu": 2, "gelu_pytorch_tanh": 2}
 HF_FAMILIES = tuple(sorted([*_GATED, "gpt2"]))
 
 
@@ -242,6 +248,10 @@ def hf_config_spec(path: str | os.PathLike | dict, seq: int) -> ModelSpec:
         h, layers, heads = (int(_need(cfg, k, family)) for k in ("n_embd", "n_layer", "n_head"))
         vocab, positions = int(_need(cfg, "vocab_size", family)), int(_need(cfg, "n_positions", family))
         ffn = int(cfg.get("n_inner") or 4 * h)
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in _GPT2_GELU_KEPT:
+            raise ValueError(f"Hugging Face config of model_type 'gpt2': activation_function {act!r}; the planner "
+                             f"knows {sorted(_GPT2_GELU_KEPT)}")
         per_layer = (2 * h  # ln_1
                      + h * 3 * h + 3 * h  # c_attn (fused q, k, v) with bias
                      + h * h + h  # attention c_proj
@@ -249,7 +259,7 @@ def hf_config_spec(path: str | os.PathLike | dict, seq: int) -> ModelSpec:
                      + h * ffn + ffn + ffn * h + h)  # mlp c_fc, c_proj
         params = layers * per_layer + 2 * h + vocab * h + positions * h  # ln_f, wte (tied head), wpe
         return ModelSpec(params, layers, h, seq, heads, vocab, ffn, heads, h // heads, "gelu", True, positions,
-                         dropout, "gpt2")
+                         dropout, "gpt2", _GPT2_GELU_KEPT[act])
     if family not in _GATED:
         raise ValueError(f"Hugging Face model_type {family!r} is not supported by the planner; supported: "
                          f"{list(HF_FAMILIES)} (or give --params --layers --hidden --heads --ffn by hand)")
@@ -439,7 +449,7 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
     if recompute == "full":
         return e * h / outside_tp
     per_token = (e * 4 * h + (2 * h if dropout else 0)) / outside_tp + 16
-    mlp = (4 if model.mlp == "swiglu" else 2) * model.ffn_width
+    mlp = (model.mlp_kept or (4 if model.mlp == "swiglu" else 2)) * model.ffn_width
     per_token += e * (2 * model.q_width + 2 * model.kv_width + mlp) / tp
     if train.flash_attention:
         per_token += 4 * a / tp

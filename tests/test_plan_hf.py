@@ -61,8 +61,17 @@ def test_parsed_shape(tmp_path):
     assert (s.layers, s.hidden, s.n_heads, s.n_kv_heads, s.d_head, s.ffn_width, s.vocab, s.seq) == (
         3, 256, 8, 2, 32, 688, 1000, 512)
     assert (s.mlp, s.tied, s.positions, s.dropout) == ("swiglu", False, 0, False)
-    gpt2 = ModelSpec.from_hf_config(transformers.GPT2Config(n_embd=192, n_layer=3, n_head=6).to_dict(), seq=1024)
+    gpt2_config = transformers.GPT2Config(n_embd=192, n_layer=3, n_head=6).to_dict()
+    gpt2 = ModelSpec.from_hf_config(gpt2_config, seq=1024)
     assert (gpt2.ffn_width, gpt2.mlp, gpt2.tied, gpt2.positions, gpt2.dropout) == (4 * 192, "gelu", True, 1024, True)
+    # GPT-2's default "gelu_new" is elementwise ops that keep 5 ffn-wide tensors; torch's fused gelu keeps 2
+    fused = ModelSpec.from_hf_config({**gpt2_config, "activation_function": "gelu"}, seq=1024)
+    assert (gpt2.mlp_kept, fused.mlp_kept, s.mlp_kept) == (5, 2, None)
+    train = TrainSpec(dropout=False, flash_attention=True)
+    per_token = [plan.activation_bytes(m, train, tp=1, tokens=1, layers=1, head=False) for m in (gpt2, fused)]
+    assert per_token[0] - per_token[1] == 2 * 3 * gpt2.ffn_width  # 3 more ffn-wide tensors in 16-bit
+    with pytest.raises(ValueError, match="activation_function 'relu'; the planner knows"):
+        ModelSpec.from_hf_config({**gpt2_config, "activation_function": "relu"}, seq=1024)
 
 
 def test_a_real_size_config():
