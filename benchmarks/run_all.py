@@ -1,6 +1,6 @@
 """Run every microbenchmark and write the report: benchmarks/results/<date>-<host>.md + plots.
 
-    python benchmarks/run_all.py            # the full suite (~10 minutes on 2 cores)
+    python benchmarks/run_all.py            # the full suite (~10 minutes on 2 cores, + ~20 for bench_hf)
     python benchmarks/run_all.py --quick    # small sizes, a smoke run of the whole pipeline
     python benchmarks/run_all.py --out DIR  # results and report under DIR
     python benchmarks/run_all.py --report-only   # rebuild the report from the results there
