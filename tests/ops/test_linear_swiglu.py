@@ -16,6 +16,8 @@ from tests.ops.numerics import devices, max_abs_error
 # (x shape, n): degenerate M, N, K, odd sizes, 3-D, and one with two CPU GEMM panels
 # (1100 rows of 2n = 4200 outputs: a 1024-row panel and a 76-row one).
 CASES = [((0, 8), 5), ((1, 8), 5), ((7, 0), 9), ((6, 13), 1), ((5, 7), 0), ((3, 4, 33), 17), ((1100, 96), 2100)]
+# The backward has no panels; 300 rows of 2n = 400 are two chunks of its bias-gradient sum.
+BACKWARD_CASES = CASES[:-1] + [((300, 40), 200)]
 
 
 def _inputs(x_shape, n, dtype, device, bias=True, seed=0):
@@ -67,7 +69,7 @@ def test_forward_float32_matches_float64(x_shape, n, bias, device):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("x_shape, n", CASES)
+@pytest.mark.parametrize("x_shape, n", BACKWARD_CASES)
 def test_backward_float32_matches_float64(x_shape, n, bias, device):
     x, w, b = _inputs(x_shape, n, torch.float32, device, bias)
     params = [t.requires_grad_() for t in (x, w, b) if t is not None]
@@ -121,7 +123,7 @@ def _randn(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(m=st.integers(0, 50), k=st.integers(1, 60), n=st.integers(1, 40), bias=st.booleans(),
        seed=st.integers(0, 10**6))
 def test_property_float32_matches_float64(m, k, n, bias, seed):
@@ -153,7 +155,7 @@ def test_property_float32_matches_float64(m, k, n, bias, seed):
         assert ((got.double() - ref.detach()).abs() <= bound).all(), what
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(m=st.integers(1, 50), k=st.integers(1, 60), n=st.integers(1, 40), bias=st.booleans(),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 10**6))
 def test_property_16bit_no_worse_than_twice_eager(m, k, n, bias, dtype, seed):
@@ -236,8 +238,8 @@ def test_reused_scratch_leaves_earlier_results_alone():
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("x_shape, n", [((0, 4), 3), ((2, 3, 8), 16)])
+@pytest.mark.parametrize("x_shape, n, dtype", [((0, 4), 3, torch.float32), ((2, 3, 8), 16, torch.float32),
+                                               ((2, 3, 8), 16, torch.bfloat16)])
 def test_opcheck(x_shape, n, dtype, device):
     for bias in (True, False):
         x, w, b = _inputs(x_shape, n, dtype, device, bias)
@@ -260,7 +262,7 @@ def test_backward_op_opcheck_and_mask(x_shape, n, dtype, device):
     op = torch.ops.parallel_layers.linear_swiglu_backward
     full = op(dy, x, w, z, [True, True, True])
     for mask in ([True, True, True], [False, True, False], [True, False, True], [False, False, False]):
-        if mask in ([True, True, True], [False, False, False]):  # opcheck is slow: the two extremes
+        if all(mask):  # opcheck is slow: once per case; the mask's effect is checked below
             torch.library.opcheck(op.default, (dy, x, w, z, mask))
         for need, value, expected in zip(mask, op(dy, x, w, z, mask), full):
             assert torch.equal(value, expected) if need else value.numel() == 0
@@ -283,16 +285,13 @@ def test_torch_compile_fullgraph(device):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("compiled", [False, True])
-def test_autocast_runs_in_the_autocast_dtype_like_linear(compiled, device):
+def test_autocast_runs_in_the_autocast_dtype_like_linear(device):
     """Under torch.autocast the op computes in the autocast dtype, as F.linear does, from
     float32 inputs; the gradients (backward after the region closes) are float32, and all of it
     is as close to float64 as eager autocast's two F.linear + F.silu + mul."""
     autocast_dtype = torch.bfloat16 if device == "cpu" else torch.float16
     x, w, b = _inputs((64, 48), 40, torch.float32, device)
     dy = torch.randn(64, 40, generator=torch.Generator().manual_seed(2)).to(device)
-    ours_fn = torch.compile(linear_swiglu, fullgraph=True) if compiled else linear_swiglu
-
     def run(fn, dtype, use_autocast):
         ts = [t.detach().to(dtype).requires_grad_() for t in (x, w, b)]
         with torch.autocast(device, dtype=autocast_dtype, enabled=use_autocast):
@@ -300,7 +299,7 @@ def test_autocast_runs_in_the_autocast_dtype_like_linear(compiled, device):
         (out.double() * dy.double()).sum().backward()
         return [out.detach()] + [t.grad for t in ts]
 
-    ours = run(ours_fn, torch.float32, True)
+    ours = run(linear_swiglu, torch.float32, True)
     eager = run(eager_separate, torch.float32, True)
     ref = run(eager_separate, torch.float64, False)
     assert [t.dtype for t in ours] == [autocast_dtype] + [torch.float32] * 3
