@@ -59,7 +59,7 @@ PL_ALWAYS_INLINE S narrow(float v) {
 // The pointer the SIMD loops take: bfloat16 storage as its raw bits, float32 as is.
 template <typename scalar_t>
 auto simd_ptr(scalar_t* p) {
-  if constexpr (std::is_same_v<std::remove_const_t<scalar_t>, at::BFloat16>) {
+  if constexpr (std::is_same_v<std::remove_const_t<scalar_t>, c10::BFloat16>) {
     using U = std::conditional_t<std::is_const_v<scalar_t>, const uint16_t, uint16_t>;
     return reinterpret_cast<U*>(p);
   } else {
