@@ -1,6 +1,7 @@
 // Autocast kernels: the one statement of the library's autocast policy. Inside torch.autocast,
 // linear_gelu runs in the autocast dtype, as F.linear does (autocast's "lower precision" list),
-// so a model that swaps nn.Linear + GeLU for it keeps its mixed-precision behaviour. Without
+// so a model that swaps nn.Linear + GeLU for it keeps its mixed-precision behaviour; linear_swiglu
+// (one packed linear layer and SwiGLU) follows the same policy. Without
 // these kernels the op would run in whatever dtype its inputs have - float32 parameters meant
 // a float32 GEMM, silently.
 //
@@ -57,6 +58,18 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu_autocast(const at::Tensor& x, con
 }
 
 template <c10::DeviceType kDevice>
+std::tuple<at::Tensor, at::Tensor> linear_swiglu_autocast(const at::Tensor& x, const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias, bool save_preact) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("parallel_layers::linear_swiglu", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                       const std::optional<at::Tensor>&, bool)>();
+  const auto [x_cast, weight_cast, bias_cast] = cast_linear_inputs<kDevice>(x, weight, bias);
+  return op.call(x_cast, weight_cast, bias_cast, save_preact);
+}
+
+template <c10::DeviceType kDevice>
 LinearInputs linear_autocast_inputs_autocast(const at::Tensor& x, const at::Tensor& weight,
                                              const std::optional<at::Tensor>& bias) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
@@ -87,12 +100,14 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_autocast(const at::Tensor& x, const
 
 TORCH_LIBRARY_IMPL(parallel_layers, AutocastCPU, m) {
   m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CPU>);
+  m.impl("linear_swiglu", &parallel_layers::linear_swiglu_autocast<c10::DeviceType::CPU>);
   m.impl("linear_autocast_inputs", &parallel_layers::linear_autocast_inputs_autocast<c10::DeviceType::CPU>);
   m.impl("bias_gelu", &parallel_layers::bias_gelu_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(parallel_layers, AutocastCUDA, m) {
   m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CUDA>);
+  m.impl("linear_swiglu", &parallel_layers::linear_swiglu_autocast<c10::DeviceType::CUDA>);
   m.impl("linear_autocast_inputs", &parallel_layers::linear_autocast_inputs_autocast<c10::DeviceType::CUDA>);
   m.impl("bias_gelu", &parallel_layers::bias_gelu_autocast<c10::DeviceType::CUDA>);
 }

@@ -1,13 +1,9 @@
 // CPU GeLU epilogue (see parallel_layers/cpu/gelu_epilogue.h).
 //
-// The float32 and bfloat16 inner loops are compiled several times for different x86
-// instruction sets (target_clones: x86-64-v4 = AVX-512 F/BW/DQ/VL, AVX2, baseline) and picked
-// at load time, so one binary is fast on this machine and still runs on any x86-64. Math is
-// float32 throughout. bfloat16 is converted inside the same loop as the math; that needs
-// AVX-512BW for 16-bit lanes (with AVX-512F alone GCC fell back to 256-bit code and the
-// fused bfloat16 loop ran slower than widening rows into float32 buffers first: 1024 x 2048
-// dgelu, one thread, 1.8 ms fused on x86-64-v4 vs 2.4 buffered vs 4.0 fused on avx512f).
-// float16 goes through float32 row buffers; float64 runs the scalar templates.
+// The float32 and bfloat16 inner loops are compiled for several x86 instruction sets and
+// picked at load time (parallel_layers/cpu/simd.h), so one binary is fast on this machine and
+// still runs on any x86-64. Math is float32 throughout; bfloat16 is converted inside the same
+// loop as the math, float16 goes through float32 row buffers, float64 runs the scalar templates.
 #include "parallel_layers/cpu/gelu_epilogue.h"
 
 #include <algorithm>
@@ -21,50 +17,12 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include "parallel_layers/cpu/simd.h"
 #include "parallel_layers/cpu/transpose.h"
 #include "parallel_layers/row_chunks.h"
 
 namespace parallel_layers::cpu {
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PL_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#else
-#define PL_SIMD_CLONES
-#endif
-
-// The loops are always-inline templates called from the target_clones entry points below,
-// so each clone compiles (and vectorises) them for its own instruction set; a lambda would
-// be a separate function left at the baseline target.
-#if defined(__GNUC__)
-#define PL_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define PL_ALWAYS_INLINE inline
-#endif
-
-// Storage <-> float32 inside the SIMD loops, so a 16-bit row is converted in the same pass
-// that does the math (no widened row buffers). bfloat16 travels as its raw bits (c10's scalar
-// conversions do not vectorise). Narrowing rounds to nearest even and maps NaN to the
-// canonical quiet NaN: the same bits as c10::BFloat16(float).
-PL_ALWAYS_INLINE float widen(float v) { return v; }
-PL_ALWAYS_INLINE float widen(uint16_t bf16) {
-  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-template <typename S>
-PL_ALWAYS_INLINE S narrow(float v) {
-  if constexpr (std::is_same_v<S, float>) {
-    return v;
-  } else {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    return (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  }
-}
 
 // y = gelu(x + b); z = x + b if z. b may be null; y may alias x. S: float, or uint16_t for
 // bfloat16 (math in float32; z and y each rounded once from the float32 values).
@@ -141,28 +99,6 @@ PL_SIMD_CLONES void backward_f32(const float* dy, const float* z, float* dz, flo
 PL_SIMD_CLONES void backward_bf16(const uint16_t* dy, const uint16_t* z, uint16_t* dz, float* acc, int64_t n,
                                   GeluApprox a) {
   backward_any(dy, z, dz, acc, n, a);
-}
-
-// The pointer the SIMD loops take: bfloat16 storage as its raw bits, float32 as is.
-template <typename scalar_t>
-auto simd_ptr(scalar_t* p) {
-  if constexpr (std::is_same_v<std::remove_const_t<scalar_t>, at::BFloat16>) {
-    using U = std::conditional_t<std::is_const_v<scalar_t>, const uint16_t, uint16_t>;
-    return reinterpret_cast<U*>(p);
-  } else {
-    return p;
-  }
-}
-
-// float16 rows <-> float32 row buffers (c10::Half's conversions).
-template <typename scalar_t>
-void widen_row(const scalar_t* in, float* out, int64_t n) {
-  std::copy(in, in + n, out);
-}
-
-template <typename scalar_t>
-void narrow_row(const float* in, scalar_t* out, int64_t n) {
-  std::copy(in, in + n, out);
 }
 
 template <typename T>

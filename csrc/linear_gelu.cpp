@@ -22,20 +22,11 @@
 
 #include "parallel_layers/checks.h"
 #include "parallel_layers/cpu/gelu_epilogue.h"
+#include "parallel_layers/cpu/linear_panels.h"
 #include "parallel_layers/ops.h"
 
 namespace parallel_layers::cpu {
 namespace {
-
-// Rows per panel: ~4M output elements (16 MB in float32), at least 1024 rows. Smaller
-// panels cost GEMM speed: at the benchmark's shapes, bfloat16 2048x1024x4096 took 12.9 /
-// 11.1 / 10.1 ms with 256 / 512 / 1024-row panels and fp32 4096x4096x1024 108 / 106 / 98 ms
-// (1024 / 1024 / 4096 rows); a panel this size still sits in this machine's 480 MB L3 when
-// its epilogue runs.
-int64_t rows_per_panel(int64_t m, int64_t n) {
-  const int64_t target = (int64_t{1} << 22) / std::max<int64_t>(n, 1);
-  return std::min(m, std::max<int64_t>(1024, target));
-}
 
 // Note [bfloat16 inference through oneDNN]: when no pre-activation is kept (inference) and
 // the dtype is bfloat16, oneDNN's fused linear + GeLU post-op (ATen's
@@ -63,9 +54,6 @@ std::optional<at::Tensor> onednn_bf16_linear_gelu(const at::Tensor& x2, const at
   fused.callBoxed(stack);
   return stack[0].toTensor();
 }
-
-// Rows per epilogue task: ~64K elements.
-int64_t rows_per_task(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)); }
 
 }  // namespace
 
@@ -144,61 +132,6 @@ at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& dz_t, const at::T
 }  // namespace parallel_layers
 
 namespace parallel_layers::cpu {
-namespace {
-
-// Note [backward scratch on CPU]: dz (and dz^T) live only inside linear_gelu_backward, between
-// the dgelu pass and the GEMMs. ATen's CPU allocator does not cache, and glibc serves each
-// multi-MB request with fresh pages - mmap above its 32 MiB threshold, or a heap it has
-// trimmed since the last call - so every call paid ~0.3 ms per MB of page faults on this
-// scratch alone: at 2048x1024x4096 float32, 32 MiB of dz, ~10 ms of a ~180 ms training step.
-// So the op keeps its scratch per thread (the thread that runs the backward) and reuses it
-// for every call that fits. What it holds is bounded: at most kMaxScratchBytes per buffer, two
-// buffers per thread; larger requests get a plain allocation and leave the kept one alone.
-// Outputs are never taken from it, and a slot already in use (a nested call on the same
-// thread, which nothing does today) falls back to a plain allocation too.
-constexpr int64_t kMaxScratchBytes = int64_t{64} << 20;
-
-struct ScratchSlot {
-  at::Tensor buffer;
-  bool in_use = false;
-};
-
-class Scratch {
- public:
-  // A [shape] tensor of options' dtype: a view of this thread's slot when it is free and the
-  // request fits the cap, else a fresh allocation. The slot is freed when this object dies.
-  Scratch(int slot, at::IntArrayRef shape, const at::TensorOptions& options) {
-    const auto dtype = options.dtype().toScalarType();
-    int64_t numel = 1;
-    for (int64_t d : shape) numel *= d;
-    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    thread_local std::array<ScratchSlot, 2> slots;  // dz, dz^T
-    ScratchSlot& s = slots.at(slot);
-    if (s.in_use || bytes > kMaxScratchBytes) {
-      tensor_ = at::empty(shape, options);
-      return;
-    }
-    if (!s.buffer.defined() || s.buffer.numel() < bytes) {
-      s.buffer = at::Tensor();  // free the smaller one first
-      s.buffer = at::empty({bytes}, options.dtype(at::kByte));
-    }
-    s.in_use = true;
-    slot_ = &s;
-    tensor_ = s.buffer.narrow(0, 0, bytes).view(dtype).view(shape);
-  }
-  ~Scratch() {
-    if (slot_) slot_->in_use = false;
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  const at::Tensor& tensor() const { return tensor_; }
-
- private:
-  at::Tensor tensor_;
-  ScratchSlot* slot_ = nullptr;
-};
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                                     const at::Tensor& weight,
@@ -215,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
   const auto empty = [&] { return at::empty({0}, x.options()); };
 
   const bool transposed = need_dw && weight_grad_wants_dz_t(dy);  // Note [weight-gradient operand layout]
-  // Note [backward scratch on CPU]
+  // Note [backward scratch on CPU] (parallel_layers/cpu/linear_panels.h)
   const bool want_dz = need_dx || (need_dw && !transposed);
   std::optional<Scratch> dz_buf, dz_t_buf;
   if (want_dz || (need_db && !transposed)) dz_buf.emplace(0, at::IntArrayRef{M, N}, x.options());

@@ -54,6 +54,13 @@ TORCH_LIBRARY(parallel_layers, m) {
   // operand layout is linear_gelu_backward's (Note [weight-gradient operand layout]); for
   // callers that split the backward, e.g. to overlap a collective with this GEMM.
   m.def("linear_weight_grad(Tensor grad_out, Tensor x) -> Tensor");
+  // y = silu(gate) * up from one packed GEMM: [gate | up] = x @ weight^T + bias, weight [2n, k]
+  // the gate rows stacked on the up rows, bias [2n]; y [..., n]. preact [..., 2n] as linear_gelu's.
+  m.def("linear_swiglu(Tensor x, Tensor weight, Tensor? bias, bool save_preact) -> (Tensor y, Tensor preact)");
+  // Its backward: d_gate = grad_y * up * silu'(gate), d_up = grad_y * silu(gate) and dbias in one
+  // pass over preact, then dx and dweight as linear_gelu_backward's; output_mask likewise.
+  m.def("linear_swiglu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor preact, bool[3] output_mask) "
+        "-> (Tensor dx, Tensor dweight, Tensor dbias)");
   // Autocast's policy for linear_gelu's inputs, for callers that run linear_gelu or F.linear
   // inside an autograd Function of their own: inside torch.autocast, x, weight and bias as
   // linear_gelu's autocast kernel casts them (csrc/autocast.cpp); outside it, the inputs

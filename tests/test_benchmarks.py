@@ -14,10 +14,11 @@ def test_run_all_quick_writes_the_report(tmp_path):
     reports = list(tmp_path.glob("*-*.md"))
     assert len(reports) == 1
     text = reports[0].read_text()
-    for section in ("Fused GEMM + bias + GeLU", "Shard copy kernels", "Tensor-parallel MLP vs DTensor",
-                    "ZeRO-3 vs FSDP2 vs DDP", "DataParallel vs DDP", "Pipeline schedules", "Weak scaling",
-                    "Hugging Face Llama step"):
+    for section in ("Fused GEMM + bias + GeLU", "Fused linear + SwiGLU", "Shard copy kernels",
+                    "Tensor-parallel MLP vs DTensor", "ZeRO-3 vs FSDP2 vs DDP", "DataParallel vs DDP",
+                    "Pipeline schedules", "Weak scaling", "Hugging Face Llama step"):
         assert f"## {section}" in text
     assert "FAILED" not in text
-    for png in ("bench_linear_gelu.png", "bench_pipeline.png", "bench_scaling.png", "bench_hf.png"):
+    for png in ("bench_linear_gelu.png", "bench_linear_swiglu.png", "bench_pipeline.png", "bench_scaling.png",
+                "bench_hf.png"):
         assert (tmp_path / png).stat().st_size > 1000

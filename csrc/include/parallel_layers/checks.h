@@ -81,12 +81,13 @@ struct LinearShape {
   int64_t m, k, n;  // x viewed as [m, k], weight [n, k]
 };
 
-// linear_gelu(x [..., k], weight [n, k], bias [n] or none)
+// linear_gelu(x [..., k], weight [n, k], bias [n] or none); `op` names the caller in errors.
 inline LinearShape check_linear_gelu_args(const at::Tensor& x, const at::Tensor& weight,
-                                          const std::optional<at::Tensor>& bias, at::DeviceType expected) {
+                                          const std::optional<at::Tensor>& bias, at::DeviceType expected,
+                                          const char* op = "linear_gelu") {
   check_floating(x, "x");
   check_same_device_dtype(x, "x", weight, "weight");
-  check_device_type(x, "x", expected, "linear_gelu");
+  check_device_type(x, "x", expected, op);
   TORCH_CHECK(x.dim() >= 1, "x must have at least 1 dimension, got shape ", x.sizes());
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D [out_features, in_features], got shape ", weight.sizes());
   TORCH_CHECK(weight.size(1) == x.size(-1), "x has ", x.size(-1), " features in its last dim (shape ", x.sizes(),
@@ -113,6 +114,34 @@ inline LinearShape check_linear_gelu_backward_args(const at::Tensor& grad_y, con
               "linear_gelu_backward: grad_y ", grad_y.sizes(), " and preact ", preact.sizes(),
               " must both have the forward output's shape ", at::IntArrayRef(out_shape), " (x ", x.sizes(),
               ", weight ", weight.sizes(), ")");
+  return s;
+}
+
+// linear_swiglu(x [..., k], weight [2n, k], bias [2n] or none): a linear layer's arguments with
+// an even number of output rows, the gate rows stacked on the up rows; returns {m, k, 2n}.
+inline LinearShape check_linear_swiglu_args(const at::Tensor& x, const at::Tensor& weight,
+                                            const std::optional<at::Tensor>& bias, at::DeviceType expected) {
+  const LinearShape s = check_linear_gelu_args(x, weight, bias, expected, "linear_swiglu");
+  TORCH_CHECK(s.n % 2 == 0, "linear_swiglu: weight must be [2 * n, in_features], the n gate rows stacked on the n "
+              "up rows, so its first dim must be even; got weight shape ", weight.sizes());
+  return s;
+}
+
+// linear_swiglu_backward(grad_y [..., n], x [..., k], weight [2n, k], preact [..., 2n]): the
+// forward's shapes, grad_y shaped like its output and preact like its packed pre-activation.
+inline LinearShape check_linear_swiglu_backward_args(const at::Tensor& grad_y, const at::Tensor& x,
+                                                     const at::Tensor& weight, const at::Tensor& preact,
+                                                     at::DeviceType expected) {
+  const LinearShape s = check_linear_swiglu_args(x, weight, std::nullopt, expected);
+  check_same_device_dtype(x, "x", grad_y, "grad_y");
+  check_same_device_dtype(x, "x", preact, "preact");
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end()), pre_shape = out_shape;
+  out_shape.back() = s.n / 2;
+  pre_shape.back() = s.n;
+  TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(out_shape) && preact.sizes() == at::IntArrayRef(pre_shape),
+              "linear_swiglu_backward: grad_y ", grad_y.sizes(), " must have the output's shape ",
+              at::IntArrayRef(out_shape), " and preact ", preact.sizes(), " the pre-activation's shape ",
+              at::IntArrayRef(pre_shape), " (x ", x.sizes(), ", weight ", weight.sizes(), ")");
   return s;
 }
 

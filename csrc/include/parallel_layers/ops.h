@@ -41,6 +41,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
+// x [..., k], weight [2n, k] (gate rows on up rows), bias [2n] -> (silu(gate) * up [..., n], the
+// pre-activation x @ weight^T + bias [..., 2n] if save_preact else an empty [0]).
+std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& bias, bool save_preact);
+// grad_y [..., n], x [..., k], weight [2n, k], preact [..., 2n] -> (dx like x, dweight [2n, k],
+// dbias [2n]); output_mask says which are needed; the others come back as empty [0] tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                      const at::Tensor& weight,
+                                                                      const at::Tensor& preact,
+                                                                      std::array<bool, 3> output_mask);
 // grad_out [..., n], x [..., k] with the same leading dims -> grad_out^T @ x [n, k].
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 // x [rows, cols] -> x^T as a contiguous [cols, rows].
@@ -61,6 +71,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
+std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& bias, bool save_preact);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                      const at::Tensor& weight,
+                                                                      const at::Tensor& preact,
+                                                                      std::array<bool, 3> output_mask);
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 at::Tensor transpose_2d(const at::Tensor& x);
 // gelu(z), no bias, no pre-activation written (linear_gelu's fallback after its addmm).

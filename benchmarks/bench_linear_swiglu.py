@@ -1,0 +1,168 @@
+"""Fused linear + SwiGLU (`linear_swiglu`) against what a user would otherwise run.
+
+    python benchmarks/bench_linear_swiglu.py [--device cpu|cuda] [--reps 15] [--quick] [--compile]
+                                             [--shapes M,K,N ...] [--dtypes float32,bfloat16]
+
+For Llama-style MLP shapes (tokens M, hidden K -> ffn N) and float32 / bfloat16 it times,
+interleaved in one run (median of --reps calls after warm-up), forward without autograd and
+forward + backward:
+  ours          linear_swiglu(x, W, b), W the packed [2N, K] weight
+  eager         what a Hugging Face Llama MLP runs: F.silu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)
+                with separate gate and up parameters
+  eager packed  one F.linear on the packed weight, chunk, F.silu(gate) * up
+  GEMM          F.linear on the packed weight alone: the bare packed GEMM, the practical limit of
+                the forward (ours / GEMM = 1.0 is a free epilogue)
+  compile       torch.compile of eager packed, with --compile
+Prints a table of ratios and writes benchmarks/results/bench_linear_swiglu.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, machine, time_interleaved, write_json  # noqa: E402
+
+import parallel_layers  # noqa: E402
+from parallel_layers.ops import linear_swiglu  # noqa: E402
+
+# (M tokens, K hidden, N ffn): a small Llama at seq 256 x batch 2, a 1024-wide one, a 2048-wide one.
+SHAPES = [(512, 512, 1376), (512, 1024, 2816), (1024, 2048, 5632)]
+QUICK_SHAPES = [(64, 64, 96)]
+
+
+def eager_separate(x, wg, bg, wu, bu):
+    return F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu)
+
+
+def eager_packed(x, w, b):
+    gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def bench_case(m, k, n, dtype, device, reps, compile_baseline):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(device, dtype)
+    b = torch.randn(2 * n, generator=g).to(device, dtype)
+    wg, wu = w[:n].clone(), w[n:].clone()  # separate parameters, as a Llama MLP holds them
+    bg, bu = b[:n].clone(), b[n:].clone()
+    dy = torch.randn(m, n, generator=g).to(device, dtype)
+    dy_gemm = torch.randn(m, 2 * n, generator=g).to(device, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch._dynamo.reset()  # a fresh recompile budget per case (see bench_linear_gelu.py)
+    compiled = torch.compile(eager_packed) if compile_baseline else None
+
+    fwd = {
+        "ours": lambda: linear_swiglu(x, w, b),
+        "eager": lambda: eager_separate(x, wg, bg, wu, bu),
+        "eager_packed": lambda: eager_packed(x, w, b),
+        "gemm": lambda: F.linear(x, w, b),
+    }
+    if compiled:
+        fwd["compile"] = lambda: compiled(x, w, b)
+    with torch.no_grad():
+        t_fwd = time_interleaved(fwd, reps, sync=sync)
+
+    leaf = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
+    xg, w_, b_, wg_, bg_, wu_, bu_ = (leaf(t) for t in (x, w, b, wg, bg, wu, bu))
+
+    def train(fn, inputs, grad):
+        def run():
+            torch.autograd.grad(fn(*inputs), inputs, grad)
+        return run
+
+    t_train = {
+        "ours": train(linear_swiglu, (xg, w_, b_), dy),
+        "eager": train(eager_separate, (xg, wg_, bg_, wu_, bu_), dy),
+        "eager_packed": train(eager_packed, (xg, w_, b_), dy),
+        "gemm": train(F.linear, (xg, w_, b_), dy_gemm),
+    }
+    if compiled:
+        t_train["compile"] = train(compiled, (xg, w_, b_), dy)
+    t_train = time_interleaved(t_train, reps, sync=sync)
+    return t_fwd, t_train
+
+
+def ratios(t_fwd, t_train) -> dict:
+    r = {}
+    for phase, t in (("fwd", t_fwd), ("train", t_train)):
+        r[f"{phase}_eager_over_ours"] = t["eager"] / t["ours"]
+        r[f"{phase}_eager_packed_over_ours"] = t["eager_packed"] / t["ours"]
+        r[f"{phase}_ours_over_gemm"] = t["ours"] / t["gemm"]
+        if "compile" in t:
+            r[f"{phase}_compile_over_ours"] = t["compile"] / t["ours"]
+    return r
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['m']}x{r['k']}x{r['n']}\n{r['dtype']}" for r in rows]
+    keys = [("fwd_eager_over_ours", "fwd: eager / ours"), ("fwd_eager_packed_over_ours", "fwd: eager packed / ours"),
+            ("train_eager_over_ours", "fwd+bwd: eager / ours"), ("fwd_ours_over_gemm", "fwd: ours / packed GEMM")]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    width = 0.8 / len(keys)
+    for i, (key, label) in enumerate(keys):
+        ax.bar([j + i * width for j in range(len(rows))], [r["ratios"][key] for r in rows], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.05, color="gray", linewidth=0.8, linestyle="--", label="1.05 (target for ours / GEMM, float32)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, fontsize=8)
+    ax.set_ylabel("time ratio (>1: ours faster, except ours / GEMM)")
+    ax.set_title(f"linear_swiglu on {rows[0]['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--quick", action="store_true", help="one small shape, for a smoke run")
+    ap.add_argument("--shapes", nargs="+", help="M,K,N triples instead of the default shapes")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile of eager packed")
+    ap.add_argument("--name", default="bench_linear_swiglu", help="result file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+
+    rows = []
+    print(f"{'M,K,N':>16} {'dtype':>9} | {'fwd ms: ours':>12} {'eager':>7} {'packed':>7} {'gemm':>7} | "
+          f"{'eager/ours':>10} {'packed/ours':>11} {'ours/gemm':>9} | {'f+b ms: ours':>12} {'eager':>7} "
+          f"{'packed':>7} {'gemm':>7} | {'eager/ours':>10} {'packed/ours':>11} {'ours/gemm':>9}")
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else \
+        QUICK_SHAPES if args.quick else SHAPES
+    for m, k, n in shapes:
+        for dname in args.dtypes.split(","):
+            t_fwd, t_train = bench_case(m, k, n, getattr(torch, dname), args.device, args.reps, args.compile)
+            r = ratios(t_fwd, t_train)
+            rows.append({"m": m, "k": k, "n": n, "dtype": dname, "device": args.device,
+                         "forward_s": t_fwd, "forward_backward_s": t_train, "ratios": r})
+            ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
+            line = f"{f'{m},{k},{n}':>16} {dname:>9} |"
+            for phase, t in (("fwd", t_fwd), ("train", t_train)):
+                line += (f" {ms(t['ours']):>12} {ms(t['eager'])} {ms(t['eager_packed'])} {ms(t['gemm'])} |"
+                         f" {r[f'{phase}_eager_over_ours']:10.2f} {r[f'{phase}_eager_packed_over_ours']:11.2f}"
+                         f" {r[f'{phase}_ours_over_gemm']:9.2f} |")
+            print(line, flush=True)
+            if args.compile:
+                print(f"{'':>28}compile / ours: fwd {r['fwd_compile_over_ours']:.2f}, "
+                      f"fwd+bwd {r['train_compile_over_ours']:.2f}", flush=True)
+    payload = {"benchmark": "linear_swiglu", "machine": machine(), "build": parallel_layers.build_info(),
+               "reps": args.reps, "rows": rows}
+    path = write_json(args.name, payload)
+    plot(rows, RESULTS / f"{args.name}.png")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+// Fused linear + SwiGLU on CUDA: the same math (parallel_layers/swiglu.h), packed layout
+// (PackedGateUp) and bias-gradient row chunks (parallel_layers/row_chunks.h) as the CPU op
+// (csrc/linear_swiglu.cpp).
+//
+// Shapes: x [M, K] (leading dims flattened), weight [2N, K] (gate rows on up rows), bias [2N],
+// pre-activation z [M, 2N] (gate | up in each row), y [M, N].
+//
+// Forward: the packed GEMM through ATen's addmm / mm - cuBLASLt with its bias epilogue where it
+// applies, every status checked by ATen - then our SwiGLU kernel over z. cuBLASLt has no
+// epilogue that combines two column ranges of its output, so calling it directly here would
+// add descriptors to maintain and nothing else. Backward: our kernel writes d_gate | d_up and
+// the bias gradient's per-chunk partial sums in one pass over z and grad_y, then the GEMMs that
+// are needed, the weight gradient's through the shared weight_grad.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "parallel_layers/checks.h"
+#include "parallel_layers/ops.h"
+#include "parallel_layers/row_chunks.h"
+#include "parallel_layers/swiglu.h"
+
+namespace parallel_layers::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One thread per output element, grid-stride; math in opmath (float for 16-bit), rounded once.
+template <typename scalar_t>
+__global__ void swiglu_forward_kernel(const scalar_t* __restrict__ z, scalar_t* __restrict__ y, int64_t numel,
+                                      int64_t n) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const PackedGateUp pk{n};
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+    const int64_t row = i / n, col = i - row * n;
+    y[pk.out(row, col)] = static_cast<scalar_t>(
+        swiglu_forward(static_cast<opmath_t>(z[pk.gate(row, col)]), static_cast<opmath_t>(z[pk.up(row, col)])));
+  }
+}
+
+// Thread = one output column, blockIdx.y = one chunk of rows: consecutive threads read
+// consecutive columns (coalesced); each writes its chunk's sums of the rounded d_gate and d_up
+// to partials[chunk, col] and partials[chunk, n + col] - the packed layout again.
+template <typename scalar_t>
+__global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
+                                       scalar_t* __restrict__ dz, at::opmath_type<scalar_t>* __restrict__ partials,
+                                       RowChunks chunks, int64_t n) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const PackedGateUp pk{n};
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunk = blockIdx.y;
+  if (col >= n) return;
+  opmath_t acc_g = 0, acc_u = 0;
+  for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
+    opmath_t d_gate, d_up;
+    swiglu_backward(static_cast<opmath_t>(dy[pk.out(r, col)]), static_cast<opmath_t>(z[pk.gate(r, col)]),
+                    static_cast<opmath_t>(z[pk.up(r, col)]), &d_gate, &d_up);
+    const scalar_t dg = static_cast<scalar_t>(d_gate), du = static_cast<scalar_t>(d_up);
+    dz[pk.gate(r, col)] = dg;
+    dz[pk.up(r, col)] = du;
+    acc_g += static_cast<opmath_t>(dg);  // the rounded values, as the CPU op sums
+    acc_u += static_cast<opmath_t>(du);
+  }
+  partials[pk.gate(chunk, col)] = acc_g;
+  partials[pk.up(chunk, col)] = acc_u;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& bias, bool save_preact) {
+  const auto [M, K, N2] = check_linear_swiglu_args(x, weight, bias, at::kCUDA);
+  const int64_t N = N2 / 2;
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end()), pre_shape = out_shape;
+  out_shape.back() = N;
+  pre_shape.back() = N2;
+  const auto no_preact = [&] { return at::empty({0}, x.options()); };
+  if (M == 0 || N == 0) {
+    return {at::empty(out_shape, x.options()), save_preact ? at::empty(pre_shape, x.options()) : no_preact()};
+  }
+  // The bias inside the GEMM: addmm rounds acc + bias once to the dtype, as F.linear does.
+  const at::Tensor x2 = x.reshape({M, K});
+  const at::Tensor z = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());  // [M, 2N], contiguous
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int64_t numel = M * N;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "linear_swiglu_cuda", [&] {
+    swiglu_forward_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        z.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), numel, N);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {y.view(out_shape), save_preact ? z.view(pre_shape) : no_preact()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                      const at::Tensor& weight,
+                                                                      const at::Tensor& preact,
+                                                                      std::array<bool, 3> output_mask) {
+  const auto [M, K, N2] = check_linear_swiglu_backward_args(grad_y, x, weight, preact, at::kCUDA);
+  const int64_t N = N2 / 2;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto [need_dx, need_dw, need_db] = output_mask;
+  // Unasked gradients: distinct empty tensors (outputs must not alias).
+  const auto empty = [&] { return at::empty({0}, x.options()); };
+  if (!need_dx && !need_dw && !need_db) return {empty(), empty(), empty()};
+  const at::Tensor dy = grad_y.reshape({M, N}).contiguous();
+  const at::Tensor z = preact.reshape({M, N2}).contiguous();
+  at::Tensor dz = at::empty({M, N2}, x.options());
+  // Up to 256 chunks of >= 16 rows, as bias_gelu_backward: enough blocks for narrow n, a small
+  // partials buffer for wide n.
+  const RowChunks chunks = make_row_chunks(M, /*max_chunks=*/256, /*min_rows=*/16);
+  at::Tensor partials = at::empty({chunks.num_chunks(), N2}, x.options().dtype(at::toOpMathType(x.scalar_type())));
+  if (M > 0 && N > 0) {
+    const dim3 grid(static_cast<unsigned>((N + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "linear_swiglu_backward_cuda", [&] {
+      swiglu_backward_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(),
+          partials.mutable_data_ptr<at::opmath_type<scalar_t>>(), chunks, N);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  at::Tensor db = need_db ? partials.sum(0).to(x.scalar_type()) : empty();
+  at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
+  at::Tensor dw = need_dw ? weight_grad(dz, at::Tensor(), x.reshape({M, K})) : empty();
+  return {dx, dw, db};
+}
+
+}  // namespace parallel_layers::cuda
+
+TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
+  m.impl("linear_swiglu", &parallel_layers::cuda::linear_swiglu);
+  m.impl("linear_swiglu_backward", &parallel_layers::cuda::linear_swiglu_backward);
+}

@@ -1,0 +1,84 @@
+// How the CPU fused linear ops (csrc/linear_gelu.cpp, csrc/linear_swiglu.cpp) split and buffer
+// their work: the GEMM output is produced in row panels, each followed by its epilogue in
+// parallel tasks of rows while the panel is still in cache; the backward's gradient of the
+// pre-activation lives in per-thread scratch (Note [backward scratch on CPU]).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+#include <ATen/ATen.h>
+
+namespace parallel_layers::cpu {
+
+// Rows per panel of an [m, n] GEMM output: ~4M elements (16 MB in float32), at least 1024
+// rows. Smaller panels cost GEMM speed: at the linear_gelu benchmark's shapes, bfloat16
+// 2048x1024x4096 took 12.9 / 11.1 / 10.1 ms with 256 / 512 / 1024-row panels and fp32
+// 4096x4096x1024 108 / 106 / 98 ms (1024 / 1024 / 4096 rows); a panel this size still sits in
+// this machine's 480 MB L3 when its epilogue runs.
+inline int64_t rows_per_panel(int64_t m, int64_t n) {
+  const int64_t target = (int64_t{1} << 22) / std::max<int64_t>(n, 1);
+  return std::min(m, std::max<int64_t>(1024, target));
+}
+
+// Rows per epilogue task over rows of n elements: ~64K elements.
+inline int64_t rows_per_task(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)); }
+
+// Note [backward scratch on CPU]: dz (and dz^T) live only inside a fused backward
+// (linear_gelu_backward, linear_swiglu_backward), between its elementwise pass and the GEMMs;
+// linear_swiglu's forward without a kept pre-activation also takes its GEMM output panel from
+// here. ATen's CPU allocator does not cache, and glibc serves each multi-MB request with fresh
+// pages - mmap above its 32 MiB threshold, or a heap it has trimmed since the last call - so
+// every call paid ~0.3 ms per MB of page faults on this scratch alone: at 2048x1024x4096
+// float32, 32 MiB of dz, ~10 ms of a ~180 ms training step. So the ops keep their scratch per
+// thread (the thread that runs the op) and reuse it for every call that fits. What it holds is
+// bounded: at most kMaxScratchBytes per buffer, two buffers per thread, shared by the ops;
+// larger requests get a plain allocation and leave the kept one alone. Outputs are never taken
+// from it, and a slot already in use (a nested call on the same thread, which nothing does
+// today) falls back to a plain allocation too.
+constexpr int64_t kMaxScratchBytes = int64_t{64} << 20;
+
+struct ScratchSlot {
+  at::Tensor buffer;
+  bool in_use = false;
+};
+
+class Scratch {
+ public:
+  // A [shape] tensor of options' dtype: a view of this thread's slot when it is free and the
+  // request fits the cap, else a fresh allocation. The slot is freed when this object dies.
+  // Slot 0 holds dz (or a forward's GEMM panel), slot 1 dz^T.
+  Scratch(int slot, at::IntArrayRef shape, const at::TensorOptions& options) {
+    const auto dtype = options.dtype().toScalarType();
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    // An inline function's static is one object across translation units: the ops share it.
+    thread_local std::array<ScratchSlot, 2> slots;
+    ScratchSlot& s = slots.at(slot);
+    if (s.in_use || bytes > kMaxScratchBytes) {
+      tensor_ = at::empty(shape, options);
+      return;
+    }
+    if (!s.buffer.defined() || s.buffer.numel() < bytes) {
+      s.buffer = at::Tensor();  // free the smaller one first
+      s.buffer = at::empty({bytes}, options.dtype(at::kByte));
+    }
+    s.in_use = true;
+    slot_ = &s;
+    tensor_ = s.buffer.narrow(0, 0, bytes).view(dtype).view(shape);
+  }
+  ~Scratch() {
+    if (slot_) slot_->in_use = false;
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  const at::Tensor& tensor() const { return tensor_; }
+
+ private:
+  at::Tensor tensor_;
+  ScratchSlot* slot_ = nullptr;
+};
+
+}  // namespace parallel_layers::cpu

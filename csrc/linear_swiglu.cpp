@@ -1,0 +1,255 @@
+// Fused linear + SwiGLU on CPU: y = silu(gate) * up from one packed GEMM,
+// [gate | up] = x @ weight^T + bias, keeping that pre-activation for backward when asked to.
+//
+// Shapes: x [M, K] (leading dims flattened), weight [2N, K] (gate rows [0, N) on up rows
+// [N, 2N)), bias [2N], pre-activation z [M, 2N] (gate | up in each row, parallel_layers/swiglu.h),
+// y [M, N].
+//
+// Forward: as linear_gelu's (csrc/linear_gelu.cpp), the GEMM (ATen's BLAS, bias folded into
+// addmm, all threads) writes row panels of z, and the SwiGLU epilogue runs over each panel in
+// parallel while it is still in cache. Without a kept pre-activation the panel is scratch
+// (Note [backward scratch on CPU]), so inference allocates only y. Backward: one pass over z
+// and grad_y writes d_gate | d_up (the gradient of the packed pre-activation) and sums the
+// bias gradient, then dx = dz @ weight and dweight through the shared weight_grad.
+//
+// Rounding (math in float32 for 16-bit and float32 tensors, float64 for float64): z is rounded
+// to the dtype by the GEMM, as F.linear's output is; y = silu(g) * u is computed from those
+// values and rounded once (eager rounds silu(g) to the dtype, then the product); d_gate and d_up
+// are each rounded once from dy, g, u.
+#include <algorithm>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "parallel_layers/checks.h"
+#include "parallel_layers/cpu/linear_panels.h"
+#include "parallel_layers/cpu/simd.h"
+#include "parallel_layers/ops.h"
+#include "parallel_layers/row_chunks.h"
+#include "parallel_layers/swiglu.h"
+
+namespace parallel_layers::cpu {
+namespace {
+
+// y = silu(g) * u over one row of n outputs. S: float, or uint16_t for bfloat16.
+template <typename S>
+PL_ALWAYS_INLINE void forward_loop(const S* g, const S* u, S* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = narrow<S>(swiglu_forward(widen(g[i]), widen(u[i])));
+}
+
+// d_gate, d_up of one row; acc_g / acc_u += them (as rounded to S, the values the bias gradient
+// sums) when acc_g is not null.
+template <typename S>
+PL_ALWAYS_INLINE void backward_loop(const S* dy, const S* g, const S* u, S* dg, S* du, float* acc_g, float* acc_u,
+                                    int64_t n) {
+  if (acc_g != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      float d_gate, d_up;
+      swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
+      const S dg_r = narrow<S>(d_gate), du_r = narrow<S>(d_up);
+      dg[i] = dg_r;
+      du[i] = du_r;
+      acc_g[i] += widen(dg_r);
+      acc_u[i] += widen(du_r);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      float d_gate, d_up;
+      swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
+      dg[i] = narrow<S>(d_gate);
+      du[i] = narrow<S>(d_up);
+    }
+  }
+}
+
+PL_SIMD_CLONES void forward_f32(const float* g, const float* u, float* y, int64_t n) { forward_loop(g, u, y, n); }
+PL_SIMD_CLONES void forward_bf16(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n) {
+  forward_loop(g, u, y, n);
+}
+PL_SIMD_CLONES void backward_f32(const float* dy, const float* g, const float* u, float* dg, float* du, float* acc_g,
+                                 float* acc_u, int64_t n) {
+  backward_loop(dy, g, u, dg, du, acc_g, acc_u, n);
+}
+PL_SIMD_CLONES void backward_bf16(const uint16_t* dy, const uint16_t* g, const uint16_t* u, uint16_t* dg,
+                                  uint16_t* du, float* acc_g, float* acc_u, int64_t n) {
+  backward_loop(dy, g, u, dg, du, acc_g, acc_u, n);
+}
+
+// y[r] = swiglu of z[r] for rows [r0, r1): z [rows, 2n] and y [rows, n], contiguous.
+template <typename scalar_t>
+void swiglu_rows(const scalar_t* z, scalar_t* y, int64_t n, int64_t r0, int64_t r1) {
+  const PackedGateUp pk{n};
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = 0; c < n; ++c) y[pk.out(r, c)] = swiglu_forward(z[pk.gate(r, c)], z[pk.up(r, c)]);
+    }
+  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {  // through float32 row buffers
+    std::vector<float> g32(n), u32(n), y32(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_row(z + pk.gate(r, 0), g32.data(), n);
+      widen_row(z + pk.up(r, 0), u32.data(), n);
+      forward_f32(g32.data(), u32.data(), y32.data(), n);
+      narrow_row(y32.data(), y + pk.out(r, 0), n);
+    }
+  } else {  // float32, bfloat16: converted inside the SIMD loop
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* g = simd_ptr(z + pk.gate(r, 0));
+      const auto* u = simd_ptr(z + pk.up(r, 0));
+      auto* yr = simd_ptr(y + pk.out(r, 0));
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        forward_f32(g, u, yr, n);
+      } else {
+        forward_bf16(g, u, yr, n);
+      }
+    }
+  }
+}
+
+// dz[r] = (d_gate | d_up) of row r for rows [r0, r1), and partial[c] += dz[r, c] over those rows
+// when partial (float [2n], double for float64) is not null.
+template <typename scalar_t, typename acc_t>
+void dswiglu_rows(const scalar_t* dy, const scalar_t* z, scalar_t* dz, acc_t* partial, int64_t n, int64_t r0,
+                  int64_t r1) {
+  const PackedGateUp pk{n};
+  acc_t* acc_g = partial;
+  acc_t* acc_u = partial ? partial + n : nullptr;
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        double d_gate, d_up;
+        swiglu_backward(dy[pk.out(r, c)], z[pk.gate(r, c)], z[pk.up(r, c)], &d_gate, &d_up);
+        dz[pk.gate(r, c)] = d_gate;
+        dz[pk.up(r, c)] = d_up;
+        if (partial) {
+          acc_g[c] += d_gate;
+          acc_u[c] += d_up;
+        }
+      }
+    }
+  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {  // float32 row buffers; sums of the rounded values
+    std::vector<float> dy32(n), g32(n), u32(n), dg32(n), du32(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_row(dy + pk.out(r, 0), dy32.data(), n);
+      widen_row(z + pk.gate(r, 0), g32.data(), n);
+      widen_row(z + pk.up(r, 0), u32.data(), n);
+      backward_f32(dy32.data(), g32.data(), u32.data(), dg32.data(), du32.data(), nullptr, nullptr, n);
+      narrow_row(dg32.data(), dz + pk.gate(r, 0), n);
+      narrow_row(du32.data(), dz + pk.up(r, 0), n);
+      if (partial) {
+        for (int64_t c = 0; c < 2 * n; ++c) partial[c] += static_cast<float>(dz[pk.gate(r, c)]);
+      }
+    }
+  } else {
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* d = simd_ptr(dy + pk.out(r, 0));
+      const auto* g = simd_ptr(z + pk.gate(r, 0));
+      const auto* u = simd_ptr(z + pk.up(r, 0));
+      auto* dg = simd_ptr(dz + pk.gate(r, 0));
+      auto* du = simd_ptr(dz + pk.up(r, 0));
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        backward_f32(d, g, u, dg, du, acc_g, acc_u, n);
+      } else {
+        backward_bf16(d, g, u, dg, du, acc_g, acc_u, n);
+      }
+    }
+  }
+}
+
+// dswiglu_rows over all rows, in parallel over chunks of rows (parallel_layers/row_chunks.h);
+// each chunk sums its bias gradient into its own row of partials, added in chunk order, so
+// dbias does not depend on the thread count. Returns dbias [2n] in z's dtype when want_dbias.
+at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, bool want_dbias) {
+  const int64_t rows = z.size(0), n = z.size(1) / 2;
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), rows_per_task(2 * n));
+  const auto acc_type = at::toOpMathType(z.scalar_type());
+  const at::Tensor partials = want_dbias ? at::zeros({chunks.num_chunks(), 2 * n}, z.options().dtype(acc_type))
+                                         : at::Tensor();
+  if (rows > 0 && n > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "dswiglu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      at::parallel_for(0, chunks.num_chunks(), 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+        for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+          dswiglu_rows<scalar_t, acc_t>(dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(),
+                                        dz.mutable_data_ptr<scalar_t>(),
+                                        want_dbias ? partials.mutable_data_ptr<acc_t>() + c * 2 * n : nullptr, n,
+                                        chunks.begin(c), chunks.end(c));
+        }
+      });
+    });
+  }
+  return want_dbias ? partials.sum(0).to(z.scalar_type()) : at::Tensor();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& bias, bool save_preact) {
+  const auto [M, K, N2] = check_linear_swiglu_args(x, weight, bias, at::kCPU);
+  const int64_t N = N2 / 2;
+  const at::Tensor x2 = x.reshape({M, K});
+  const at::Tensor wt = weight.t();  // [K, 2N] view; BLAS reads it transposed, no copy
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end()), pre_shape = out_shape;
+  out_shape.back() = N;
+  pre_shape.back() = N2;
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor z = save_preact ? at::empty({M, N2}, x.options()) : at::empty({0}, x.options());
+  if (M > 0 && N > 0) {
+    const int64_t panel = rows_per_panel(M, N2);
+    std::optional<Scratch> scratch;  // the GEMM's output panel when z is not kept
+    if (!save_preact) scratch.emplace(0, at::IntArrayRef{panel, N2}, x.options());
+    for (int64_t r0 = 0; r0 < M; r0 += panel) {
+      const int64_t r1 = std::min(M, r0 + panel);
+      at::Tensor acc = save_preact ? z.slice(0, r0, r1) : scratch->tensor().slice(0, 0, r1 - r0);
+      // The bias goes into the GEMM, rounded once with it, as F.linear rounds (see linear_gelu).
+      if (bias) {
+        at::addmm_out(acc, *bias, x2.slice(0, r0, r1), wt);
+      } else {
+        at::mm_out(acc, x2.slice(0, r0, r1), wt);
+      }
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "linear_swiglu", [&] {
+        const scalar_t* zp = acc.const_data_ptr<scalar_t>();
+        scalar_t* yp = y.mutable_data_ptr<scalar_t>() + r0 * N;
+        at::parallel_for(0, r1 - r0, rows_per_task(N2), [&](int64_t begin, int64_t end) {
+          swiglu_rows(zp, yp, N, begin, end);
+        });
+      });
+    }
+  }
+  return {y.view(out_shape), save_preact ? z.view(pre_shape) : z};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                      const at::Tensor& weight,
+                                                                      const at::Tensor& preact,
+                                                                      std::array<bool, 3> output_mask) {
+  const auto [M, K, N2] = check_linear_swiglu_backward_args(grad_y, x, weight, preact, at::kCPU);
+  const auto [need_dx, need_dw, need_db] = output_mask;
+  // Unasked gradients: distinct empty tensors (outputs must not alias).
+  const auto empty = [&] { return at::empty({0}, x.options()); };
+  if (!need_dx && !need_dw && !need_db) return {empty(), empty(), empty()};
+  const at::Tensor dy = grad_y.contiguous().view({M, N2 / 2});
+  const at::Tensor z = preact.contiguous().view({M, N2});
+  const Scratch dz_buf(0, {M, N2}, x.options());  // Note [backward scratch on CPU]
+  const at::Tensor& dz = dz_buf.tensor();
+  at::Tensor db = dswiglu_parallel(dy, z, dz, need_db);
+  at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
+  // Note [weight-gradient operand layout]: on CPU in bfloat16 weight_grad copies dz^T first.
+  at::Tensor dw = need_dw ? weight_grad(dz, at::Tensor(), x.reshape({M, K})) : empty();
+  return {dx, dw, need_db ? db : empty()};
+}
+
+}  // namespace parallel_layers::cpu
+
+TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
+  m.impl("linear_swiglu", &parallel_layers::cpu::linear_swiglu);
+  m.impl("linear_swiglu_backward", &parallel_layers::cpu::linear_swiglu_backward);
+}

@@ -1,0 +1,104 @@
+"""Fused linear + SwiGLU: `y = silu(x @ Wg.T + bg) * (x @ Wu.T + bu)` from one packed GEMM.
+
+Shapes: x [..., K], weight [2N, K] with the gate rows `Wg` in [0, N) stacked on the up rows `Wu`
+in [N, 2N), bias [2N] or None -> y [..., N]. Dtypes: float32, float64, bfloat16, float16. The
+packed layout is also the per-rank weight of a column-parallel packed layer (each rank holds its
+gate shard stacked on its up shard), so the op runs unchanged under tensor parallelism.
+
+The forward keeps the packed pre-activation `[gate | up]` [..., 2N] for backward only when a
+gradient is needed. Backward (`linear_swiglu_backward`) writes `d_gate = dy * up * silu'(gate)`
+and `d_up = dy * silu(gate)` and sums the bias gradient in one pass over it, then runs only the
+GEMMs whose gradients are needed (`dx = d_pre @ W`, `dW = d_pre.T @ x`, with linear_gelu's
+operand-layout rule). What rounds where: docs/kernels.md; autocast: csrc/autocast.cpp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from parallel_layers.ops.linear_gelu import linear_weight_grad
+
+
+def linear_swiglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Return `F.silu(gate) * up` for `gate, up = F.linear(x, weight, bias).chunk(2, -1)`, fused."""
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    y, _ = torch.ops.parallel_layers.linear_swiglu(x, weight, bias, needs_grad)
+    return y
+
+
+def _check_packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    torch._check(weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+                 lambda: f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match: weight must be "
+                         "[2 * n, in_features] with in_features the last dim of x")
+    torch._check(weight.shape[0] % 2 == 0,
+                 lambda: f"linear_swiglu: weight must be [2 * n, in_features], the gate rows stacked on the up "
+                         f"rows, so its first dim must be even; got weight shape {tuple(weight.shape)}")
+    torch._check(bias is None or tuple(bias.shape) == (weight.shape[0],),
+                 lambda: f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+@torch.library.register_fake("parallel_layers::linear_swiglu")
+def _linear_swiglu_fake(x: Tensor, weight: Tensor, bias: Tensor | None, save_preact: bool) -> tuple[Tensor, Tensor]:
+    _check_packed(x, weight, bias)
+    n2 = weight.shape[0]
+    return x.new_empty((*x.shape[:-1], n2 // 2)), x.new_empty((*x.shape[:-1], n2) if save_preact else (0,))
+
+
+@torch.library.register_fake("parallel_layers::linear_swiglu_backward")
+def _linear_swiglu_backward_fake(grad_y: Tensor, x: Tensor, weight: Tensor, preact: Tensor,
+                                 output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    _check_packed(x, weight, None)
+    n2 = weight.shape[0]
+    out_shape, pre_shape = (*x.shape[:-1], n2 // 2), (*x.shape[:-1], n2)
+    torch._check(tuple(grad_y.shape) == out_shape and tuple(preact.shape) == pre_shape,
+                 lambda: f"linear_swiglu_backward: grad_y {tuple(grad_y.shape)} must have the output's shape "
+                         f"{out_shape} and preact {tuple(preact.shape)} the pre-activation's shape {pre_shape}")
+    need_dx, need_dw, need_db = output_mask
+    return (x.new_empty(x.shape if need_dx else (0,)),
+            x.new_empty(weight.shape if need_dw else (0,)),
+            x.new_empty((n2,) if need_db else (0,)))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, _ = inputs
+    _, preact = output
+    ctx.save_for_backward(x, weight, bias, preact)
+    ctx.set_materialize_grads(False)
+
+
+def _dswiglu(grad_y: Tensor, preact: Tensor) -> Tensor:
+    """The gradient of the packed pre-activation, in eager ops (float32 math, float64 for float64)."""
+    math_dtype = torch.float64 if preact.dtype == torch.float64 else torch.float32
+    gate, up = preact.to(math_dtype).chunk(2, dim=-1)
+    dy = grad_y.to(math_dtype)
+    s = torch.sigmoid(gate)
+    return torch.cat([dy * up * (s + gate * s * (1 - s)), dy * gate * s], dim=-1).to(preact.dtype)
+
+
+def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
+    x, weight, bias, preact = ctx.saved_tensors
+    n2 = weight.shape[0]
+    if preact.shape != (*x.shape[:-1], n2):
+        # Called directly with save_preact=False under autograd: recompute what was not kept.
+        preact = torch.nn.functional.linear(x, weight, bias)
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = bias is not None and ctx.needs_input_grad[2]
+    if grad_preact is None or grad_preact.numel() == 0:
+        if grad_y is None:
+            return None, None, None, None
+        dx, dw, db = torch.ops.parallel_layers.linear_swiglu_backward(
+            grad_y, x, weight, preact, [need_dx, need_dw, need_db])
+        return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None
+    # The pre-activation output was used itself (only by callers of the raw op): its gradient
+    # adds to d_pre, so d_pre is formed here and the GEMMs run on the sum.
+    d_pre = grad_preact if grad_y is None else grad_preact + _dswiglu(grad_y, preact)
+    d_pre2 = d_pre.reshape(-1, n2)
+    dx = (d_pre2 @ weight).view(x.shape) if need_dx else None
+    dw = linear_weight_grad(d_pre2, x.reshape(-1, x.shape[-1])) if need_dw else None
+    db = d_pre2.sum(0) if need_db else None
+    return dx, dw, db, None
+
+
+torch.library.register_autograd("parallel_layers::linear_swiglu", _backward, setup_context=_setup_context)
