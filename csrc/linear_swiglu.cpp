@@ -53,7 +53,7 @@ PL_ALWAYS_INLINE void backward_loop(const S* dy, const S* g, const S* u, S* dg, 
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       float d_gate, d_up;
-      swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
+      parallel_layers::swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
       const S dg_r = narrow<S>(d_gate), du_r = narrow<S>(d_up);
       dg[i] = dg_r;
       du[i] = du_r;
@@ -64,7 +64,7 @@ PL_ALWAYS_INLINE void backward_loop(const S* dy, const S* g, const S* u, S* dg, 
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       float d_gate, d_up;
-      swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
+      parallel_layers::swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
       dg[i] = narrow<S>(d_gate);
       du[i] = narrow<S>(d_up);
     }
@@ -126,7 +126,7 @@ void dswiglu_rows(const scalar_t* dy, const scalar_t* z, scalar_t* dz, acc_t* pa
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c = 0; c < n; ++c) {
         double d_gate, d_up;
-        swiglu_backward(dy[pk.out(r, c)], z[pk.gate(r, c)], z[pk.up(r, c)], &d_gate, &d_up);
+        parallel_layers::swiglu_backward(dy[pk.out(r, c)], z[pk.gate(r, c)], z[pk.up(r, c)], &d_gate, &d_up);
         dz[pk.gate(r, c)] = d_gate;
         dz[pk.up(r, c)] = d_up;
         if (partial) {
@@ -247,9 +247,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
   return {dx, dw, need_db ? db : empty()};
 }
 
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, const at::Tensor& preact,
+                                                   bool need_dbias) {
+  const int64_t n = check_swiglu_backward_args(grad_y, preact, at::kCPU);
+  const int64_t rows = n == 0 ? 0 : preact.numel() / (2 * n);
+  const at::Tensor z = preact.contiguous().view({rows, 2 * n});
+  at::Tensor dz = at::empty_like(z);
+  at::Tensor db = dswiglu_parallel(grad_y.contiguous().view({rows, n}), z, dz, need_dbias);
+  return {dz.view(preact.sizes()), need_dbias ? db : at::empty({0}, preact.options())};
+}
+
 }  // namespace parallel_layers::cpu
 
 TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
   m.impl("linear_swiglu", &parallel_layers::cpu::linear_swiglu);
   m.impl("linear_swiglu_backward", &parallel_layers::cpu::linear_swiglu_backward);
+  m.impl("swiglu_backward", &parallel_layers::cpu::swiglu_backward);
 }

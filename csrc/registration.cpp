@@ -61,6 +61,9 @@ TORCH_LIBRARY(parallel_layers, m) {
   // pass over preact, then dx and dweight as linear_gelu_backward's; output_mask likewise.
   m.def("linear_swiglu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor preact, bool[3] output_mask) "
         "-> (Tensor dx, Tensor dweight, Tensor dbias)");
+  // Its epilogue alone: (d_preact [..., 2n] = d_gate | d_up, dbias [2n] or empty), for callers
+  // that split the backward to overlap a collective with the GEMMs (as bias_gelu_backward).
+  m.def("swiglu_backward(Tensor grad_y, Tensor preact, bool need_dbias) -> (Tensor d_preact, Tensor dbias)");
   // Autocast's policy for linear_gelu's inputs, for callers that run linear_gelu or F.linear
   // inside an autograd Function of their own: inside torch.autocast, x, weight and bias as
   // linear_gelu's autocast kernel casts them (csrc/autocast.cpp); outside it, the inputs

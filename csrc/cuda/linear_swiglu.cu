@@ -57,7 +57,7 @@ __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const sc
   opmath_t acc_g = 0, acc_u = 0;
   for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
     opmath_t d_gate, d_up;
-    swiglu_backward(static_cast<opmath_t>(dy[pk.out(r, col)]), static_cast<opmath_t>(z[pk.gate(r, col)]),
+    parallel_layers::swiglu_backward(static_cast<opmath_t>(dy[pk.out(r, col)]), static_cast<opmath_t>(z[pk.gate(r, col)]),
                     static_cast<opmath_t>(z[pk.up(r, col)]), &d_gate, &d_up);
     const scalar_t dg = static_cast<scalar_t>(d_gate), du = static_cast<scalar_t>(d_up);
     dz[pk.gate(r, col)] = dg;
@@ -67,6 +67,30 @@ __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const sc
   }
   partials[pk.gate(chunk, col)] = acc_g;
   partials[pk.up(chunk, col)] = acc_u;
+}
+
+// d_preact = d_gate | d_up [rows, 2n] and, when need_dbias, dbias [2n] (else an undefined
+// tensor) from dy [rows, n] and z [rows, 2n], both contiguous: one pass of the kernel above.
+std::tuple<at::Tensor, at::Tensor> dswiglu(const at::Tensor& dy, const at::Tensor& z, bool need_dbias) {
+  const int64_t rows = z.size(0), n = z.size(1) / 2;
+  at::Tensor dz = at::empty({rows, 2 * n}, z.options());
+  // Up to 256 chunks of >= 16 rows, as bias_gelu_backward: enough blocks for narrow n, a small
+  // partials buffer for wide n.
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, /*min_rows=*/16);
+  at::Tensor partials = at::empty({chunks.num_chunks(), 2 * n}, z.options().dtype(at::toOpMathType(z.scalar_type())));
+  if (rows > 0 && n > 0) {
+    const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "swiglu_backward_cuda", [&] {
+      swiglu_backward_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(),
+          partials.mutable_data_ptr<at::opmath_type<scalar_t>>(), chunks, n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  } else {
+    partials.zero_();
+  }
+  return {dz, need_dbias ? partials.sum(0).to(z.scalar_type()) : at::Tensor()};
 }
 
 }  // namespace
@@ -112,25 +136,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
   if (!need_dx && !need_dw && !need_db) return {empty(), empty(), empty()};
   const at::Tensor dy = grad_y.reshape({M, N}).contiguous();
   const at::Tensor z = preact.reshape({M, N2}).contiguous();
-  at::Tensor dz = at::empty({M, N2}, x.options());
-  // Up to 256 chunks of >= 16 rows, as bias_gelu_backward: enough blocks for narrow n, a small
-  // partials buffer for wide n.
-  const RowChunks chunks = make_row_chunks(M, /*max_chunks=*/256, /*min_rows=*/16);
-  at::Tensor partials = at::empty({chunks.num_chunks(), N2}, x.options().dtype(at::toOpMathType(x.scalar_type())));
-  if (M > 0 && N > 0) {
-    const dim3 grid(static_cast<unsigned>((N + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "linear_swiglu_backward_cuda", [&] {
-      swiglu_backward_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-          dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(),
-          partials.mutable_data_ptr<at::opmath_type<scalar_t>>(), chunks, N);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  }
-  at::Tensor db = need_db ? partials.sum(0).to(x.scalar_type()) : empty();
+  auto [dz, db_or_none] = dswiglu(dy, z, need_db);
+  at::Tensor db = need_db ? db_or_none : empty();
   at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
   at::Tensor dw = need_dw ? weight_grad(dz, at::Tensor(), x.reshape({M, K})) : empty();
   return {dx, dw, db};
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, const at::Tensor& preact,
+                                                   bool need_dbias) {
+  const int64_t n = check_swiglu_backward_args(grad_y, preact, at::kCUDA);
+  const c10::cuda::CUDAGuard guard(preact.device());
+  const int64_t rows = n == 0 ? 0 : preact.numel() / (2 * n);
+  auto [dz, db] = dswiglu(grad_y.reshape({rows, n}).contiguous(), preact.reshape({rows, 2 * n}).contiguous(),
+                          need_dbias);
+  return {dz.view(preact.sizes()), need_dbias ? db : at::empty({0}, preact.options())};
 }
 
 }  // namespace parallel_layers::cuda
@@ -138,4 +158,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
 TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
   m.impl("linear_swiglu", &parallel_layers::cuda::linear_swiglu);
   m.impl("linear_swiglu_backward", &parallel_layers::cuda::linear_swiglu_backward);
+  m.impl("swiglu_backward", &parallel_layers::cuda::swiglu_backward);
 }

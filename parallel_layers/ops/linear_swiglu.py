@@ -28,6 +28,22 @@ def linear_swiglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     return y
 
 
+def linear_swiglu_forward(x: Tensor, weight: Tensor, bias: Tensor | None,
+                          save_preact: bool) -> tuple[Tensor, Tensor]:
+    """`(y, preact)`: y as `linear_swiglu` returns it and, when save_preact, the packed
+    pre-activation [..., 2N] that `swiglu_backward` takes (else an empty [0] tensor)."""
+    return torch.ops.parallel_layers.linear_swiglu(x, weight, bias, save_preact)
+
+
+def swiglu_backward(grad_y: Tensor, preact: Tensor, need_dbias: bool = True) -> tuple[Tensor, Tensor | None]:
+    """`(d_preact, dbias)`: `linear_swiglu_backward`'s epilogue alone - d_gate | d_up [..., 2N]
+    from grad_y [..., N] and the saved pre-activation, and the bias gradient [2N] summed over
+    the rows in the same pass (None unless need_dbias) - for callers that run the GEMMs
+    themselves (the tensor-parallel layer overlaps its input-gradient collective with dW)."""
+    d_pre, dbias = torch.ops.parallel_layers.swiglu_backward(grad_y, preact, need_dbias)
+    return d_pre, dbias if need_dbias else None
+
+
 def _check_packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     torch._check(weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
                  lambda: f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match: weight must be "
@@ -59,6 +75,16 @@ def _linear_swiglu_backward_fake(grad_y: Tensor, x: Tensor, weight: Tensor, prea
     return (x.new_empty(x.shape if need_dx else (0,)),
             x.new_empty(weight.shape if need_dw else (0,)),
             x.new_empty((n2,) if need_db else (0,)))
+
+
+@torch.library.register_fake("parallel_layers::swiglu_backward")
+def _swiglu_backward_fake(grad_y: Tensor, preact: Tensor, need_dbias: bool) -> tuple[Tensor, Tensor]:
+    torch._check(preact.dim() >= 1 and preact.shape[-1] % 2 == 0 and grad_y.shape[:-1] == preact.shape[:-1]
+                 and grad_y.shape[-1] * 2 == preact.shape[-1],
+                 lambda: f"swiglu_backward: preact must be the packed pre-activation [..., 2n] (gate | up) and grad_y "
+                         f"the output's gradient [..., n] with the same leading dims; got grad_y "
+                         f"{tuple(grad_y.shape)} and preact {tuple(preact.shape)}")
+    return preact.new_empty(preact.shape), preact.new_empty((preact.shape[-1],) if need_dbias else (0,))
 
 
 def _setup_context(ctx, inputs, output) -> None:

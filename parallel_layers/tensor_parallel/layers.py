@@ -36,27 +36,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers import fault
-from parallel_layers.ops import bias_gelu_backward, linear_autocast_inputs, linear_gelu_forward, linear_weight_grad
+from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_gelu_forward,
+                                 linear_swiglu_forward, linear_weight_grad, swiglu_backward)
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import check_divisible, check_size, gather_full, sharded_parameter
 
 _ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
-
-
-# TEMPORARY eager stand-ins for the linear_swiglu ops (replaced at merge)
-def linear_swiglu_forward(x, weight, bias, save_preact):
-    z = F.linear(x, weight, bias)
-    g, u = z.chunk(2, dim=-1)
-    return F.silu(g) * u, (z if save_preact else z.new_empty(0))
-
-
-def swiglu_backward(dy, preact):
-    g, u = preact.float().chunk(2, dim=-1)
-    s = torch.sigmoid(g)
-    d_u = dy.float() * g * s
-    d_g = dy.float() * u * s * (1 + g * (1 - s))
-    dz = torch.cat([d_g, d_u], dim=-1).to(dy.dtype)
-    return dz, dz.reshape(-1, dz.shape[-1]).float().sum(0).to(dy.dtype)
 
 
 def _default_init(weight: Tensor, bias: Tensor | None) -> None:
@@ -98,11 +83,11 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
     param._pl_tp_grad_hook = True
 
 
-# The two Functions below write their own backward, to overlap collectives with the GEMMs;
-# the kernel contracts stay the op's (docs/kernels.md): the layers cast their inputs with
+# The Functions below write their own backward, to overlap collectives with the GEMMs; the
+# kernel contracts stay the ops' (docs/kernels.md): the layers cast their inputs with
 # linear_autocast_inputs before the Function (the autocast policy), and backward computes dz,
-# dbias and the weight gradient with bias_gelu_backward and linear_weight_grad (the linear +
-# GeLU backward rule).
+# dbias and the weight gradient with bias_gelu_backward / swiglu_backward and
+# linear_weight_grad (the linear + GeLU and linear + SwiGLU backward rules).
 
 
 class _ColumnLinear(torch.autograd.Function):
@@ -195,7 +180,7 @@ class _ColumnSwiGLU(torch.autograd.Function):
     def backward(ctx, dy):
         x_full, w_gate, w_up, preact = ctx.saved_tensors
         n, k = w_gate.shape[0], w_gate.shape[1]
-        dz, db = swiglu_backward(dy, preact)
+        dz, db = swiglu_backward(dy, preact, ctx.has_bias and any(ctx.needs_input_grad[3:5]))
         dz2 = dz.reshape(-1, 2 * n)
         dx, handle = (_input_grad(ctx, dz2, _rows_packed(w_gate, w_up), x_full.shape) if ctx.needs_input_grad[0]
                       else (None, None))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel_layers  # noqa: F401  (registers the ops)
+from parallel_layers import ops
 from parallel_layers.ops import linear_swiglu
 from tests.ops.numerics import devices, max_abs_error
 
@@ -346,3 +347,31 @@ def test_backward_bad_shapes_message():
                                            r"\[4, 3\] and preact \[4, 3\] the pre-activation's shape \[4, 6\]"):
         torch.ops.parallel_layers.linear_swiglu_backward(torch.randn(4, 3), x, w, torch.randn(4, 3),
                                                          [True, True, True])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, n", [((0,), 3), ((2, 3), 16), ((300,), 200)])
+def test_epilogue_op_is_the_backward_ops_epilogue(shape, n, dtype, device):
+    """swiglu_backward (what the tensor-parallel layer composes with its own GEMMs) gives the
+    d_preact that linear_swiglu_backward's GEMMs consume - dx = d_preact @ W is the same bits -
+    and the same dbias; against float64, d_preact is within the float32 bound."""
+    g = torch.Generator().manual_seed(5)
+    dy = torch.randn(*shape, n, generator=g, dtype=torch.float64)
+    z = torch.randn(*shape, 2 * n, generator=g, dtype=torch.float64)
+    w = torch.randn(2 * n, 7, generator=g, dtype=torch.float64)
+    x = torch.randn(*shape, 7, generator=g, dtype=torch.float64)
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    d_pre, db = ops.swiglu_backward(cast(dy), cast(z))
+    dx, _, db_op = torch.ops.parallel_layers.linear_swiglu_backward(cast(dy), cast(x), cast(w), cast(z),
+                                                                    [True, False, True])
+    assert torch.equal((d_pre.reshape(-1, 2 * n) @ cast(w)).view(dx.shape), dx) and torch.equal(db, db_op)
+    assert ops.swiglu_backward(cast(dy), cast(z), need_dbias=False)[1] is None
+    gate, up = z.chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    reference = torch.cat([dy * up * (s + gate * s * (1 - s)), dy * gate * s], dim=-1)
+    if dtype == torch.float32:
+        assert _rel_error(d_pre.double().cpu(), reference) < F32_RTOL
+    torch.library.opcheck(torch.ops.parallel_layers.swiglu_backward.default, (cast(dy), cast(z), True))
+    with pytest.raises(RuntimeError, match=r"swiglu_backward: preact must be the packed pre-activation \[\.\.\., 2n\]"):
+        torch.ops.parallel_layers.swiglu_backward(cast(dy), cast(dy), True)

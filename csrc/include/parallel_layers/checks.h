@@ -145,6 +145,22 @@ inline LinearShape check_linear_swiglu_backward_args(const at::Tensor& grad_y, c
   return s;
 }
 
+// swiglu_backward(grad_y [..., n], preact [..., 2n]): grad_y shaped like the output of the
+// packed pre-activation preact; returns n.
+inline int64_t check_swiglu_backward_args(const at::Tensor& grad_y, const at::Tensor& preact,
+                                          at::DeviceType expected) {
+  check_floating(preact, "preact");
+  check_same_device_dtype(grad_y, "grad_y", preact, "preact");
+  check_device_type(preact, "preact", expected, "swiglu_backward");
+  TORCH_CHECK(preact.dim() >= 1 && preact.size(-1) % 2 == 0 && grad_y.dim() == preact.dim() &&
+                  grad_y.sizes().slice(0, grad_y.dim() - 1) == preact.sizes().slice(0, preact.dim() - 1) &&
+                  grad_y.size(-1) * 2 == preact.size(-1),
+              "swiglu_backward: preact must be the packed pre-activation [..., 2n] (gate | up) and grad_y the "
+              "output's gradient [..., n] with the same leading dims; got grad_y ", grad_y.sizes(), " and preact ",
+              preact.sizes());
+  return preact.size(-1) / 2;
+}
+
 // linear_weight_grad(grad_out [..., n], x [..., k]): the same leading dims (the rows of the
 // GEMM); returns {rows, k, n}.
 inline LinearShape check_linear_weight_grad_args(const at::Tensor& grad_out, const at::Tensor& x,

@@ -51,6 +51,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
                                                                       const at::Tensor& weight,
                                                                       const at::Tensor& preact,
                                                                       std::array<bool, 3> output_mask);
+// grad_y [..., n], preact [..., 2n] -> (d_preact [..., 2n] = d_gate | d_up, dbias [2n] if
+// need_dbias else an empty [0]): linear_swiglu_backward's epilogue alone, for callers that run
+// the GEMMs themselves (the tensor-parallel layer overlaps a collective with them).
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, const at::Tensor& preact,
+                                                   bool need_dbias);
 // grad_out [..., n], x [..., k] with the same leading dims -> grad_out^T @ x [n, k].
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 // x [rows, cols] -> x^T as a contiguous [cols, rows].
@@ -77,6 +82,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
                                                                       const at::Tensor& weight,
                                                                       const at::Tensor& preact,
                                                                       std::array<bool, 3> output_mask);
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, const at::Tensor& preact,
+                                                   bool need_dbias);
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 at::Tensor transpose_2d(const at::Tensor& x);
 // gelu(z), no bias, no pre-activation written (linear_gelu's fallback after its addmm).
