@@ -14,8 +14,9 @@
 //
 // Accumulation: the sum of squares and the backward's sum of g * h~ accumulate in float64 for
 // float32 (and float64) rows, so that float32's variance is the correctly rounded one, which
-// the Hugging Face module's float32 cascade sum also gets nearly always; 16-bit rows accumulate
-// in float32 (their h is rounded to 8 or 11 bits anyway). The weight gradient sums dy * h per
+// the Hugging Face module's float32 cascade sum also gets nearly always; bfloat16 rows
+// accumulate in float32 across the vector lanes (h is rounded to 8 bits anyway), float16's
+// scalar loops in float64. The weight gradient sums dy * h per
 // chunk of rows (parallel_layers/row_chunks.h; the chunking depends on the shape only) into
 // float32 (float64) partials, which are then added in chunk order: the result does not depend
 // on the thread count.
@@ -219,12 +220,12 @@ void forward_rows_half(const at::Half* x, const at::Half* res, at::Half* sum, co
   }
   for (int64_t r = 0; r < rows; ++r) {
     const at::Half* xr = x + r * n;
-    float sum_sq = 0;
+    double sum_sq = 0;  // a scalar loop: float64 costs nothing here and keeps the sum exact-ish
     for (int64_t i = 0; i < n; ++i) {
       const at::Half s = res ? at::Half(float(xr[i]) + float(res[r * n + i])) : xr[i];
       if (res) sum[r * n + i] = s;
       v[i] = s;
-      sum_sq += v[i] * v[i];
+      sum_sq += double(v[i]) * v[i];
     }
     rstd[r] = rms_rstd<float>(sum_sq, n, eps);
     for (int64_t i = 0; i < n; ++i) v[i] = w32[i] * float(at::Half(v[i] * rstd[r]));
@@ -272,12 +273,12 @@ void backward_rows_half(const void* dy, bool w_float, const at::Half* x, const f
       std::copy_n(static_cast<const at::Half*>(dy) + r * n, n, dy32.data());
     }
     const at::Half* xr = x + r * n;
-    float dot = 0;
+    double dot = 0;
     for (int64_t i = 0; i < n; ++i) {
       g[i] = dy32[i] * w32[i];
       dot += g[i] * (float(xr[i]) * rstd[r]);
     }
-    const float mean_gh = dot / static_cast<float>(n);
+    const float mean_gh = static_cast<float>(dot / static_cast<double>(n));
     for (int64_t i = 0; i < n; ++i) {
       const float h = float(xr[i]) * rstd[r];
       const float d = rms_dx<float>(g[i], h, rstd[r], mean_gh);
