@@ -28,6 +28,7 @@ ROOT = HERE.parent
 # (script, full-run flags, quick-run flags)
 SUITE = [
     ("bench_linear_gelu", [], ["--quick", "--reps", "3"]),
+    ("bench_rms_norm", [], ["--quick", "--reps", "3"]),
     ("bench_shard_copy", [], ["--reps", "3", "--world", "2"]),
     ("bench_tp_mlp", [], ["--seq", "64", "--d-model", "256", "--hidden", "1024", "--reps", "3", "--trials", "1"]),
     ("bench_zero", [], ["--layers", "2", "--d-model", "128", "--tokens", "64", "--reps", "3"]),
@@ -79,6 +80,17 @@ def section_linear_gelu(d: dict) -> list[str]:
         ["M x K x N", "dtype", "eager/ours fwd", "max", "compile/ours fwd", "oneDNN/ours fwd (erf)",
          "ours/GEMM fwd", "eager/ours fwd+bwd", "ours/GEMM fwd+bwd"], rows) + [
         "", "![linear_gelu](bench_linear_gelu.png)", ""]
+
+
+def section_rms_norm(d: dict) -> list[str]:
+    rows = [[f"{r['rows']}x{r['hidden']}", r["dtype"], r["ratios"]["fwd_hf_over_ours"],
+             r["ratios"]["fwd_add_hf_over_ours"], r["ratios"]["fwd_ours_over_copy"], r["ratios"]["train_hf_over_ours"],
+             r["ratios"]["train_add_hf_over_ours"]] for r in d["rows"]]
+    return ["## Fused RMSNorm (`rms_norm`, `rms_norm_add`)", "",
+            "Speed-up of ours over Hugging Face's LlamaRMSNorm module (>1: ours faster), without and with the "
+            "residual add, and ours over one copy of the input (the memory-traffic floor of the forward).", ""] + _table(
+        ["rows x hidden", "dtype", "HF/ours fwd", "HF/ours fwd +add", "ours/copy fwd", "HF/ours fwd+bwd",
+         "HF/ours fwd+bwd +add"], rows) + [""]
 
 
 def section_shard_copy(d: dict) -> list[str]:
@@ -178,6 +190,7 @@ def write_report(out: Path, runs: list[dict]) -> Path:
     lines.append("")
     sections = {
         "bench_linear_gelu": lambda d: section_linear_gelu(d),
+        "bench_rms_norm": lambda d: section_rms_norm(d),
         "bench_shard_copy": lambda d: section_shard_copy(d),
         "bench_tp_mlp": lambda d: section_ratio("Tensor-parallel MLP vs DTensor (tp=2)", d, [
             (f"{k}_{dtype}", f"{label}, {dtype}{_trials(d, k, dtype) if k == 'ours_over_dtensor' else ''}")
