@@ -107,6 +107,24 @@ PL_RMS_INLINE math_t<S> forward_row(const S* x, const S* res, S* sum, const W* w
   return rstd;
 }
 
+// The elementwise pass of the backward: dx (+ dsum when kAddSum), dw_acc += dy * h. The dsum
+// test is a template parameter, not a branch in the loop: GCC did not unswitch it for
+// bfloat16, and a load from a maybe-null pointer cannot be vectorised (1 thread, 4096 x 1024:
+// 8.5 ms against 2.8 for float32).
+template <bool kAddSum, typename S, typename W>
+PL_RMS_INLINE void backward_elementwise(const W* dy, const S* x, const W* w, math_t<S> rstd, math_t<S> mean_gh,
+                                        const S* dsum, S* dx, math_t<S>* dw_acc, int64_t n) {
+  using M = math_t<S>;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const M h = widen(x[i]) * rstd;
+    M d = rms_dx<M>(widen(dy[i]) * widen(w[i]), h, rstd, mean_gh);
+    if constexpr (kAddSum) d += widen(dsum[i]);
+    dx[i] = narrow<S>(d);
+    dw_acc[i] += widen(dy[i]) * widen(narrow<S>(h));
+  }
+}
+
 // One row of the backward: dx (+ dsum), and dw_acc += dy * h.
 template <typename S, typename W>
 PL_RMS_INLINE void backward_row(const W* dy, const S* x, const W* w, math_t<S> rstd, const S* dsum, S* dx,
@@ -119,12 +137,10 @@ PL_RMS_INLINE void backward_row(const W* dy, const S* x, const W* w, math_t<S> r
     dot += static_cast<acc_t<S>>(g * (widen(x[i]) * rstd));
   }
   const M mean_gh = static_cast<M>(dot / static_cast<acc_t<S>>(n));
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const M h = widen(x[i]) * rstd;
-    const M d = rms_dx<M>(widen(dy[i]) * widen(w[i]), h, rstd, mean_gh);
-    dx[i] = narrow<S>(dsum != nullptr ? d + widen(dsum[i]) : d);
-    dw_acc[i] += widen(dy[i]) * widen(narrow<S>(h));
+  if (dsum != nullptr) {
+    backward_elementwise<true>(dy, x, w, rstd, mean_gh, dsum, dx, dw_acc, n);
+  } else {
+    backward_elementwise<false>(dy, x, w, rstd, mean_gh, dsum, dx, dw_acc, n);
   }
 }
 
