@@ -327,6 +327,31 @@ def test_from_hf_shares_a_meta_or_memory_mapped_weight(tmp_path):
     torch.testing.assert_close(fused(x), hf(x), rtol=4 * torch.finfo(torch.float32).eps, atol=0)  # sums' order
 
 
+def test_autocast_needs_no_policy():
+    """Inside autocast the module's ops are not cast (its math is float32 already), so its output
+    has the dtype `weight * h` promotes to: float32 for a 16-bit activation and a float32 weight.
+    The op does the same without an autocast kernel, with the same values and gradient dtypes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(40)
+    x, w = _inputs((6, 40), torch.bfloat16, "cpu", w_dtype=torch.float32)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    results = []
+    for m in (hf, FusedRMSNorm.from_hf(hf)):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xg)
+        y.sum().backward()
+        results.append((y.detach(), xg.grad, m.weight.grad.clone()))
+        m.weight.grad = None
+    assert [t.dtype for t in results[1]] == [t.dtype for t in results[0]] == [torch.float32, torch.bfloat16,
+                                                                              torch.float32]
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)  # h rounds to bfloat16 in both
+    for ours, theirs in zip(results[1][1:], results[0][1:]):
+        torch.testing.assert_close(ours, theirs, rtol=2 ** -7, atol=2 ** -7)  # a bfloat16 ulp: g unrounded in ours
+
+
 def test_from_hf_refuses_other_norms():
     with pytest.raises(TypeError, match=r"RMSNorm of the Llama form.*LayerNorm has weight of shape \(8,\) and "
                                         r"variance_epsilon None"):
