@@ -9,17 +9,19 @@
 // instruction sets (target_clones, as csrc/gelu_epilogue.cpp does) rather than with at::vec:
 // in an extension at::vec::Vectorized is the generic, baseline-ISA version (ATen compiles its
 // AVX2 / AVX-512 variants only for its own kernels), while a clone gets 512-bit lanes here.
-// bfloat16 travels as raw bits and converts inside the loop; float16 goes through float32 row
-// buffers (c10::Half's conversions do not vectorise); float64 runs the same templates.
+// bfloat16 travels as raw bits and converts inside the loop; float16 as the compiler's _Float16
+// where it has one (GCC >= 12 on x86: F16C conversions in the clones that have them), else
+// through float32 row buffers (c10::Half's conversions do not vectorise: one thread, 4096 x
+// 1024, 22 ms against the module's 8); float64 runs the same templates.
 //
 // Accumulation: the sum of squares and the backward's sum of g * h~ accumulate in float64 for
 // float32 (and float64) rows, so that float32's variance is the correctly rounded one, which
 // the Hugging Face module's float32 cascade sum also gets nearly always; bfloat16 rows
-// accumulate in float32 across the vector lanes (h is rounded to 8 bits anyway), float16's
-// scalar loops in float64. The weight gradient sums dy * h per
-// chunk of rows (parallel_layers/row_chunks.h; the chunking depends on the shape only) into
-// float32 (float64) partials, which are then added in chunk order: the result does not depend
-// on the thread count.
+// accumulate in float32 across the vector lanes (h is rounded to 8 bits anyway), float16 rows
+// in float64 (11 bits: float32 sums had put ~6e-4 of elements an ulp off the module's). The
+// weight gradient sums dy * h per chunk of rows (parallel_layers/row_chunks.h; the chunking
+// depends on the shape only) into float32 (float64) partials, which are then added in chunk
+// order: the result does not depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,10 +47,19 @@ namespace {
 #define PL_RMS_INLINE inline
 #endif
 
+#if defined(__FLT16_MAX__)
+constexpr bool kFloat16Loops = true;  // float16 runs the vectorised loops as _Float16
+#else
+constexpr bool kFloat16Loops = false;
+#endif
+
 // Storage <-> math type inside the loops; bfloat16 as its raw bits (uint16_t). Narrowing rounds
 // to nearest even and maps NaN to the canonical quiet NaN: the bits of c10::BFloat16(float).
 PL_RMS_INLINE float widen(float v) { return v; }
 PL_RMS_INLINE double widen(double v) { return v; }
+#if defined(__FLT16_MAX__)
+PL_RMS_INLINE float widen(_Float16 v) { return static_cast<float>(v); }
+#endif
 PL_RMS_INLINE float widen(uint16_t bf16) {
   const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
   float v;
@@ -75,6 +86,17 @@ using math_t = std::conditional_t<std::is_same_v<S, double>, double, float>;
 template <typename S>
 using acc_t = std::conditional_t<std::is_same_v<S, uint16_t>, float, double>;
 
+// v^2 in the accumulator type. A 16-bit value's square is exact in float32; squaring there also
+// keeps GCC from folding _Float16 -> float -> double into a libgcc call (__extendhfdf2) per element.
+template <typename S>
+PL_RMS_INLINE acc_t<S> square(math_t<S> v) {
+  if constexpr (sizeof(S) == 2) {
+    return static_cast<acc_t<S>>(v * v);
+  } else {
+    return static_cast<acc_t<S>>(v) * static_cast<acc_t<S>>(v);
+  }
+}
+
 // One row of the forward: sum = x + res (when res), y = weight * round(v * rstd) of v = sum or x.
 // Returns rstd.
 template <typename S, typename W>
@@ -87,16 +109,12 @@ PL_RMS_INLINE math_t<S> forward_row(const S* x, const S* res, S* sum, const W* w
     for (int64_t i = 0; i < n; ++i) {
       const S s = narrow<S>(widen(x[i]) + widen(res[i]));
       sum[i] = s;
-      const acc_t<S> v = widen(s);
-      sum_sq += v * v;
+      sum_sq += square<S>(widen(s));
     }
     x = sum;
   } else {
 #pragma omp simd reduction(+ : sum_sq)
-    for (int64_t i = 0; i < n; ++i) {
-      const acc_t<S> v = widen(x[i]);
-      sum_sq += v * v;
-    }
+    for (int64_t i = 0; i < n; ++i) sum_sq += square<S>(widen(x[i]));
   }
   const M rstd = rms_rstd<M>(sum_sq, n, eps);
 #pragma omp simd
@@ -158,6 +176,10 @@ PL_RMS_ROW_FUNCTIONS(float, float, f32)
 PL_RMS_ROW_FUNCTIONS(double, double, f64)
 PL_RMS_ROW_FUNCTIONS(uint16_t, uint16_t, bf16)
 PL_RMS_ROW_FUNCTIONS(uint16_t, float, bf16_f32)
+#if defined(__FLT16_MAX__)
+PL_RMS_ROW_FUNCTIONS(_Float16, _Float16, f16)
+PL_RMS_ROW_FUNCTIONS(_Float16, float, f16_f32)
+#endif
 #undef PL_RMS_ROW_FUNCTIONS
 
 PL_RMS_INLINE math_t<float> forward_any(const float* x, const float* r, float* s, const float* w, float* y,
@@ -176,6 +198,24 @@ PL_RMS_INLINE float forward_any(const uint16_t* x, const uint16_t* r, uint16_t* 
                                 int64_t n, float eps) {
   return forward_bf16_f32(x, r, s, w, y, n, eps);
 }
+#if defined(__FLT16_MAX__)
+PL_RMS_INLINE float forward_any(const _Float16* x, const _Float16* r, _Float16* s, const _Float16* w, _Float16* y,
+                                int64_t n, float eps) {
+  return forward_f16(x, r, s, w, y, n, eps);
+}
+PL_RMS_INLINE float forward_any(const _Float16* x, const _Float16* r, _Float16* s, const float* w, float* y,
+                                int64_t n, float eps) {
+  return forward_f16_f32(x, r, s, w, y, n, eps);
+}
+PL_RMS_INLINE void backward_any(const _Float16* dy, const _Float16* x, const _Float16* w, float rstd,
+                                const _Float16* dsum, _Float16* dx, float* acc, int64_t n) {
+  backward_f16(dy, x, w, rstd, dsum, dx, acc, n);
+}
+PL_RMS_INLINE void backward_any(const float* dy, const _Float16* x, const float* w, float rstd, const _Float16* dsum,
+                                _Float16* dx, float* acc, int64_t n) {
+  backward_f16_f32(dy, x, w, rstd, dsum, dx, acc, n);
+}
+#endif
 PL_RMS_INLINE void backward_any(const float* dy, const float* x, const float* w, float rstd, const float* dsum,
                                 float* dx, float* acc, int64_t n) {
   backward_f32(dy, x, w, rstd, dsum, dx, acc, n);
@@ -193,12 +233,18 @@ PL_RMS_INLINE void backward_any(const float* dy, const uint16_t* x, const float*
   backward_bf16_f32(dy, x, w, rstd, dsum, dx, acc, n);
 }
 
-// The pointer the loops take: bfloat16 as raw bits, float and double as they are.
+// The pointer the loops take: bfloat16 as raw bits, float16 as _Float16 (the same IEEE binary16
+// bits as c10::Half), float and double as they are.
 template <typename T>
 auto loop_ptr(T* p) {
   if constexpr (std::is_same_v<std::remove_const_t<T>, at::BFloat16>) {
     using U = std::conditional_t<std::is_const_v<T>, const uint16_t, uint16_t>;
     return reinterpret_cast<U*>(p);
+#if defined(__FLT16_MAX__)
+  } else if constexpr (std::is_same_v<std::remove_const_t<T>, at::Half>) {
+    using U = std::conditional_t<std::is_const_v<T>, const _Float16, _Float16>;
+    return reinterpret_cast<U*>(p);
+#endif
   } else {
     return p;
   }
@@ -224,9 +270,9 @@ void dispatch_rms(at::ScalarType x, at::ScalarType w, Fn&& fn) {
   }
 }
 
-// float16 rows, through float32 row buffers; the float32 result rounds once to float16 where the
+// float16 rows without _Float16, through float32 row buffers; the float32 result rounds once to float16 where the
 // math says so (h, and y / dx).
-void forward_rows_half(const at::Half* x, const at::Half* res, at::Half* sum, const void* w, bool w_float, void* y,
+[[maybe_unused]] void forward_rows_half(const at::Half* x, const at::Half* res, at::Half* sum, const void* w, bool w_float, void* y,
                        float* rstd, int64_t rows, int64_t n, float eps) {
   std::vector<float> v(n), w32(n);
   if (w_float) {
@@ -259,7 +305,7 @@ void forward_rows(const at::Tensor& x, const at::Tensor& res, const at::Tensor& 
   using M = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const int64_t n = x.size(1);
   M* rs = rstd.mutable_data_ptr<M>();
-  if constexpr (std::is_same_v<scalar_t, at::Half>) {
+  if constexpr (std::is_same_v<scalar_t, at::Half> && !kFloat16Loops) {
     const at::Half* r = res.defined() ? res.const_data_ptr<at::Half>() + begin * n : nullptr;
     at::Half* s = sum.defined() ? sum.mutable_data_ptr<at::Half>() + begin * n : nullptr;
     forward_rows_half(x.const_data_ptr<at::Half>() + begin * n, r, s, w.const_data_ptr(),
@@ -278,8 +324,8 @@ void forward_rows(const at::Tensor& x, const at::Tensor& res, const at::Tensor& 
   }
 }
 
-// float16 rows of the backward, through float32 row buffers.
-void backward_rows_half(const void* dy, bool w_float, const at::Half* x, const float* w32, const float* rstd,
+// float16 rows of the backward without _Float16, through float32 row buffers.
+[[maybe_unused]] void backward_rows_half(const void* dy, bool w_float, const at::Half* x, const float* w32, const float* rstd,
                         const at::Half* dsum, at::Half* dx, float* acc, int64_t begin, int64_t end, int64_t n) {
   std::vector<float> g(n), dy32(n);
   for (int64_t r = begin; r < end; ++r) {
@@ -312,7 +358,7 @@ void backward_rows(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   const int64_t n = x.size(1);
   const M* rs = rstd.const_data_ptr<M>();
   M* acc = partial.mutable_data_ptr<M>();
-  if constexpr (std::is_same_v<scalar_t, at::Half>) {
+  if constexpr (std::is_same_v<scalar_t, at::Half> && !kFloat16Loops) {
     backward_rows_half(dy.const_data_ptr(), std::is_same_v<weight_t, float>, x.const_data_ptr<at::Half>(),
                        w32.const_data_ptr<float>(), rs, cptr_or_null<at::Half>(dsum),
                        dx.mutable_data_ptr<at::Half>(), acc, begin, end, n);
@@ -381,7 +427,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, min_rows_per_task(n));
   const at::ScalarType m = rms_math_dtype(x.scalar_type());
   at::Tensor partials = at::zeros({chunks.num_chunks(), n}, x2.options().dtype(m));
-  const at::Tensor w32 = x.scalar_type() == at::kHalf ? w.to(at::kFloat) : at::Tensor();  // its row buffers' weight
+  const bool buffered = x.scalar_type() == at::kHalf && !kFloat16Loops;
+  const at::Tensor w32 = buffered ? w.to(at::kFloat) : at::Tensor();  // the row buffers' weight
   if (n > 0 && rows > 0) {
     dispatch_rms(x.scalar_type(), w.scalar_type(), [&](auto s, auto wt) {
       at::parallel_for(0, chunks.num_chunks(), 1, [&](int64_t chunk_begin, int64_t chunk_end) {
