@@ -88,7 +88,8 @@ def section_rms_norm(d: dict) -> list[str]:
              r["ratios"]["train_add_hf_over_ours"]] for r in d["rows"]]
     return ["## Fused RMSNorm (`rms_norm`, `rms_norm_add`)", "",
             "Speed-up of ours over Hugging Face's LlamaRMSNorm module (>1: ours faster), without and with the "
-            "residual add, and ours over one copy of the input (the memory-traffic floor of the forward).", ""] + _table(
+            "residual add, and ours over one copy of the input (the memory-traffic floor of the forward).",
+            ""] + _table(
         ["rows x hidden", "dtype", "HF/ours fwd", "HF/ours fwd +add", "ours/copy fwd", "HF/ours fwd+bwd",
          "HF/ours fwd+bwd +add"], rows) + [""]
 

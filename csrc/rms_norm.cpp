@@ -270,10 +270,10 @@ void dispatch_rms(at::ScalarType x, at::ScalarType w, Fn&& fn) {
   }
 }
 
-// float16 rows without _Float16, through float32 row buffers; the float32 result rounds once to float16 where the
-// math says so (h, and y / dx).
-[[maybe_unused]] void forward_rows_half(const at::Half* x, const at::Half* res, at::Half* sum, const void* w, bool w_float, void* y,
-                       float* rstd, int64_t rows, int64_t n, float eps) {
+// float16 rows without _Float16, through float32 row buffers; the float32 result rounds once to
+// float16 where the math says so (h, and y / dx). Unused where the compiler has _Float16.
+[[maybe_unused]] void forward_rows_half(const at::Half* x, const at::Half* res, at::Half* sum, const void* w,
+                                        bool w_float, void* y, float* rstd, int64_t rows, int64_t n, float eps) {
   std::vector<float> v(n), w32(n);
   if (w_float) {
     std::copy_n(static_cast<const float*>(w), n, w32.data());
@@ -325,8 +325,9 @@ void forward_rows(const at::Tensor& x, const at::Tensor& res, const at::Tensor& 
 }
 
 // float16 rows of the backward without _Float16, through float32 row buffers.
-[[maybe_unused]] void backward_rows_half(const void* dy, bool w_float, const at::Half* x, const float* w32, const float* rstd,
-                        const at::Half* dsum, at::Half* dx, float* acc, int64_t begin, int64_t end, int64_t n) {
+[[maybe_unused]] void backward_rows_half(const void* dy, bool w_float, const at::Half* x, const float* w32,
+                                         const float* rstd, const at::Half* dsum, at::Half* dx, float* acc,
+                                         int64_t begin, int64_t end, int64_t n) {
   std::vector<float> g(n), dy32(n);
   for (int64_t r = begin; r < end; ++r) {
     if (w_float) {
