@@ -29,6 +29,7 @@ ROOT = HERE.parent
 SUITE = [
     ("bench_linear_gelu", [], ["--quick", "--reps", "3"]),
     ("bench_linear_swiglu", [], ["--quick", "--reps", "3"]),
+    ("bench_rms_norm", [], ["--quick", "--reps", "3"]),
     ("bench_shard_copy", [], ["--reps", "3", "--world", "2"]),
     ("bench_tp_mlp", [], ["--seq", "64", "--d-model", "256", "--hidden", "1024", "--reps", "3", "--trials", "1"]),
     ("bench_zero", [], ["--layers", "2", "--d-model", "128", "--tokens", "64", "--reps", "3"]),
@@ -96,6 +97,18 @@ def section_linear_swiglu(d: dict) -> list[str]:
         ["M x K x N", "dtype", "eager/ours fwd", "eager packed/ours fwd", "ours/GEMM fwd", "eager/ours fwd+bwd",
          "eager packed/ours fwd+bwd", "ours/GEMM fwd+bwd"], rows) + [
         "", "![linear_swiglu](bench_linear_swiglu.png)", ""]
+
+
+def section_rms_norm(d: dict) -> list[str]:
+    rows = [[f"{r['rows']}x{r['hidden']}", r["dtype"], r["ratios"]["fwd_hf_over_ours"],
+             r["ratios"]["fwd_add_hf_over_ours"], r["ratios"]["fwd_ours_over_copy"], r["ratios"]["train_hf_over_ours"],
+             r["ratios"]["train_add_hf_over_ours"]] for r in d["rows"]]
+    return ["## Fused RMSNorm (`rms_norm`, `rms_norm_add`)", "",
+            "Speed-up of ours over Hugging Face's LlamaRMSNorm module (>1: ours faster), without and with the "
+            "residual add, and ours over one copy of the input (the memory-traffic floor of the forward).",
+            ""] + _table(
+        ["rows x hidden", "dtype", "HF/ours fwd", "HF/ours fwd +add", "ours/copy fwd", "HF/ours fwd+bwd",
+         "HF/ours fwd+bwd +add"], rows) + [""]
 
 
 def section_shard_copy(d: dict) -> list[str]:
@@ -213,6 +226,7 @@ def write_report(out: Path, runs: list[dict]) -> Path:
     sections = {
         "bench_linear_gelu": lambda d: section_linear_gelu(d),
         "bench_linear_swiglu": lambda d: section_linear_swiglu(d),
+        "bench_rms_norm": lambda d: section_rms_norm(d),
         "bench_shard_copy": lambda d: section_shard_copy(d),
         "bench_tp_mlp": lambda d: section_ratio("Tensor-parallel MLP vs DTensor (tp=2)", d, [
             (f"{k}_{dtype}", f"{label}, {dtype}{_trials(d, k, dtype) if k == 'ours_over_dtensor' else ''}")

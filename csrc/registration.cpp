@@ -80,6 +80,16 @@ TORCH_LIBRARY(parallel_layers, m) {
   m.def("reduce_scatter_copy_in(Tensor[] grads, Tensor(a!) out, float pre_scale) -> ()");
   // this rank's reduced chunk [S] -> shard gradients (= or +=) post_scale * chunk, cast.
   m.def("reduce_scatter_copy_out(Tensor reduced, Tensor(a!)[] shard_grads, float post_scale, bool accumulate) -> ()");
+  // RMSNorm as Hugging Face's LlamaRMSNorm computes it (parallel_layers/rms_norm.h): x [..., n],
+  // weight [n] -> y = weight * round_to_x_dtype(x * rstd) in dtype promote(x, weight), and
+  // rstd = 1 / sqrt(mean(x^2) + eps) [...] in float32 (float64 for float64), saved for backward.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)");
+  // The same of sum = x + residual (rounded to x's dtype), which is returned too: a decoder's next residual.
+  m.def("rms_norm_add(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor y, Tensor sum, Tensor rstd)");
+  // dx and dweight (this rank's rows: a plain sum) from grad_y and the forward's input (rms_norm_add:
+  // its sum) and rstd; grad_sum, rms_norm_add's gradient of its sum output, is added to dx when given.
+  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd, Tensor? grad_sum) "
+        "-> (Tensor dx, Tensor dweight)");
 }
 
 namespace {
