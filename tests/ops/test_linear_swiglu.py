@@ -167,7 +167,11 @@ def test_property_16bit_no_worse_than_twice_eager(m, k, n, bias, dtype, seed):
         eager = eager_separate(x, w, b)
     ref = eager_separate(x.double(), w.double(), b.double() if bias else None)
     err = lambda t: (t.double() - ref).abs().max().item()  # noqa: E731
-    assert err(ours) <= 2 * err(eager) + 1e-12  # + 0 when both are exact
+    # With a handful of outputs the max error is one element's rounding, which can land on either
+    # side of eager's by chance (m = k = n = 3 in bfloat16 did: 1 ulp vs half of one), so the
+    # bound is 2x eager's or one unit in the last place at the largest output, whichever is larger.
+    ulp = torch.finfo(dtype).eps * ref.abs().max().item() if ref.numel() else 0.0
+    assert err(ours) <= max(2 * err(eager), ulp) + 1e-12  # + 0 when both are exact
 
 
 @pytest.mark.parametrize("device", devices())
