@@ -1,6 +1,6 @@
 """parallel_layers.fused: a Hugging Face decoder's SwiGLU MLPs swapped for SwiGLUMLP (one GEMM on
-the packed [gate; up] weight, activation fused) over the same parameters, against the plain
-transformers model from the same directory. Tensor-parallel, sequence-parallel, ZeRO and
+the packed [gate; up] weight, activation fused) and its RMSNorms for FusedRMSNorm, over the
+same parameters, against the plain transformers model from the same directory. Tensor-parallel, sequence-parallel, ZeRO and
 pipelined runs of the fused model are the parity tests of those features (parallelize fuses by
 default: tests/tensor_parallel/test_parallelize.py, test_sequence_parallel_hf.py,
 tests/hf/test_pretrained.py, ...)."""
@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from parallel_layers import fused, meta
+from parallel_layers.ops import FusedRMSNorm
 from parallel_layers.tensor_parallel import parallelize as tp_parallelize
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, SwiGLUMLP
 from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama, save_tiny_mistral, save_tiny_qwen2
@@ -44,17 +45,23 @@ def test_fused_model_trains_as_the_plain_one(tmp_path, family):
     SAVE[family](tmp_path)
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    norms = {n: m.weight for n, m in model.named_modules() if n.endswith("norm")}
     names = fused.fuse(model)
-    assert names == [f"model.layers.{i}.mlp" for i in range(2)]
-    assert all(isinstance(model.get_submodule(n), SwiGLUMLP) and _packed(model.get_submodule(n)) for n in names)
+    mlps = [f"model.layers.{i}.mlp" for i in range(2)]
+    assert sorted(names) == sorted(mlps + list(norms)) and len(norms) == 5  # 2 per layer, the final one
+    assert all(isinstance(model.get_submodule(n), SwiGLUMLP) and _packed(model.get_submodule(n)) for n in mlps)
+    for name, weight in norms.items():  # the same Parameter object: optimizer, hooks, names unchanged
+        assert isinstance(model.get_submodule(name), FusedRMSNorm) and model.get_submodule(name).weight is weight
     assert model.state_dict().keys() == plain.state_dict().keys()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
-    # one packed GEMM vs two: the same sums in another blocking, ~1e-7 relative, grown by AdamW
+    # one packed GEMM vs two, the norm's sum of squares in float64 vs a float32 cascade: ~1e-7
+    # relative in the gradients; AdamW divides by sqrt(v), so where a gradient is near zero a
+    # weight moves by up to lr * (its relative change): the issue's 1e-4 bound
     assert _train(model) == pytest.approx(_train(plain), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
-    assert all(_packed(model.get_submodule(n)) for n in names)  # the optimizer updated the views in place
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
+    assert all(_packed(model.get_submodule(n)) for n in mlps)  # the optimizer updated the views in place
 
 
 def test_packing_survives_a_move_and_a_meta_build(tmp_path):
@@ -98,7 +105,7 @@ def test_only_what_computes_a_swiglu_is_fused(tmp_path):
     assert fused.fuse(nn.Sequential(_ScaledMLP())) == []
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, vocab_size=128, hidden_act="gelu")
-    assert fused.fuse(transformers.LlamaForCausalLM(config)) == []  # not a SiLU gate
+    assert not any(n.endswith("mlp") for n in fused.fuse(transformers.LlamaForCausalLM(config)))  # not a SiLU gate
     config.hidden_act = "silu"
     assert tp_parallelize(transformers.LlamaForCausalLM(config), fused_kernels=False).model.layers[0].mlp.__class__ \
         is transformers.models.llama.modeling_llama.LlamaMLP
