@@ -125,11 +125,19 @@ def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
     dz = grad_preact
     if grad_y is not None:
         dz = dz + bias_gelu_backward(grad_y, preact, ctx.approximate)[0]
-    dz2 = dz.reshape(-1, n)
+    return (*linear_grads(dz, x, weight, need_dx, need_dw, need_db), None, None)
+
+
+def linear_grads(dz: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool,
+                 need_db: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(dx, dweight, dbias) of `x @ weight.T + bias` from the pre-activation's gradient dz, each
+    only when needed; the weight gradient by linear_weight_grad's rule. For the ops' backward
+    when the pre-activation output itself was used (linear_gelu, linear_swiglu)."""
+    dz2 = dz.reshape(-1, weight.shape[0])
     dx = (dz2 @ weight).view(x.shape) if need_dx else None
     dw = linear_weight_grad(dz2, x.reshape(-1, x.shape[-1])) if need_dw else None
     db = dz2.sum(0) if need_db else None
-    return dx, dw, db, None, None
+    return dx, dw, db
 
 
 torch.library.register_autograd("parallel_layers::linear_gelu", _backward, setup_context=_setup_context)

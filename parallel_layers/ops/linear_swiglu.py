@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parallel_layers.ops.linear_gelu import linear_weight_grad
+from parallel_layers.ops.linear_gelu import linear_grads
 
 
 def linear_swiglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -94,15 +94,6 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _dswiglu(grad_y: Tensor, preact: Tensor) -> Tensor:
-    """The gradient of the packed pre-activation, in eager ops (float32 math, float64 for float64)."""
-    math_dtype = torch.float64 if preact.dtype == torch.float64 else torch.float32
-    gate, up = preact.to(math_dtype).chunk(2, dim=-1)
-    dy = grad_y.to(math_dtype)
-    s = torch.sigmoid(gate)
-    return torch.cat([dy * up * (s + gate * s * (1 - s)), dy * gate * s], dim=-1).to(preact.dtype)
-
-
 def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
     x, weight, bias, preact = ctx.saved_tensors
     n2 = weight.shape[0]
@@ -119,12 +110,8 @@ def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
         return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None
     # The pre-activation output was used itself (only by callers of the raw op): its gradient
     # adds to d_pre, so d_pre is formed here and the GEMMs run on the sum.
-    d_pre = grad_preact if grad_y is None else grad_preact + _dswiglu(grad_y, preact)
-    d_pre2 = d_pre.reshape(-1, n2)
-    dx = (d_pre2 @ weight).view(x.shape) if need_dx else None
-    dw = linear_weight_grad(d_pre2, x.reshape(-1, x.shape[-1])) if need_dw else None
-    db = d_pre2.sum(0) if need_db else None
-    return dx, dw, db, None
+    d_pre = grad_preact if grad_y is None else grad_preact + swiglu_backward(grad_y, preact, need_dbias=False)[0]
+    return (*linear_grads(d_pre, x, weight, need_dx, need_dw, need_db), None)
 
 
 torch.library.register_autograd("parallel_layers::linear_swiglu", _backward, setup_context=_setup_context)
