@@ -81,13 +81,18 @@ class Parallelized:
     pipeline: PipelineParallel | None
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     ctx: ParallelContext
+    token_count: Callable[[Tensor], Tensor] | None = None
 
-    def forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+    def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """Forward and backward of this replica's batch, gradients reduced over dp; returns its
-        loss (detached; with a pipeline, on every pipeline rank)."""
+        loss (detached; with a pipeline, on every pipeline rank). attention_mask: a padded
+        batch's [batch, seq] mask, for a model (or pipeline layers) that takes one."""
         if self.pipeline is not None:
-            return self.pipeline.step(inputs, targets)
-        loss = self.loss_fn(self.module(inputs), targets)
+            return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
+        out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)
+        loss = self.loss_fn(out, targets)
+        if self.token_count is not None:  # loss_fn returned a sum
+            loss = loss / self.token_count(targets)
         loss.backward()
         return loss.detach()
 
@@ -118,11 +123,14 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                 activation_checkpointing: str | None = None, zero_stage: int = 0,
                 wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
-                split_points: list[int] | None = None, fused_kernels: bool = True) -> Parallelized:
+                split_points: list[int] | None = None, fused_kernels: bool = True,
+                token_count: Callable[[Tensor], Tensor] | None = None) -> Parallelized:
     """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
 
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
-    targets) -> the batch mean. tp_plan: module-name pattern -> style, as for
+    targets) -> the batch mean; or, with token_count(targets) -> how many items it sums, the
+    sum, divided by the whole batch's count (exact over microbatches of unequal counts, e.g.
+    padded batches: pipeline.hf.causal_lm_loss_sum with causal_lm_tokens). tp_plan: module-name pattern -> style, as for
     `tensor_parallel.parallelize`; "auto": the plan a Hugging Face model publishes; None: no
     conversion (the model is used as built). activation_checkpointing: None, "full" or
     "selective", per block: the modules `wrap` selects (parallel_layers/activation_checkpointing.py).
@@ -192,9 +200,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     pipe = None
     if pipelined:
         pipe = PipelineParallel(net, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
-                                data_parallel=wrapper, device=ctx.device)
+                                token_count=token_count, data_parallel=wrapper, device=ctx.device)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
-                        loss_fn=loss_fn, ctx=ctx)
+                        loss_fn=loss_fn, ctx=ctx, token_count=token_count)
 
 
 def _check_layers_hold_every_parameter(model: nn.Module, layers, name: str) -> None:

@@ -17,11 +17,16 @@ states' sequence length, as the model's own forward builds them once: position i
 arange(seq), cos/sin from the model's `rotary_emb`, the mask from transformers'
 `create_causal_mask` (or `create_sliding_window_causal_mask` where the family's forward picks
 it for that layer). That costs a few elementwise ops per layer, far less than the attention
-it feeds, and sends nothing. It is exact only without padding: the pipeline carries no
-attention mask, so a batch must be full sequences (pad with label -100 if needed: ignored by
-`causal_lm_loss`, attended to by the model - as `model(input_ids, labels=...)` with no
-attention_mask). Inputs that are not token ids [batch, seq] are refused on every pipeline
-rank before the step (`pipeline_input_problem`, read by the runtime's batch check).
+it feeds, and sends nothing. A padded batch's
+attention mask [batch, seq] goes to every decoder layer as a side input (Note [side inputs] in
+stages.py: `par.forward_backward(input_ids, labels, attention_mask=mask)`, sent once per step
+from pipeline rank 0), and the layer builds the model's mask from it; positions stay
+arange(seq), as the model's forward keeps them with a mask and no position ids. For the
+loss of a padded batch, `causal_lm_loss_sum` with `token_count=causal_lm_tokens` gives the
+batch's mean over its labelled tokens however they fall into microbatches (labels -100 at
+the padding, as for `model(input_ids, attention_mask=..., labels=...)`). Inputs that are not
+token ids [batch, seq] are refused on every pipeline rank before the step
+(`pipeline_input_problem`, read by the runtime's batch check).
 
 Each adapter mounts the modules it runs under their paths in the model (`_mount`), so its
 state_dict keys are the model's own ("model.layers.3.mlp.up_proj.weight"), and
@@ -80,11 +85,11 @@ def _positions(hidden: Tensor) -> Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-def _mask(config, kind: str, hidden: Tensor, position_ids: Tensor):
+def _mask(config, kind: str, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None):
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-    return fn(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+    return fn(config=config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
               position_ids=position_ids)
 
 
@@ -110,8 +115,7 @@ class Embedding(_Layer):
         if len(shape) != 2 or dtype not in (torch.int64, torch.int32):
             return (f"a pipelined {type(self.config).__name__[:-6] or 'Hugging Face'} decoder takes token ids "
                     f"[batch, seq] (int64) as the pipeline's inputs; got shape {list(shape)} and dtype {dtype}. "
-                    "Attention masks (padding) are not carried: pass full sequences, with labels -100 where "
-                    "the loss should ignore them")
+                    "A padded batch's mask goes separately: forward_backward(input_ids, labels, attention_mask=mask)")
         limit = getattr(self.config, "max_position_embeddings", None) if self.gpt2 else None
         if limit is not None and shape[1] > limit:
             return (f"sequence length {shape[1]} is longer than the model's max_position_embeddings={limit} "
@@ -122,6 +126,8 @@ class Embedding(_Layer):
 class DecoderLayer(_Layer):
     """One decoder layer; rebuilds position ids, rotary cos/sin and the mask (Note [hf pipeline layers])."""
 
+    pipeline_side_inputs = ("attention_mask",)  # a padded batch's [batch, seq] mask (Note [side inputs])
+
     def __init__(self, model: nn.Module, base: str, layers: str, index: int, mask_kind: str, gpt2: bool):
         super().__init__(model)
         self.gpt2, self.base, self.path, self.mask_kind = gpt2, base, f"{base}.{layers}.{index}", mask_kind
@@ -129,10 +135,10 @@ class DecoderLayer(_Layer):
         if not gpt2:  # parameter-free, non-persistent buffers: no state_dict entries
             _mount(self, f"{base}.rotary_emb", model.get_submodule(f"{base}.rotary_emb"))
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         layer = self.get_submodule(self.path)
         position_ids = _positions(hidden)
-        mask = _mask(self.config, self.mask_kind, hidden, position_ids)
+        mask = _mask(self.config, self.mask_kind, hidden, position_ids, attention_mask)
         if self.gpt2:
             out = layer(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
         else:
@@ -206,8 +212,20 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Hugging Face's causal-LM loss: position t predicts labels[t + 1]; the mean over the
     tokens whose label is not -100 (`model(input_ids, labels=labels).loss`), in float32.
     The pipeline averages the microbatches' means: the batch's mean when every microbatch
-    counts as many tokens (always, without -100 labels)."""
+    counts as many tokens (always, without -100 labels; with padding, use the pair below)."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-__all__ = ["SUPPORTED", "causal_lm_loss", "decoder_layers"]
+def causal_lm_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """`causal_lm_loss`'s sum instead of its mean; with `token_count=causal_lm_tokens` the
+    pipeline divides by the batch's labelled tokens: Hugging Face's loss of the whole batch."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def causal_lm_tokens(labels: Tensor) -> Tensor:
+    """How many tokens `causal_lm_loss_sum` sums over: the shifted labels that are not -100."""
+    return (labels[:, 1:] != -100).sum()
+
+
+__all__ = ["SUPPORTED", "causal_lm_loss", "causal_lm_loss_sum", "causal_lm_tokens", "decoder_layers"]

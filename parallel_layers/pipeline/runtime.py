@@ -8,7 +8,8 @@
     model.step(); model.zero_grad()
 
 `inputs` are needed on the rank of the first stage, `targets` on the rank of the last; both
-are split on dim 0 into `microbatches` equal parts. The loss is normalised once for the whole
+are split on dim 0 into `microbatches` equal parts. A padded batch's `attention_mask=` goes
+with the inputs, to the layers that take it (Note [side inputs] in stages.py). The loss is normalised once for the whole
 batch: `loss_fn` returns a microbatch mean and is scaled by 1 / m, or, with
 `token_count=fn`, returns a microbatch sum and is divided by the sum of `token_count(target)`
 over all microbatches (e.g. the number of non-ignored tokens), so microbatches of unequal
@@ -73,27 +74,30 @@ class PipelineParallel:
         self.messenger = Messenger(self.group, self.device)
 
     # ---- one step -------------------------------------------------------------------------
-    def _check_batch(self, inputs: Tensor | None, targets: Tensor | None) -> tuple:
-        """Every pipeline rank learns both batch sizes and raises the same error on a bad one;
-        returns the inputs' signature (Note [stage boundary contract] in _p2p.py)."""
+    def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None) -> tuple:
+        """Every pipeline rank learns both batch sizes and the attention mask's shape, and raises
+        the same error on a bad one; returns the inputs' signature (Note [stage boundary
+        contract] in _p2p.py) and the mask's (all -1 without one)."""
         # Something other than a tensor (a tokenizer's BatchEncoding, a dict with an attention
         # mask) is sent as size -2, so that every rank refuses it together.
-        not_tensor = [x is not None and not isinstance(x, Tensor) for x in (inputs, targets)]
+        not_tensor = [x is not None and not isinstance(x, Tensor) for x in (inputs, targets, mask)]
         mine = torch.tensor([-2 if not_tensor[0] else inputs.shape[0] if inputs is not None else -1,
-                             -2 if not_tensor[1] else targets.shape[0] if targets is not None else -1] +
-                            signature(inputs if not not_tensor[0] else None), dtype=torch.int64, device=self.device)
+                             -2 if not_tensor[1] else targets.shape[0] if targets is not None else -1,
+                             -2 if not_tensor[2] else 0] +
+                            signature(inputs if not not_tensor[0] else None) +
+                            signature(mask if not not_tensor[2] else None), dtype=torch.int64, device=self.device)
         sizes = [mine]
         if self.ranks > 1:
             sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
             with fault.collective("pipeline batch-size check (all_gather)", self.group):
                 dist.all_gather(sizes, mine, group=self.group)
         sizes = [t.tolist() for t in sizes]
-        n_in, n_tgt = sizes[0][0], sizes[self.last_rank][1]
+        n_in, n_tgt, mask_flag = sizes[0][0], sizes[self.last_rank][1], sizes[0][2]
         m = self.microbatches
-        if n_in == -2 or n_tgt == -2:
-            raise TypeError(f"pipeline step needs its {'inputs' if n_in == -2 else 'targets'} as one tensor; got "
-                            "another object (a tokenizer's output or a dict? pass its input_ids: the pipeline "
-                            "carries no attention mask)")
+        if -2 in (n_in, n_tgt, mask_flag):
+            what = "inputs" if n_in == -2 else "targets" if n_tgt == -2 else "attention_mask"
+            raise TypeError(f"pipeline step needs its {what} as one tensor; got another object (a tokenizer's output "
+                            "or a dict? pass its input_ids as the inputs and its attention_mask as attention_mask=)")
         if n_in < 0 or n_tgt < 0:
             raise ValueError(f"pipeline step needs inputs on pipeline rank 0 (got {'none' if n_in < 0 else n_in}) and "
                              f"targets on pipeline rank {self.last_rank}, the last stage's (got "
@@ -101,17 +105,51 @@ class PipelineParallel:
         if n_in % m or n_in != n_tgt:
             raise ValueError(f"the batch ({n_in} inputs, {n_tgt} targets) must have equal sizes divisible by "
                              f"microbatches={m}; {n_in} % {m} = {n_in % m}; valid batch sizes are multiples of {m}")
-        sig = tuple(sizes[0][2:2 + _HEADER])
+        sig = tuple(sizes[0][3:3 + _HEADER])
         problem = self.stages.input_problem(tuple(sig[2:2 + sig[0]]), _DTYPES[sig[1]]) \
             if self.stages.input_problem is not None and sig[1] >= 0 else None
         if problem:  # the first layer's own check, on every rank (pipeline/hf.py)
             raise ValueError(problem)
-        return sig
+        mask_sig = tuple(sizes[0][3 + _HEADER:3 + 2 * _HEADER])
+        if mask_sig[0] >= 0:
+            self._check_mask(sig, mask_sig)
+        return sig, mask_sig
 
-    def step(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
-        """Forward and backward of one batch by the schedule; returns the batch loss (every pipeline rank)."""
-        sig = self._check_batch(inputs if self.rank == 0 else None,
-                                targets if self.rank == self.last_rank else None)
+    def _check_mask(self, sig: tuple, mask_sig: tuple) -> None:
+        """The attention mask's checks, on every rank (Note [side inputs] in stages.py)."""
+        shape, mask_shape = list(sig[2:2 + sig[0]]), list(mask_sig[2:2 + mask_sig[0]])
+        if "attention_mask" not in self.stages.side_inputs:
+            raise ValueError("attention_mask= was given, but no layer of this pipeline takes one (a layer declares "
+                             "pipeline_side_inputs = ('attention_mask',), as the Hugging Face decoder layers of "
+                             "pipeline_layers='auto' do); pass full sequences without a mask")
+        if mask_shape != shape or mask_sig[1] < 0 or _DTYPES[mask_sig[1]].is_floating_point:
+            dtype = _DTYPES[mask_sig[1]] if mask_sig[1] >= 0 else "unsupported"
+            raise ValueError(f"attention_mask must be an integer or bool tensor of the inputs' shape {shape} (1: a token "
+                             f"to attend to, 0: padding); got shape {mask_shape} and dtype {dtype}")
+
+    def _side_inputs(self, mask: Tensor | None, mask_sig: tuple) -> list[dict]:
+        """Each microbatch's side inputs: the attention mask, sent from pipeline rank 0 to every
+        pipeline rank (each stage's layers need it, Note [side inputs])."""
+        m = self.microbatches
+        if mask_sig[0] < 0:
+            return [{}] * m
+        shape = list(mask_sig[2:2 + mask_sig[0]])
+        full = mask.to(self.device, torch.int64) if self.rank == 0 else torch.empty(shape, dtype=torch.int64,
+                                                                                     device=self.device)
+        if self.ranks > 1:
+            with fault.collective("pipeline attention-mask broadcast", self.group):
+                dist.broadcast(full, group=self.group, group_src=0)
+        return [{"attention_mask": part} for part in full.chunk(m)]
+
+    def step(self, inputs: Tensor | None = None, targets: Tensor | None = None, *,
+             attention_mask: Tensor | None = None) -> Tensor:
+        """Forward and backward of one batch by the schedule; returns the batch loss (every
+        pipeline rank). attention_mask: [batch, seq] (1 attend, 0 padding), given with the
+        inputs on pipeline rank 0, for pipelines whose layers take it (Note [side inputs])."""
+        sig, mask_sig = self._check_batch(inputs if self.rank == 0 else None,
+                                          targets if self.rank == self.last_rank else None,
+                                          attention_mask if self.rank == 0 else None)
+        side = self._side_inputs(attention_mask, mask_sig)
         m = self.microbatches
         x_mb = list(inputs.chunk(m)) if self.rank == 0 else None
         y_mb = list(targets.chunk(m)) if self.rank == self.last_rank else None
@@ -123,7 +161,7 @@ class PipelineParallel:
         sync = self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with sync:
-            run = _StepRun(self, msg, x_mb, y_mb, scale)
+            run = _StepRun(self, msg, x_mb, y_mb, scale, side)
             total = run.run()
             self.stages.sync_tied_grads()
         self.last_step_times = {"schedule_s": time.perf_counter() - start, "waiting_s": run.waiting_s,
@@ -157,8 +195,8 @@ class PipelineParallel:
 class _StepRun:
     """One step's walk through this rank's actions, and what it holds meanwhile."""
 
-    def __init__(self, pipe: PipelineParallel, msg: Messenger, x_mb, y_mb, scale):
-        self.pipe, self.msg, self.x_mb, self.y_mb, self.scale = pipe, msg, x_mb, y_mb, scale
+    def __init__(self, pipe: PipelineParallel, msg: Messenger, x_mb, y_mb, scale, side: list[dict]):
+        self.pipe, self.msg, self.x_mb, self.y_mb, self.scale, self.side = pipe, msg, x_mb, y_mb, scale, side
         self.actions = pipe.actions[pipe.rank]
         self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output or scaled loss)
         self.handed: dict[tuple, Tensor] = {}  # passed between stages of this rank (p = 1): ("act"|"grad", stage, mb)
@@ -211,7 +249,7 @@ class _StepRun:
         x, waited = (self.x_mb[i], 0.0) if k == 0 else self._take(("act", k - 1, i))
         if k > 0 and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        y = pipe.stages.chunk(k)(x)
+        y = pipe.stages.chunk(k)(x, **self.side[i])
         if not isinstance(y, Tensor):
             raise TypeError(f"pipeline stage {k} returned {type(y).__name__}; a stage must return one tensor (its "
                             "activations), as must every layer of the layer list")

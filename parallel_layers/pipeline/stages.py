@@ -17,6 +17,14 @@ embedding tied to the LM head) becomes one copy per rank. The copies start equal
 from the lowest stage's rank) and stay equal because their gradients are summed across the
 ranks holding them before the optimizer step (`sync_tied_grads`), so every copy takes the
 same step. Gradient-norm clipping counts a tied parameter once, on its lowest stage.
+
+Note [side inputs]: a layer may need, besides the activations, a per-microbatch tensor that
+does not flow from the previous stage: the attention mask of a padded batch. A layer that
+declares `pipeline_side_inputs = ("attention_mask",)` is called as `layer(x, attention_mask=m)`;
+the runtime sends the mask from pipeline rank 0 to every pipeline rank once per step (one
+broadcast of [batch, seq] integers) and gives each stage its microbatch's rows. It does not
+cross stage boundaries and has no gradient. `side_inputs` is what the whole layer list takes,
+known on every rank, so a mask no layer would read is refused everywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +37,16 @@ import torch.nn as nn
 
 from parallel_layers import fault, placement
 from parallel_layers.pipeline.schedule import check_arguments
+
+
+class _Chunk(nn.Sequential):
+    """One stage's layers in order; side inputs go to the layers that declare them (Note [side inputs])."""
+
+    def forward(self, x: torch.Tensor, **side: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            wanted = getattr(layer, "pipeline_side_inputs", ())
+            x = layer(x, **{k: v for k, v in side.items() if k in wanted}) if wanted else layer(x)
+        return x
 
 
 def _layer_params(layer: nn.Module) -> int:
@@ -103,16 +121,17 @@ class PipelineStages(nn.Module):
         self.num_stages = self.ranks * virtual
         self.bounds = stage_bounds(layers, self.num_stages, split_points)
         self.stage_ids = list(range(self.rank, self.num_stages, self.ranks))
-        self.chunks = nn.ModuleList(nn.Sequential(*layers[s:e]) for s, e in (self.bounds[k] for k in self.stage_ids))
+        self.chunks = nn.ModuleList(_Chunk(*layers[s:e]) for s, e in (self.bounds[k] for k in self.stage_ids))
+        self.side_inputs = frozenset(n for layer in layers for n in getattr(layer, "pipeline_side_inputs", ()))
         self._ties = self._find_ties(layers)
 
     def chunk(self, stage: int) -> nn.Module:
         return self.chunks[stage // self.ranks]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **side: torch.Tensor) -> torch.Tensor:
         """Run this rank's stages in order (only meaningful when it holds them all: p = 1)."""
         for c in self.chunks:
-            x = c(x)
+            x = c(x, **side)
         return x
 
     # ---- tied parameters (Note [tied parameters]) ----------------------------------------

@@ -5,12 +5,17 @@ final norm + head), position ids / rotary cos-sin / causal mask rebuilt on every
 - in one process, the layers run in a row give the model's logits and `causal_lm_loss` its
   `outputs.loss`, for every supported family (sliding-window masks included), under the model's
   own state_dict names;
+  With a padding attention mask (right and left padding) the stages give the model's logits
+  for `model(input_ids, attention_mask=...)`, and the loss pair for padded batches its loss;
 - at pp=2 (1F1B, 2 microbatches) and pp=2 x tp=2 (the published TP plan), Llama (untied and
   tied head) and GPT-2 (head tied to wte, so the tie crosses stages) train 3 SGD steps to the
-  losses and parameters of the plain model loaded from the same directory, and
-  `hf.save_pretrained` from the pipelined layout reloads in plain transformers with its logits;
-- inputs the pipeline cannot carry (a tokenizer's dict with an attention mask, hidden states)
-  and unsupported models are refused, on every pipeline rank.
+  losses and parameters of the plain model loaded from the same directory (one full batch
+  without a mask, then two padded batches whose microbatches count different tokens, with
+  their attention masks), and `hf.save_pretrained` from the pipelined layout reloads in plain
+  transformers with its logits;
+- inputs the pipeline cannot carry (a tokenizer's dict, hidden states, a mask of another
+  shape) and unsupported models are refused, on every pipeline rank; so is a mask given to a
+  pipeline whose layers take none.
 """
 
 import pytest
@@ -28,6 +33,22 @@ VOCAB = 96  # the smaller of the tiny models' vocabularies
 def _batches():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _padding(step):
+    """The attention mask of batch `step` (None: full sequences): rows right-padded to
+    different lengths and one left-padded, so that the two microbatches count different tokens."""
+    if step == 0:
+        return None
+    mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
+    mask[1, SEQ - 5 - step:] = 0
+    mask[2, :3] = 0
+    mask[3, 4 + step:] = 0
+    return mask
+
+
+def _labels(ids, mask):
+    return ids if mask is None else ids.masked_fill(mask == 0, -100)
 
 
 def _sgd(params):
@@ -65,7 +86,8 @@ def _save(directory, family):
 
 @pytest.mark.parametrize("family", ["llama", "llama-tied", "gpt2", "qwen2", "qwen3", "mistral"])
 def test_layers_in_a_row_are_the_model(tmp_path, family):
-    from parallel_layers.pipeline.hf import causal_lm_loss, decoder_layers
+    from parallel_layers.pipeline import PipelineStages
+    from parallel_layers.pipeline.hf import causal_lm_loss, causal_lm_loss_sum, causal_lm_tokens, decoder_layers
 
     _save(tmp_path, family)
     model = _load(tmp_path, family)
@@ -81,6 +103,16 @@ def test_layers_in_a_row_are_the_model(tmp_path, family):
     # The adapters mount the model's modules at their own paths: the same state_dict names.
     assert sorted(k for layer in layers for k in layer.state_dict()) == sorted(model.state_dict())
     assert len(layers) == model.config.num_hidden_layers + 2
+    # A padded batch: the mask reaches every decoder layer as a side input, as in the model's forward.
+    mask = _padding(2)
+    labels = _labels(ids, mask)
+    with torch.no_grad():
+        x = PipelineStages(layers)(ids, attention_mask=mask)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        unmasked = PipelineStages(layers)(ids)
+    assert torch.equal(x, out.logits)
+    assert not torch.allclose(x, unmasked, atol=1e-3)  # the mask changed the logits
+    assert torch.allclose(causal_lm_loss_sum(x, labels) / causal_lm_tokens(labels), out.loss, rtol=1e-6)
 
 
 def test_unsupported_models_are_refused():
@@ -96,29 +128,46 @@ def test_unsupported_models_are_refused():
         decoder_layers(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
 
 
+def test_a_mask_no_layer_takes_is_refused():
+    from parallel_layers.pipeline import PipelineParallel, PipelineStages
+
+    pipe = PipelineParallel(PipelineStages([torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)]),
+                            microbatches=2, loss_fn=lambda y, t: torch.nn.functional.cross_entropy(y.flatten(0, 1),
+                                                                                               t.flatten()))
+    ids = _batches()[0]
+    assert pipe.step(ids, ids).isfinite()
+    with pytest.raises(ValueError, match="no layer of this pipeline takes one"):
+        pipe.step(ids, ids, attention_mask=torch.ones_like(ids))
+
+
 def _train(rank, world, sources, exports, tp):
     """Every family of one layout in the same processes (one start-up: imports dominate)."""
     from parallel_layers import hf, init_parallel, parallelize
-    from parallel_layers.pipeline.hf import causal_lm_loss
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
 
     ctx = init_parallel(tp=tp, pp=2, device="cpu")
     out = {}
     for family, directory in sources.items():
         model = transformers.AutoModelForCausalLM.from_pretrained(directory)
-        par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
-                          pipeline_layers="auto", schedule="1f1b", microbatches=MICROBATCHES)
+        # the sum and the batch's token count: Hugging Face's mean over a padded batch's labelled tokens
+        par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens,
+                          tp_plan="auto" if tp > 1 else None, pipeline_layers="auto", schedule="1f1b",
+                          microbatches=MICROBATCHES)
         assert par.prefix == "" and type(par.module).__name__ == "PipelineStages"
         refusals = []
         if family == "llama":  # every pipeline rank raises, whichever rank holds the bad input
-            for bad in ({"input_ids": _batches()[0], "attention_mask": torch.ones(BATCH, SEQ)},
-                        torch.randn(BATCH, SEQ, model.config.hidden_size)):
+            ids = _batches()[0]
+            for bad, mask in (({"input_ids": ids, "attention_mask": torch.ones(BATCH, SEQ)}, None),
+                              (torch.randn(BATCH, SEQ, model.config.hidden_size), None),
+                              (ids, torch.ones(BATCH, SEQ - 1, dtype=torch.int64))):
                 try:
-                    par.forward_backward(bad, _batches()[0])
+                    par.forward_backward(bad, ids, attention_mask=mask)
                 except (TypeError, ValueError) as e:
                     refusals.append(str(e))
         losses = []
-        for ids in _batches():
-            losses.append(par.forward_backward(ids, ids).item())  # labels = ids, shifted by the loss
+        for step, ids in enumerate(_batches()):
+            mask = _padding(step)
+            losses.append(par.forward_backward(ids, _labels(ids, mask), attention_mask=mask).item())
             par.step()
             par.zero_grad()
         hf.save_pretrained(par.module, exports[family])
@@ -132,8 +181,9 @@ def _reference(directory):
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     opt = _sgd(model.parameters())
     losses = []
-    for ids in _batches():
-        loss = model(input_ids=ids, labels=ids).loss  # Hugging Face's own loss
+    for step, ids in enumerate(_batches()):
+        mask = _padding(step)  # Hugging Face's own loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -165,9 +215,10 @@ def _check_family(family, source, export, results):
         if tied is not None:  # each stage's copy took the step of the summed gradient
             assert torch.allclose(torch.tensor(tied), ref.get_input_embeddings().weight, rtol=1e-4, atol=1e-5)
         if family == "llama":
-            assert len(refusals) == 2, refusals
-            assert "one tensor" in refusals[0] and "attention mask" in refusals[0]
+            assert len(refusals) == 3, refusals
+            assert "one tensor" in refusals[0] and "attention_mask=" in refusals[0]
             assert "token ids [batch, seq]" in refusals[1] and "float32" in refusals[1]
+            assert f"inputs' shape [{BATCH}, {SEQ}]" in refusals[2] and f"[{BATCH}, {SEQ - 1}]" in refusals[2]
     assert sum(t is not None for _, t, _ in results) == (len(results) if family != "llama" else 0)
     exported = transformers.AutoModelForCausalLM.from_pretrained(export)
     ref_state, got_state = ref.state_dict(), exported.state_dict()
