@@ -175,10 +175,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)
-    # 3. the device, and this rank's pipeline stages
-    if not meta.has_meta(model):  # a meta-built model gets its storage later (parallel_layers/meta.py)
-        model.to(ctx.device)
-        fused.pack(model)  # the move gave every tensor storage of its own
+    # 3. this rank's pipeline stages, and the device (only the layers this rank holds move there)
     net, prefix = model, ""
     if pipelined:
         if pipeline_layers == "auto":  # a Hugging Face decoder's own modules, under its own names
@@ -187,8 +184,12 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
             layers, named_after = operator.attrgetter(pipeline_layers)(model), None
         _check_layers_hold_every_parameter(model, layers, pipeline_layers)
         net = PipelineStages(layers, group=ctx.pp_group, virtual=virtual, split_points=split_points,
-                             named_after=named_after)
+                             named_after=named_after, device=ctx.device)
+        net.release_unheld(model)  # the other stages' layers: nothing of theirs stays alive here
         prefix = "" if named_after is not None else pipeline_layers + "."
+    if not meta.has_meta(net):  # a meta-built model gets its storage later (parallel_layers/meta.py)
+        net.to(ctx.device)
+        fused.pack(net)  # the move gave every tensor storage of its own
     # 4. data parallelism over the dp axis
     if zero_stage:
         wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=wrap)

@@ -29,6 +29,7 @@ known on every rank, so a mask no layer would read is refused everywhere.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -102,11 +103,14 @@ class PipelineStages(nn.Module):
     """This rank's pipeline stages (chunks), in the order of their stage index."""
 
     def __init__(self, layers: Sequence[nn.Module], *, group: dist.ProcessGroup | None = None, virtual: int = 1,
-                 split_points: Sequence[int] | None = None, named_after: nn.Module | None = None):
+                 split_points: Sequence[int] | None = None, named_after: nn.Module | None = None,
+                 device: torch.device | str | None = None):
         """named_after: the model whose state_dict keys the layers' own keys already are (the
         Hugging Face adapters of pipeline/hf.py mount its modules at their paths); the stages'
         tensors then keep those names (Note [pipeline names]), and exporters (hf.save_pretrained)
-        find the model here, for its config and class. It is not registered as a submodule."""
+        find the model here, for its config and class. It is not registered as a submodule.
+        device: move this rank's layers there before the tied copies are synchronised (the
+        other ranks' layers stay where they are: see `release_unheld`)."""
         super().__init__()
         layers = list(layers)
         self.__dict__["named_after"] = named_after  # plain attribute: its parameters are not the stages'
@@ -123,6 +127,8 @@ class PipelineStages(nn.Module):
         self.stage_ids = list(range(self.rank, self.num_stages, self.ranks))
         self.chunks = nn.ModuleList(_Chunk(*layers[s:e]) for s, e in (self.bounds[k] for k in self.stage_ids))
         self.side_inputs = frozenset(n for layer in layers for n in getattr(layer, "pipeline_side_inputs", ()))
+        if device is not None and not any(t.is_meta for t in itertools.chain(self.parameters(), self.buffers())):
+            self.chunks.to(device)
         self._ties = self._find_ties(layers)
 
     def chunk(self, stage: int) -> nn.Module:
@@ -133,6 +139,25 @@ class PipelineStages(nn.Module):
         for c in self.chunks:
             x = c(x, **side)
         return x
+
+    def release_unheld(self, model: nn.Module) -> int:
+        """Free the storage of `model`'s tensors that no stage of this rank holds (the layers of
+        the other ranks' stages), so that a model built whole (from_pretrained) keeps only this
+        rank's part alive: each becomes a meta tensor of its shape, in the modules that are not
+        this rank's (a tensor shared with a held module, a tied weight, is kept). Returns the
+        number of elements freed. As torchtitan deletes the modules a stage does not own."""
+        held = {id(t) for t in itertools.chain(self.parameters(), self.buffers())}
+        freed = 0
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None or id(t) in held or t.is_meta:
+                        continue
+                    freed += t.numel()
+                    empty = t.detach().to("meta")
+                    table[name] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else empty
+        return freed
 
     # ---- tied parameters (Note [tied parameters]) ----------------------------------------
     def _find_ties(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, dist.ProcessGroup | None, bool]]:

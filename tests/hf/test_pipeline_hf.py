@@ -154,6 +154,9 @@ def _train(rank, world, sources, exports, tp):
                           tp_plan="auto" if tp > 1 else None, pipeline_layers="auto", schedule="1f1b",
                           microbatches=MICROBATCHES)
         assert par.prefix == "" and type(par.module).__name__ == "PipelineStages"
+        # The other stages' layers were freed in the model this rank built whole: only its own stay alive.
+        alive = sum(p.numel() for p in model.parameters() if not p.is_meta)
+        assert alive == sum(p.numel() for p in par.module.parameters()) < sum(p.numel() for p in model.parameters())
         refusals = []
         if family == "llama":  # every pipeline rank raises, whichever rank holds the bad input
             ids = _batches()[0]
