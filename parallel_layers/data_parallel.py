@@ -143,7 +143,7 @@ class DataParallel(LocalAccumulation, nn.Module):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
     def materialize(self, device: torch.device | str) -> None:
-        """A module built on the meta device gets uninitialised storage on `device`, in place
+        """A module built on the meta device gets zero-filled storage on `device`, in place
         (parallel_layers/meta.py), and the gradient buckets are rebuilt there. Write the same
         values on every replica (e.g. `hf.load_pretrained`) before training."""
         from parallel_layers.meta import materialize_module

@@ -5,7 +5,7 @@
     par = parallelize(model, ctx, ...)                                     # TP shards, ZeRO shards: still meta
     hf.load_pretrained(directory, par)        # materialize(...) on ctx.device, then the files' values
 
-`materialize(model, device)` gives every meta tensor of `model` uninitialised storage on
+`materialize(model, device)` gives every meta tensor of `model` zero-filled storage on
 `device`; the values are the caller's to write (hf.load_pretrained does). Wrappers that hold
 tensors of their own, or must not allocate what they hold (ZeRO-3's freed full parameters),
 implement `materialize(device)` themselves, as they implement `state_placement` for
@@ -63,13 +63,16 @@ def swap_in(old: Tensor, new: Tensor) -> None:
 
 
 def empty_like(t: Tensor, device: torch.device | str) -> Tensor:
-    """Uninitialised storage for `t` on `device`, of its shape and dtype."""
-    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+    """Zero-filled storage for `t` on `device`, of its shape and dtype. Zeros, not torch.empty:
+    the files do not cover every element a rank holds (a vocabulary padded to a multiple of
+    tp has rows no checkpoint has, zero in the constructor), and one memset is nothing next to
+    reading the weights."""
+    new = torch.zeros(t.shape, dtype=t.dtype, device=device)
     return nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 
 def materialize_module(module: nn.Module, device: torch.device | str, skip: set[int] = frozenset()) -> None:
-    """Give every meta parameter and buffer of `module` (except the ids in `skip`) uninitialised
+    """Give every meta parameter and buffer of `module` (except the ids in `skip`) zero-filled
     storage on `device`, in place; a tensor held under several names (tied) once."""
     done: set[int] = set()
     for m in module.modules():
@@ -87,7 +90,7 @@ def materialize_module(module: nn.Module, device: torch.device | str, skip: set[
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
     """Give every meta tensor of `model` (plain, tensor parallel, or wrapped by ZeRO or
-    DataParallel) uninitialised storage on `device`, in place (Note [materialize in place]);
+    DataParallel) zero-filled storage on `device`, in place (Note [materialize in place]);
     every reference to them - optimizer, wrappers, hooks, ties - stays valid. Wrappers implement
     `materialize(device)`; other modules get `materialize_module`."""
     hook = getattr(model, "materialize", None)

@@ -127,7 +127,7 @@ class ShardedParam:
         return shard
 
     def materialize(self, device: torch.device | str) -> None:
-        """A parameter built on the meta device gets uninitialised storage on `device`, in place
+        """A parameter built on the meta device gets zero-filled storage on `device`, in place
         (parallel_layers/meta.py): the master shard (on the CPU when offloaded; a view of the
         full parameter where it aliases it), and the full parameter - freed again at once unless
         kept, so ZeRO-3 never holds a whole parameter here. The values are the caller's to

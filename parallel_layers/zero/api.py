@@ -179,7 +179,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         _state.load_sharded_state_dict(self, state)
 
     def materialize(self, device: torch.device | str) -> None:
-        """A model built on the meta device gets uninitialised storage on `device`, in place:
+        """A model built on the meta device gets zero-filled storage on `device`, in place:
         this rank's master shards (on the CPU when offloaded), the full parameters (left freed
         at stage 3) and the module's buffers (parallel_layers/meta.py). Write the shards (e.g.
         `hf.load_pretrained`, a checkpoint load) before training."""

@@ -296,6 +296,27 @@ def test_materialize_keeps_identity_attributes_and_hooks():
     assert calls == ["grad hook", "post-accumulate hook", "grad hook"]
 
 
+def test_materialized_vocabulary_padding_is_zero():
+    """A vocabulary that tp does not divide is padded with rows no file holds; the load leaves
+    them as materialize made them, so that must be zeros (the constructor's), not garbage.
+    The last of 3 ranks (the fake process group) holds 96 = 3 x 32 rows: 95 real + 1 padding."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallel_layers import meta
+    from parallel_layers.tensor_parallel import VocabParallelEmbedding
+
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=3)
+    try:
+        with torch.device("meta"):
+            emb = VocabParallelEmbedding(95, 8, tp_group=dist.group.WORLD)
+        torch.full((32, 8), float("nan"))  # freed memory of the same size, which torch.empty would hand back
+        meta.materialize(emb, "cpu")
+        assert emb.weight.shape == (32, 8) and torch.equal(emb.weight[-1], torch.zeros(8))
+    finally:
+        dist.destroy_process_group()
+
+
 def _load_with_one_bad_rank(rank, model, directory):
     """Rank 1 loads from a directory without safetensors: what each rank raised, or None.
     Without the agreement rank 0 would wait in the load's collectives until the run's timeout."""
