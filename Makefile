@@ -1,7 +1,8 @@
 # The two front-door commands:  make test  and  make demo  (each sets everything up first).
 #
 #   make test        venv + pinned deps, build the extension (CUDA kernels when nvcc is found),
-#                    C++ tests (ctest), Python tests (pytest)
+#                    C++ tests (ctest), Python tests (pytest, without those marked slow)
+#   make test-slow   the tests marked slow only; make test-all: everything
 #   make demo        venv + build, then the main jobs: a GPT trained on 4 local processes
 #                    (dp=2 x tp=2, ZeRO-1; torchrun, gloo), then on 8 (dp=2 x tp=2 x pp=2,
 #                    1F1B), each checked against one process; a Hugging Face Llama fine-tuned
@@ -20,7 +21,7 @@ CMAKE_BUILD := build/cmake
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 export MAX_JOBS ?= $(NPROC)
 
-.PHONY: test demo build cpp-test pytest wheel info test-cpu-torch clean
+.PHONY: test test-slow test-all demo build cpp-test pytest wheel info test-cpu-torch clean
 
 test: build cpp-test pytest
 
@@ -42,6 +43,14 @@ cpp-test: $(STAMP)
 
 pytest: build
 	$(PY) -m pytest
+
+# The tests marked slow (pyproject.toml: more schedule shapes, repeated exit races, the
+# CPU-only build), which `make test` leaves out; test-all runs everything.
+test-slow: build
+	$(PY) -m pytest -m slow
+
+test-all: build cpp-test
+	$(PY) -m pytest -m "slow or not slow"
 
 demo: build
 	PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \

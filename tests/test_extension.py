@@ -98,6 +98,7 @@ def test_compiled_archs_cover():
     assert not _compiled_archs_cover(["8.0"], 9, 0)
 
 
+@pytest.mark.slow  # a second whole build (~2.5 minutes on 2 cores); make test-slow, make test-cpu-torch
 @pytest.mark.skipif(torch.version.cuda is None, reason="with a CPU torch every build is CPU-only already")
 def test_force_cpu_build_builds_and_passes_op_tests(tmp_path):
     """PARALLEL_LAYERS_FORCE_CPU=1 gives a CPU-only extension whose op tests pass."""

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from parallel_layers import checkpoint
@@ -32,11 +33,13 @@ def _failure(r) -> str:
     return r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def test_zero3_then_fsdp2_exits_cleanly_every_time():
+@pytest.mark.parametrize("repeats", [1, pytest.param(3, marks=pytest.mark.slow)], ids=["once", "thrice-more"])
+def test_zero3_then_fsdp2_exits_cleanly_every_time(repeats):
     # A 0.5 ms heartbeat keeps the heartbeat thread in its store call most of the time, where an
     # unstopped thread aborts the exit (without the stop: SIGABRT in ~1 run of 8 here). Each way
-    # of ending twice: dist.destroy_process_group(), parallel_layers.shutdown(), neither (atexit).
-    for end in ("destroy", "shutdown", "exit") * 2:
+    # of ending: dist.destroy_process_group(), parallel_layers.shutdown(), neither (atexit);
+    # once in the default run, three more times each in the slow one.
+    for end in ("destroy", "shutdown", "exit") * repeats:
         r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
                             str(ROOT / "tests" / "_zero3_then_fsdp2.py"), end, "0.0005"],
                            env=ENV, capture_output=True, text=True, timeout=300)
