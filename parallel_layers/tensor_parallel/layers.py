@@ -372,7 +372,8 @@ class SwiGLUMLP(nn.Module):
     r's output is [gate_r, up_r]) or both nn.Linear; down_proj the RowParallelLinear or
     nn.Linear that follows. `pack_()` puts the gate and up weights (and biases) in one
     allocation, gate rows then up rows, so the packed weight the GEMM reads is a view of the
-    two parameters; ZeRO-3, which gives each parameter its own storage, gets a copy per call.
+    two parameters; ZeRO-3 keeps them in one allocation when both are in one group (Note
+    [storage shared within a group] in zero/_param.py), else copies them per call.
     """
 
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module):

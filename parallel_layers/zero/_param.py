@@ -16,6 +16,15 @@ optimizer steps). The module keeps its ordinary nn.Parameter (`full`): where it 
 between uses (ZeRO-3), its storage is resized to zero and refilled by an all-gather -
 autograd's saved references to the same storage see the data again once it is refilled.
 
+Note [storage shared within a group]: SwiGLUMLP keeps its gate and up weights in one
+allocation so that its GEMM reads [gate; up] as a view (tensor_parallel/layers.py). When
+every parameter sharing a storage is a member of the same ParamGroup (ZeRO builds that from
+the wrapped module), the group frees and refills them together, so they keep sharing it:
+freeing resizes the one storage to zero, the first member's refill gives back all of its
+bytes, and the copy-out writes each member's slice. Otherwise (members in different groups,
+or a param_dtype cast, which gives each parameter storage of its own) each is copied into
+storage of its own, and the fused MLP copies gate and up together per call instead.
+
 A ShardedParam holds the per-parameter half of that: sizes, the master shard, freeing and
 refilling the full storage, and what the gather and reduction read and write for it. The
 collectives live in ParamGroup (_group.py), which batches many ShardedParams into one
@@ -67,11 +76,14 @@ class ShardedParam:
       alias_full  with keep_full, the shard may be a view of the full parameter's own slice
                   (ZeRO-1/2; see `_master_shard`).
       offload     the shard and its gradient live on the CPU (ZeRO-Offload).
+      storage_shared_in_group  the parameter's storage is shared with other members of its
+                  group and with nothing else (Note [storage shared within a group]).
     """
 
     def __init__(self, param: nn.Parameter, group: dist.ProcessGroup | None = None, *,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-                 keep_full: bool = False, alias_full: bool = False, offload: bool = False):
+                 keep_full: bool = False, alias_full: bool = False, offload: bool = False,
+                 storage_shared_in_group: bool = False):
         check_dtypes(param_dtype, reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("ShardedParam needs torch.distributed to be initialised")
@@ -83,14 +95,16 @@ class ShardedParam:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.keep_full, self.offload = keep_full, offload
         self.shard_numel = shard_copy.shard_numel(param.numel(), self.world)
+        self.storage_shared = storage_shared_in_group and param_dtype in (None, param.dtype)
         if not alias_full:
             self._own_storage()
+        self._storage_nbytes = param.untyped_storage().nbytes()  # what refill_full gives back
         self.shard = nn.Parameter(self._master_shard(alias_full and not offload), requires_grad=param.requires_grad)
         if param_dtype is not None:
             param.data = param.data.to(param_dtype)
         self.is_unsharded = True  # `full` holds the current values (False: freed, or stale after a step)
         self._alone: ParamGroup | None = None  # the group of one behind unshard / reduce_grad
-        if not keep_full:
+        if not keep_full and not self.storage_shared:  # shared: freed by ZeRO once every member has its shard
             self.free_full()
 
     def _own_storage(self) -> None:
@@ -99,9 +113,11 @@ class ShardedParam:
         is not resizable"). Stage 3 frees a full parameter by resizing its storage to zero, so such
         a parameter is first copied into storage of its own - once, at construction, before any
         forward has saved a reference to it. So is one that shares its storage with another
-        parameter (SwiGLUMLP packs gate and up weights into one): resizing it would free both."""
+        parameter (SwiGLUMLP packs gate and up weights into one): resizing it would free both -
+        unless they are all members of one group (Note [storage shared within a group])."""
         storage = self.full.untyped_storage()
-        if not storage.resizable() or storage.nbytes() != self.full.numel() * self.full.element_size():
+        alone = storage.nbytes() == self.full.numel() * self.full.element_size()
+        if not storage.resizable() or not (alone or self.storage_shared):
             self.full.data = self.full.data.clone()
 
     def _master_shard(self, alias: bool) -> Tensor:
@@ -136,6 +152,7 @@ class ShardedParam:
 
         if self.full.is_meta:
             swap_in(self.full, empty_like(self.full, device))
+            self._storage_nbytes = self.full.untyped_storage().nbytes()
             self.is_unsharded = False  # the values are still to come
             if not self.keep_full:
                 self.free_full()
@@ -158,8 +175,8 @@ class ShardedParam:
         """Give the full parameter its storage back (values still to be written); returns the
         tensor the all-gather's copy-out writes."""
         storage = self.full.untyped_storage()
-        if storage.size() == 0:
-            storage.resize_(self.full.numel() * self.full.element_size())
+        if storage.size() == 0:  # shared within the group: the first member refills it for all
+            storage.resize_(self._storage_nbytes)
         return self.full.data
 
     # ---- what the collectives read and write -----------------------------------------------

@@ -67,6 +67,25 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {i for i, n in count.items() if n > 1}
 
 
+def _storage_shared_within(params: list[nn.Parameter]) -> set[int]:
+    """Ids of the parameters whose storage is shared by several of `params` and by nothing
+    else: their bytes add up to the whole storage (Note [storage shared within a group] in
+    _param.py). Meta tensors have no storage to share."""
+    by_storage: dict[int, list[nn.Parameter]] = {}
+    for p in params:
+        if not p.is_meta and p.untyped_storage().data_ptr() != 0:
+            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+    shared: set[int] = set()
+    for users in by_storage.values():
+        storage = users[0].untyped_storage()
+        spans = sorted((p.storage_offset() * p.element_size(), p.numel() * p.element_size()) for p in users)
+        tiles = all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])) and spans[0][0] == 0
+        if (len(users) > 1 and storage.resizable() and tiles and all(p.is_contiguous() for p in users)
+                and spans[-1][0] + spans[-1][1] == storage.nbytes()):
+            shared.update(id(p) for p in users)
+    return shared
+
+
 class ZeRO(LocalAccumulation, nn.Module):
     def __init__(self, model: nn.Module, optimizer_factory: Callable, stage: int = 3, *,
                  group: dist.ProcessGroup | None = None, wrap: Callable[[nn.Module], bool] | None = None,
@@ -89,9 +108,14 @@ class ZeRO(LocalAccumulation, nn.Module):
         def param_group(name: str, params: list[nn.Parameter], root: bool) -> ParamGroup:
             # ZeRO-3 frees the wrapped modules' full parameters between uses; the root's and
             # ZeRO-1/2's stay, and at ZeRO-1/2 a master shard may be a view of them.
-            return ParamGroup(name, [ShardedParam(p, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                                  keep_full=stage < 3 or root, alias_full=stage < 3,
-                                                  offload=offload_optimizer) for p in params])
+            shared = _storage_shared_within(params)
+            members = [ShardedParam(p, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                    keep_full=stage < 3 or root, alias_full=stage < 3, offload=offload_optimizer,
+                                    storage_shared_in_group=id(p) in shared) for p in params]
+            for sp in members:  # every member took its shard from the shared storage: free it now
+                if sp.storage_shared and not sp.keep_full:
+                    sp.free_full()
+            return ParamGroup(name, members)
 
         wrap = wrap or _default_wrap(model)
         shared = _shared_parameters(model)  # to the root group (Note [shared parameters])

@@ -5,7 +5,8 @@ has an exactly-zero true gradient that Adam would blow up from rounding noise). 
 ZeRO-3 with the default wrap: its head reads the embedding's weight after the transformer's
 forward (Note [shared parameters] in zero/api.py). DataParallel and ZeRO-3 run the Llama with
 its MLPs fused (parallel_layers/fused.py), as `parallelize` does: the MLP's input gradient has
-no collective of its own, and ZeRO-3 gives the packed gate and up weights storage each."""
+no collective of its own, and ZeRO-3 keeps the packed gate and up weights in one allocation
+(both in their decoder layer's group), freed between uses and read as one view when gathered."""
 
 import pytest
 import torch
@@ -48,6 +49,16 @@ def _train(rank, world, directory, wrapper):
     else:
         wrapped = ZeRO(model, _adamw, stage=int(wrapper[-1]), wrap=lambda m: isinstance(m, LlamaDecoderLayer))
         opt = wrapped
+    packed = []  # ZeRO-3: gate and up keep one allocation (both in their layer's group), freed between uses
+    if wrapper == "zero3":
+        from parallel_layers.tensor_parallel.layers import _adjacent
+
+        for layer in model.model.layers:
+            gate, up = layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
+            assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+            assert gate.untyped_storage().nbytes() == 0  # freed
+            layer.mlp.register_forward_pre_hook(lambda m, _: packed.append(
+                _adjacent(m.gate_proj.weight, m.up_proj.weight) and m.gate_proj.weight.untyped_storage().nbytes()))
     losses = []
     for ids in _batches():
         mine = ids.chunk(world)[rank]  # equal token counts: the mean of the ranks' means is the batch mean
@@ -58,6 +69,9 @@ def _train(rank, world, directory, wrapper):
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / world)
+    if wrapper == "zero3":  # every forward read [gate; up] as a view of the gathered storage, no copy
+        gate = model.model.layers[0].mlp.gate_proj.weight
+        assert len(packed) == STEPS * len(model.model.layers) and all(n == 2 * gate.numel() * 4 for n in packed)
     state = wrapped.full_state_dict() if wrapper != "dp" else model.state_dict()
     return losses, {k: v.tolist() for k, v in state.items()}  # plain lists cross the process pipe
 
