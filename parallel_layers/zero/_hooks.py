@@ -39,6 +39,13 @@ backward: the collective runs while backward computes the layers before it, as F
 its reduce-scatters, and at most two are in flight. The launch order, the only thing the ranks
 must agree on, is unchanged. Reductions outside backward (stage 1, after `no_sync()`) wait at once.
 
+Note [last group stays gathered]: at stage 3 the group whose forward runs last (known from
+the first step on) is not freed after its forward: backward starts with it, so freeing it
+would only gather it again at once (torchtitan keeps the last block unsharded for the same
+reason; FSDP2 does it for the root). Backward's end frees it with the others, and
+`ZeRO.step()` frees every stage-3 group before the optimizer step, so a forward that no
+backward followed cannot leave stale values gathered.
+
 Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first forward.
 Afterwards, while group i computes, the all-gather of the group after it runs (forward) or
 of the group before it (backward, which runs in reverse): one collective waited on, one in
@@ -104,6 +111,7 @@ class ZeROHooks:
         self.unreduced = stage == 1
         self.backward = {g: _BackwardState() for g in groups}
         self.forward_order: list[ParamGroup] = []  # groups as their forward ran, first step (Note [ZeRO prefetch])
+        self.order_known = False  # forward_order is complete (a backward has ended since it was recorded)
         self.callback_queued = False
         self.reducing: ParamGroup | None = None  # Note [overlapped reduce-scatter]
         self.handles = []
@@ -151,6 +159,7 @@ class ZeROHooks:
     def _finalize_backward(self) -> None:
         """End of backward: the groups not reduced yet are reduced now, in the agreed order."""
         self.callback_queued = False
+        self.order_known = bool(self.forward_order)
         if self.syncing():
             for g in self.order[self.reduced:]:
                 self._launch_reduce(g)
@@ -248,8 +257,8 @@ class ZeROHooks:
             if tensors:
                 # Before this module's backward runs, its parameters must be back.
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(g), mode="any")
-            if self.reshard_after_forward:
-                g.reshard()
+            if self.reshard_after_forward and not (self.order_known and g is self.forward_order[-1]):
+                g.reshard()  # Note [last group stays gathered]
             return output
         return post_forward
 

@@ -169,6 +169,8 @@ class ZeRO(LocalAccumulation, nn.Module):
         self._hooks.reduce_remaining()
         for g in self.groups:
             g.drop_prefetch()
+            if not g.keep_full:  # Note [last group stays gathered] in _hooks.py: nothing stale survives the step
+                g.reshard()
         self.optimizer.step()
         for g in self.groups:
             if g.keep_full:

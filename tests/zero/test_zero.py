@@ -121,7 +121,9 @@ def _prefetch_order(rank, ws, prefetch):
         for method in ("start_unshard", "unshard"):
             original = getattr(g, method)
 
-            def traced(original=original, name=f"{method}:{g.name}"):
+            def traced(original=original, name=f"{method}:{g.name}", g=g):
+                if name.startswith("start_unshard") and not g.is_unsharded and g._inflight is None:
+                    log.append(f"launch:{g.name}")  # an all-gather is issued
                 log.append(name)
                 original()
             setattr(g, method, traced)
@@ -136,6 +138,7 @@ def _prefetch_order(rank, ws, prefetch):
 
 def _prefetches(log):
     """The all-gathers launched ahead of time: start_unshard calls not made by unshard itself."""
+    log = [e for e in log if not e.startswith("launch:")]
     return [e.split(":")[1] for i, e in enumerate(log)
             if e.startswith("start_unshard") and (i == 0 or log[i - 1] != e.replace("start_unshard", "unshard"))]
 
@@ -143,8 +146,13 @@ def _prefetches(log):
 def test_prefetch_overlaps_the_next_all_gather():
     # Forward: a's forward launches b's all-gather, b's launches c's; backward runs c, b, a:
     # c's launches b's, b's launches a's.
-    assert _prefetches(run_distributed(_prefetch_order, 2, args=(True,))[0]) == ["b", "c", "b", "a"]
+    log = run_distributed(_prefetch_order, 2, args=(True,))[0]
+    assert _prefetches(log) == ["b", "c", "b", "a"]
     assert _prefetches(run_distributed(_prefetch_order, 2, args=(False,))[0]) == []
+    # Note [last group stays gathered]: c, whose forward is last, is not freed and gathered
+    # again for its backward: 5 all-gathers a step for 3 groups, not 6 (then the root's, which
+    # stays gathered, refreshed after the optimizer step).
+    assert [e.split(":")[1] for e in log if e.startswith("launch:")] == ["a", "b", "c", "b", "a", "<root>"]
 
 
 def _clip_and_state(rank, ws, stage):
@@ -231,3 +239,45 @@ def test_bfloat16_params_keep_float32_masters(stage):
 def test_zero_on_cuda_with_the_side_stream(stage):
     # One GPU: world size 1 on NCCL still runs the copy-in, the side stream and the copy-out.
     assert run_distributed(_bf16_parity, 1, args=(stage, "cuda"), backend="nccl")[0] < 1e-5
+
+
+def test_storage_shared_only_within_a_group_is_kept_shared():
+    """Note [storage shared within a group]: parameters that tile one storage together keep it
+    (ZeRO-3 frees and refills it once for all); one that shares with a parameter outside the
+    list, or leaves part of the storage to something else, gets its own copy."""
+    from parallel_layers.zero.api import _storage_shared_within
+
+    packed = torch.zeros(6, 4)
+    gate, up = nn.Parameter(packed[:3]), nn.Parameter(packed[3:])
+    alone = nn.Parameter(torch.zeros(2, 4))
+    assert _storage_shared_within([gate, up, alone]) == {id(gate), id(up)}
+    assert _storage_shared_within([gate, alone]) == set()  # up is elsewhere: freeing gate would free it
+    third = torch.zeros(9, 4)
+    a, b = nn.Parameter(third[:3]), nn.Parameter(third[3:6])  # rows 6-9 belong to nobody here
+    assert _storage_shared_within([a, b]) == set()
+    with torch.device("meta"):
+        m1, m2 = nn.Parameter(torch.empty(2)), nn.Parameter(torch.empty(2))
+    assert _storage_shared_within([m1, m2]) == set()
+
+
+def _forward_without_backward_before_step(rank, ws):
+    torch.manual_seed(0)
+    ref = Net()
+    zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS["sgd"], stage=3, wrap=lambda m: isinstance(m, nn.Linear))
+    opt_ref = OPTIMIZERS["sgd"](ref.parameters())
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 1, generator=g)
+    for _ in range(2):  # the second step knows the forward order: its last group stays gathered
+        F.mse_loss(ref(x), y).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        F.mse_loss(zero(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+        zero(x)  # a forward no backward follows (an evaluation with grad enabled, say)
+        zero.step()
+        zero.zero_grad()
+    with torch.no_grad():  # the step's values, not those gathered before it
+        return _rel(zero(x), ref(x))
+
+
+def test_a_forward_without_backward_leaves_nothing_stale_after_step():
+    assert max(run_distributed(_forward_without_backward_before_step, 2)) < 1e-6
