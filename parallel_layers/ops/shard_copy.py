@@ -34,13 +34,19 @@ def _check_world_size(world_size: int) -> None:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
 
 
-def all_gather_copy_in(shards: Sequence[Tensor], world_size: int, rank: int, dtype: torch.dtype) -> Tensor:
-    """[W, S] buffer with this rank's shards in row `rank` (other rows: filled by the all-gather)."""
+def _buffer(shape: tuple[int, int], dtype: torch.dtype, device, empty) -> Tensor:
+    return (empty or torch.empty)(shape, dtype=dtype, device=device)
+
+
+def all_gather_copy_in(shards: Sequence[Tensor], world_size: int, rank: int, dtype: torch.dtype,
+                       empty=None) -> Tensor:
+    """[W, S] buffer with this rank's shards in row `rank` (other rows: filled by the all-gather).
+    empty(shape, dtype=, device=): where the buffer comes from (default torch.empty)."""
     _check_world_size(world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, {world_size}) (world_size {world_size})")
     device = shards[0].device if shards else None
-    out = torch.empty(world_size, sum(s.numel() for s in shards), dtype=dtype, device=device)
+    out = _buffer((world_size, sum(s.numel() for s in shards)), dtype, device, empty)
     torch.ops.parallel_layers.all_gather_copy_in(list(shards), out, rank)
     return out
 
@@ -51,12 +57,12 @@ def all_gather_copy_out(gathered: Tensor, outs: Sequence[Tensor]) -> None:
 
 
 def reduce_scatter_copy_in(grads: Sequence[Tensor], world_size: int, dtype: torch.dtype,
-                           pre_scale: float = 1.0) -> Tensor:
+                           pre_scale: float = 1.0, empty=None) -> Tensor:
     """[W, S] reduce-scatter input: gradients padded, interleaved by rank, scaled, cast."""
     _check_world_size(world_size)
     device = grads[0].device if grads else None
     total = sum(shard_numel(g.numel(), world_size) for g in grads)
-    out = torch.empty(world_size, total, dtype=dtype, device=device)
+    out = _buffer((world_size, total), dtype, device, empty)
     torch.ops.parallel_layers.reduce_scatter_copy_in(list(grads), out, pre_scale)
     return out
 

@@ -42,7 +42,7 @@ from parallel_layers import placement
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.zero import _state
-from parallel_layers.zero._group import ParamGroup
+from parallel_layers.zero._group import BufferPool, ParamGroup
 from parallel_layers.zero._hooks import ZeROHooks
 from parallel_layers.zero._param import ShardedParam, check_dtypes
 
@@ -105,6 +105,8 @@ class ZeRO(LocalAccumulation, nn.Module):
         self.module, self.stage, self.group = model, stage, group
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
 
+        pool = BufferPool()  # every group's gather and reduce buffers (Note [CPU buffer reuse] in _group.py)
+
         def param_group(name: str, params: list[nn.Parameter], root: bool) -> ParamGroup:
             # ZeRO-3 frees the wrapped modules' full parameters between uses; the root's and
             # ZeRO-1/2's stay, and at ZeRO-1/2 a master shard may be a view of them.
@@ -115,7 +117,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             for sp in members:  # every member took its shard from the shared storage: free it now
                 if sp.storage_shared and not sp.keep_full:
                     sp.free_full()
-            return ParamGroup(name, members)
+            return ParamGroup(name, members, pool)
 
         wrap = wrap or _default_wrap(model)
         shared = _shared_parameters(model)  # to the root group (Note [shared parameters])
