@@ -26,8 +26,16 @@ advises:
 together in a pair of processes and timed round-robin, one step of each per round
 (_common.time_interleaved), their order reversed on every other trial, then freed before the next
 axis's; each of --trials is a fresh pair of processes; a ratio
-is the median over trials of the ratio within each trial. --dtypes: float32, or bfloat16 (the
-model loaded in bfloat16: parameters, activations, gradients and AdamW state, no autocast).
+is the median over trials of the ratio within each trial. --dtypes: float32, or bfloat16.
+bfloat16 at tp=2: both models loaded in bfloat16 (TP keeps no master copy). bfloat16 at dp=2,
+--bf16 mixed (the default): every variant computes in bfloat16 and keeps float32 weights,
+float32 gradient reductions and a float32 AdamW, as each one's documentation advises for
+mixed precision: ZeRO over the model loaded in bfloat16 (its shards are float32 masters,
+reduce_dtype float32), FSDP2 over the float32 model with MixedPrecisionPolicy(param_dtype=
+bfloat16, reduce_dtype=float32) (torchtitan's default), DDP over the float32 model under
+torch.autocast(bfloat16). --bf16 pure: FSDP2 and DDP over the model loaded in bfloat16 (bfloat16
+weights, reductions and AdamW state: less work, and less accurate, than ZeRO, which has no
+such mode and still keeps float32 masters).
 Writes benchmarks/results/bench_hf.json (every trial's times) and bench_hf.png.
 Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15.
 """
@@ -63,7 +71,7 @@ def llama_config(hidden: int, layers: int, vocab: int, seq: int):
                                     max_position_embeddings=max(seq, 512), tie_word_embeddings=False)
 
 
-def _variant(kind: str, model_dir: str, dtype: torch.dtype, lr: float = 1e-4):
+def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed", lr: float = 1e-4):
     """(step function of token ids) for one variant, built in this process."""
     import transformers
 
@@ -82,7 +90,9 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, lr: float = 1e-4):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"))
         return _plain_step(model, adamw(model.parameters()), loss_fn)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    # Mixed precision keeps float32 weights: FSDP2 and DDP take the float32 model and cast (below).
+    mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if mixed else dtype)
     decoder_layer = type(model.model.layers[0])
     if kind in ("ours", "zero3"):
         ctx = init_parallel(tp=2 if kind == "ours" else 1, device="cpu")
@@ -96,32 +106,36 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, lr: float = 1e-4):
         return step
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (2,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else \
+            MixedPrecisionPolicy()
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return _plain_step(model, adamw(model.parameters()), loss_fn)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    return _plain_step(ddp, adamw(ddp.parameters()), loss_fn)
+    return _plain_step(ddp, adamw(ddp.parameters()), loss_fn, autocast=mixed)
 
 
-def _plain_step(model, opt, loss_fn):
+def _plain_step(model, opt, loss_fn, autocast: bool = False):
     def step(ids):
-        loss_fn(model(input_ids=ids), ids).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(input_ids=ids), ids)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
 
 
-def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse):
+def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16):
     # transformers' distributed loading reads the torchrun variables; the process group is ours
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_WORLD_SIZE=str(ws))
     times = {}
     for axis in axes:  # one axis's variants at a time: the others' memory is freed first
         kinds = AXES[axis][::-1] if reverse else AXES[axis]
-        steps = {kind: _variant(kind, model_dir, getattr(torch, dtype_name)) for kind in kinds}
+        steps = {kind: _variant(kind, model_dir, getattr(torch, dtype_name), bf16) for kind in kinds}
         # tp: every rank the same batch; dp: each rank its own
         g = torch.Generator().manual_seed(rank if axis == "dp" else 0)
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -163,6 +177,9 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     ap.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES))
+    ap.add_argument("--bf16", choices=["mixed", "pure"], default="mixed",
+                    help="dp=2 in bfloat16: FSDP2 / DDP with float32 weights and reductions (mixed, as their docs "
+                         "advise and as ZeRO does) or all in bfloat16 (pure)")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--trials", type=int, default=3, help="fresh process pairs; ratios are medians over them")
     ap.add_argument("--name", default="bench_hf", help="result file name under benchmarks/results/")
@@ -179,11 +196,12 @@ def main(argv=None):
             model.save_pretrained(model_dir)
             del model
             for dtype in args.dtypes:
-                config = f"h{hidden} {dtype}"
+                config = f"h{hidden} {dtype}" + (f" ({args.bf16})" if dtype == "bfloat16" and "dp" in args.axes
+                                                  else "")
                 trials = []
                 for trial in range(args.trials):
                     ranks = spawn(_rank, 2, (args.axes, model_dir, dtype, args.batch, args.seq, args.vocab,
-                                             args.reps, trial % 2 == 1))
+                                             args.reps, trial % 2 == 1, args.bf16))
                     times = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the slower rank's median
                     trials.append(times)
                 ratios, trial_ratios = {}, {}

@@ -161,7 +161,9 @@ def section_hf(d: dict) -> list[str]:
             f"Llama of {a['layers']} layers, vocabulary {a['vocab']}, [{a['batch']}x{a['seq']}] tokens per rank, "
             f"AdamW, 2 ranks on gloo; ms per step (median over {a['trials']} trials) and ratios (median of the "
             "trials' ratios; per trial in brackets). Targets: ours / hf_tp <= 0.85, ZeRO-3 / FSDP2 <= 0.85, "
-            "ZeRO-3 / DDP <= 1.15. Load average after the run: "
+            "ZeRO-3 / DDP <= 1.15. bfloat16 (mixed) at dp=2: every variant keeps float32 weights, reductions "
+            "and AdamW (FSDP2 MixedPrecisionPolicy, DDP under autocast, ZeRO's float32 masters); (pure): FSDP2 and "
+            "DDP all in bfloat16 (bench_hf.py's doc). Load average after the run: "
             f"{' '.join(f'{v:.1f}' for v in d['machine'].get('loadavg_after', []))}.", ""] + _table(
         ["config", "ours tp2", "transformers tp_plan=auto", "ZeRO-3", "FSDP2", "DDP", "ours / tp_plan=auto",
          "ZeRO-3 / FSDP2", "ZeRO-3 / DDP"], rows) + ["", "![hf](bench_hf.png)", ""]
