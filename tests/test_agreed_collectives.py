@@ -123,7 +123,12 @@ _RECORDED = ("all_reduce", "broadcast", "reduce_scatter_single", "all_gather_sin
 
 
 def _record_collectives(log):
-    """Patch torch.distributed (in this worker process only) to append (op, numel, dtype) per call."""
+    """Patch torch.distributed (in this worker process only) to append (op, numel, dtype) per
+    call. ZeRO then issues the collectives NCCL runs, not gloo's copy-free sends and in-place
+    all-reduces (zero/_group.py GLOO_DIRECT): the order under test is NCCL's."""
+    from parallel_layers.zero import _group
+
+    _group.GLOO_DIRECT = False
     for name in _RECORDED:
         original = getattr(dist, name)
 

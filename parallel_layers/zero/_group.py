@@ -63,6 +63,12 @@ def _all_gather_stream(device: torch.device):
 # apart from its collectives'. NCCL's all-gather is in place and uses no extra copy.
 _GATHER_TAG = 0x2E60
 
+# Whether ZeRO on gloo takes the copy-free paths of Note [gloo all-gather] and Note [gloo
+# reduce-scatter] (True), or issues the collectives NCCL runs, all_gather_single and
+# reduce_scatter_single (False): the tests of collective order (tests/test_agreed_collectives.py)
+# set it False in their workers, so that NCCL's calls and their order are exercised on the CPU.
+GLOO_DIRECT = True
+
 
 class _Works:
     """The work handles of one gloo all-gather's sends and receives, waited on as one."""
@@ -76,15 +82,19 @@ class _Works:
 
 
 class BufferPool:
-    """Note [CPU buffer reuse]: the [W, S] gather and reduce buffers of a ZeRO wrapper's
-    groups, kept for the next group of the same size instead of freed. On the CPU a buffer
-    of tens of MB is a fresh mmap each time, and first touching its pages (the copy-in)
-    costs more than the copy: ~5% of a Llama ZeRO-3 step at hidden 1024 on 2 CPU ranks. The
-    decoder layers' groups are all one size, so a handful of buffers serve every layer (as
-    many as are in use at once: two gathers and two reductions in flight). CUDA's caching
+    """Note [CPU buffer reuse]: the [W, S] gather and reduce buffers of a ZeRO-3 wrapper's
+    wrapped groups, kept for the next group of the same size instead of freed. On the CPU a
+    buffer of tens of MB is a fresh mmap each time, and first touching its pages (the
+    copy-in) costs more than the copy: ~5% of a Llama ZeRO-3 step at hidden 1024 on 2 CPU
+    ranks. The decoder layers' groups are all one size, so a few buffers serve every layer:
+    at most `keep` per size are kept, as many as are in use at once (two gathers and two
+    reductions in flight), so the pool holds what the step's peak held anyway. Only stage 3's
+    wrapped groups use it: the root and ZeRO-1/2 gather and reduce once a step, where a kept
+    buffer would be memory held for a whole step to save one fault per step. CUDA's caching
     allocator already reuses device memory: there, buffers are plain torch.empty."""
 
-    def __init__(self):
+    def __init__(self, keep: int = 4):
+        self.keep = keep
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self.allocated = 0  # buffers made so far (the rest of the requests were served from _free)
 
@@ -96,8 +106,9 @@ class BufferPool:
         return torch.empty(shape, dtype=dtype, device=device)
 
     def give_back(self, t: torch.Tensor) -> None:
-        if t.device.type == "cpu":
-            self._free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+        free = self._free.setdefault((tuple(t.shape), t.dtype, t.device), [])
+        if t.device.type == "cpu" and len(free) < self.keep:
+            free.append(t)
 
 
 def _settings(sp: ShardedParam) -> tuple:
@@ -124,8 +135,8 @@ class ParamGroup:
         self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
         self._reducing = None  # (output, work handle, input) of a reduce-scatter not yet finished
         self._gloo = dist.get_backend(self.group) == "gloo"
-        self.pool = pool if pool is not None else BufferPool()  # Note [CPU buffer reuse]
-        self._allreduce_rs = self._gloo
+        self._direct = self._gloo and GLOO_DIRECT
+        self.pool = pool  # Note [CPU buffer reuse]; None: every buffer is new
 
     # The members' full parameters and master shards, in order (the optimizer, hooks, tests).
     @property
@@ -142,7 +153,11 @@ class ParamGroup:
 
     def _empty(self, device: torch.device):
         """Where a [W, S] buffer comes from: the pool on the CPU (Note [CPU buffer reuse])."""
-        return self.pool.empty if device.type == "cpu" else None
+        return self.pool.empty if self.pool is not None and device.type == "cpu" else None
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        if self.pool is not None:
+            self.pool.give_back(buf)
 
     # ---- parameters ---------------------------------------------------------------------
     def start_unshard(self) -> None:
@@ -156,10 +171,11 @@ class ParamGroup:
             buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype, empty=self._empty(device))
             work = None
             if self.world > 1:
-                mine = buf[self.rank]  # NCCL all-gathers in place from this rank's row
+                # NCCL all-gathers in place from this rank's row; gloo's collective wants a separate input.
+                mine = buf[self.rank].clone() if self._gloo and not self._direct else buf[self.rank]
                 fault.check_agreement(f"ZeRO all_gather of {self.name}", mine, self.group)
                 with fault.collective(f"ZeRO all_gather of {self.name}", self.group):  # an NCCL launch can raise
-                    if self._gloo:  # Note [gloo all-gather]
+                    if self._direct:  # Note [gloo all-gather]
                         work = _Works(dist.batch_isend_irecv(
                             [dist.P2POp(op, buf[row], group=self.group, group_peer=peer, tag=_GATHER_TAG)
                              for peer in range(self.world) if peer != self.rank
@@ -174,7 +190,7 @@ class ParamGroup:
             buf, work = self._inflight
             fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
             self._inflight = None
-            self.pool.give_back(buf)
+            self._give_back(buf)
 
     def unshard(self) -> None:
         """All-gather the shards into the full parameters (cast to param_dtype)."""
@@ -188,7 +204,7 @@ class ParamGroup:
             index = buf.device.index
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
         shard_copy.all_gather_copy_out(buf, [sp.refill_full() for sp in self.members])
-        self.pool.give_back(buf)
+        self._give_back(buf)
         for sp in self.members:
             sp.is_unsharded = True
 
@@ -219,7 +235,7 @@ class ParamGroup:
         if self.world > 1:
             fault.check_agreement(f"ZeRO reduce_scatter of {self.name}", buf, self.group)
             with fault.collective(f"ZeRO reduce_scatter of {self.name}", self.group):
-                if self._allreduce_rs:  # Note [gloo reduce-scatter]
+                if self._direct:  # Note [gloo reduce-scatter]
                     out = buf[self.rank]
                     handle = dist.all_reduce(buf, group=self.group, async_op=True)
                 else:
@@ -242,4 +258,4 @@ class ParamGroup:
         if self.offload:
             out = out.to("cpu")
         shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad() for sp in self.members], accumulate=True)
-        self.pool.give_back(buf)  # out, a view of it or a tensor of its own, is read by now
+        self._give_back(buf)  # out, a view of it or a tensor of its own, is read by now

@@ -117,7 +117,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             for sp in members:  # every member took its shard from the shared storage: free it now
                 if sp.storage_shared and not sp.keep_full:
                     sp.free_full()
-            return ParamGroup(name, members, pool)
+            return ParamGroup(name, members, pool if stage == 3 and not root else None)
 
         wrap = wrap or _default_wrap(model)
         shared = _shared_parameters(model)  # to the root group (Note [shared parameters])
