@@ -151,6 +151,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                         "plan, call parallel_layers.tensor_parallel.parallelize(model, plan, tp_group=...)")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got {zero_stage!r}")
+    if token_count is not None and not callable(token_count):  # else it would raise on the last stage only
+        raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
+                        f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
     activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
     pp = ctx.dims.pp
     microbatches = microbatches if microbatches is not None else (2 * pp if pp > 1 else 1)

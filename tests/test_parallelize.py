@@ -155,6 +155,7 @@ def _refusals(rank, world):
         lambda m: parallelize(m, ctx, optimizer=_sgd, loss_fn=m.loss, pipeline_layers="layers",
                               activation_checkpointing=True),
         lambda m: parallelize(m, ctx, optimizer=_sgd, loss_fn=m.loss, pipeline_layers="layers", zero_stage=4),
+        lambda m: parallelize(m, ctx, optimizer=_sgd, loss_fn=m.loss, pipeline_layers="layers", token_count=12),
     ]
     for call in calls:
         try:
@@ -166,7 +167,7 @@ def _refusals(rank, world):
 
 def test_refusals_name_the_fix():
     for messages in run_distributed(_refusals, 2, timeout_s=120):
-        assert len(messages) == 6, messages
+        assert len(messages) == 7, messages
         assert messages[0].startswith("TypeError: parallelize(model, ctx, ...) composes") and \
             "parallel_layers.tensor_parallel.parallelize(model, plan, tp_group=...)" in messages[0]
         assert "a pipeline (pp=2, microbatches=4) needs pipeline_layers=" in messages[1]
@@ -177,3 +178,4 @@ def test_refusals_name_the_fix():
         assert messages[4].startswith("ValueError: activation_checkpointing must be one of None, 'full', "
                                       "'selective'") and messages[4].endswith("got True"), messages[4]
         assert "zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got 4" in messages[5]
+        assert messages[6].startswith("TypeError: token_count must be None or a function") and "got int" in messages[6]
