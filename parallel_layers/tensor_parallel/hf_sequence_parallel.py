@@ -34,9 +34,10 @@ forward of each supported family (transformers 5.23, `FAMILIES`):
     the sequence length from its input (`input_shape = hidden_states.shape[:-1]`) to shape its
     heads, so it must see the whole sequence; it then applies the full-length rotary cos / sin
     and mask to the full-length q and k. One all-gather serves every column layer of the region
-    (q, k and v read one input), so those layers are `gathered_input=True`: no gather of their
+    (q, k and v read one input), so those layers are `shared_input=True`: no gather of their
     own, and their input gradients stay partial (each rank's heads); the region input is read by
-    nothing else in these families, so the gather's backward reduce-scatters the sum.
+    nothing else in these families, so the gather's backward reduce-scatters the sum. Plain
+    tensor parallelism does the same with an all-reduce (Note [one reduction per region]).
   - Exit: the region's row layers (`o_proj` / `down_proj`, GPT-2's `c_proj`s) reduce-scatter on
     the sequence dim instead of all-reducing (backward: all-gather).
   - Gather at the output of the final norm (a forward hook): the head computes the logits and
@@ -75,7 +76,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers.tensor_parallel import comm
-from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, reduce_grad_over_tp
+from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, SwiGLUMLP, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
 
 SEQ_DIM = 1  # [batch, seq, hidden]
@@ -133,6 +134,18 @@ def find_layout(model: nn.Module) -> Layout:
                   _join(base_name, norm_attr), _join(base_name, embedding) if embedding else None)
 
 
+def known_layout(model: nn.Module) -> Layout | None:
+    """find_layout's answer for a supported family without cross-attention, None (no error) for
+    anything else."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in FAMILIES or getattr(config, "add_cross_attention", False):
+        return None
+    try:
+        return find_layout(model)
+    except ValueError:  # not built as transformers builds the family
+        return None
+
+
 def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
@@ -181,9 +194,7 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
         embedding.partial_output = True
     first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0], partial)),
                                     with_kwargs=True)
-    regions = {name.rpartition(".")[0] for name, m in modules.items()
-               if layout.holds(name) and isinstance(m, ColumnParallelLinear)}
-    for region in sorted(regions):
+    for region in sorted(_regions(modules, layout)):
         modules[region].register_forward_pre_hook(
             _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)
     modules[layout.final_norm].register_forward_hook(
@@ -193,6 +204,50 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
             if not hasattr(p, "tp_shard"):  # replicated: norms, row biases (Note [hf sequence parallel boundaries])
                 reduce_grad_over_tp(p, tp_group)
     model._pl_sequence_parallel = layout  # read by the tests and by repr-level inspection
+
+
+def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLinear]]:
+    """Region name -> its column layers: the modules inside the decoder layers that hold
+    column layers as children."""
+    regions: dict[str, list[ColumnParallelLinear]] = {}
+    for name, m in modules.items():
+        if layout.holds(name) and isinstance(m, ColumnParallelLinear):
+            regions.setdefault(name.rpartition(".")[0], []).append(m)
+    return regions
+
+
+# Note [one reduction per region]: a column layer's input gradient is a partial sum on each
+# rank (its slice of the output features), so by itself the layer all-reduces it in backward
+# (Megatron's f). Attention's q, k and v read one input: three all-reduces of three partial
+# sums that autograd then adds, where one all-reduce of their sum gives the same value - the
+# reason Megatron packs them into one QKV layer. Here the modules stay Hugging Face's, so the
+# region does it: under plain tensor parallelism, for the families whose forward was read
+# (FAMILIES: the region's input reaches nothing but its column layers), a region with several
+# column layers and no linear left replicated gets comm.copy_to_tp at its entry (identity
+# forward, all-reduce backward) and its column layers shared_input=True. Per Llama-family
+# decoder layer the backward's all-reduces go from 4 to 2 (q, k, v -> one; gate and up were
+# already one in SwiGLUMLP, which keeps its own, overlapped with its weight-gradient GEMM). What
+# it gives up: each column layer's all-reduce was asynchronous, overlapped with its
+# weight-gradient GEMM; the region's is waited for at once (the norm before it needs the sum).
+# Sequence parallelism's region gather is the same idea (Note [hf sequence parallel
+# boundaries]). A region that holds a replicated linear is left alone: if that linear read the
+# region's input, its whole gradient would be summed tp times.
+def share_region_inputs(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) -> list[str]:
+    """Plain tensor parallelism: one input-gradient all-reduce per region whose column layers
+    share its input (Note [one reduction per region]); returns the regions' names."""
+    modules = dict(model.named_modules())
+    shared = []
+    for region, columns in sorted(_regions(modules, layout).items()):
+        module = modules[region]
+        replicated = [n for n, m in module.named_children() if _is_linear(m)]
+        if len(columns) < 2 or isinstance(module, SwiGLUMLP) or replicated:
+            continue
+        for layer in columns:
+            layer.shared_input = True
+        module.register_forward_pre_hook(_on_hidden_states(lambda x: comm.copy_to_tp(x, tp_group)),
+                                         with_kwargs=True)
+        shared.append(region)
+    return shared
 
 
 def _on_hidden_states(fn):

@@ -8,10 +8,13 @@ Hugging Face's [batch, seq, hidden] (comm.py, Note [strided sequence chunks]).
   ColumnParallelLinear  weight [out / tp, in]: y_r = act(x A_r^T + b_r), output sharded on
                         the last dim. Backward all-reduces (SP: reduce-scatters) grad-input,
                         launched asynchronously and overlapped with the weight-gradient GEMM.
-                        SP with gathered_input=True: the module holding the layer gathered
-                        the sequence once for all its column layers (q, k and v read one
-                        input), so the layer neither gathers nor reduces: its input gradient
-                        is a partial sum that the gather's backward reduce-scatters.
+                        shared_input=True: the layer's input is its region's, read by
+                        every column layer of the region (q, k and v), and the region's
+                        entry does the input's collective once for all of them: under SP
+                        the sequence gather (comm.gather_from_sp, whose backward
+                        reduce-scatters), else comm.copy_to_tp (whose backward
+                        all-reduces). The layer neither gathers nor reduces: its input
+                        gradient is a partial sum (Note [one reduction per region]).
   RowParallelLinear     weight [out, in / tp]: partial outputs all-reduced (SP:
                         reduce-scattered); the replicated bias is added once, after.
 
@@ -96,7 +99,8 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, approximate, group, input_comm, seq_dim):
         # input_comm: "all_reduce" (replicated input), "sequence" (gather the sequence here,
-        # reduce-scatter the input gradient) or "none" (gathered before; gradient left partial)
+        # reduce-scatter the input gradient) or "none" (the region's entry does it, Note [one
+        # reduction per region]; gradient left partial)
         x_full = comm.all_gather(x, seq_dim, group) if input_comm == "sequence" else x
         needs_grad = any(ctx.needs_input_grad[:3])
         if approximate is None:
@@ -123,6 +127,15 @@ class _ColumnLinear(torch.autograd.Function):
         db = db if ctx.has_bias and ctx.needs_input_grad[2] else None
         _wait_input_grad(ctx, handle)
         return dx, dw, db, None, None, None, None
+
+
+def _input_comm(layer: "ColumnParallelLinear") -> str:
+    """The collective a column layer does on its input, _ColumnLinear's input_comm."""
+    if layer.shared_input:  # the region's entry does it (Note [one reduction per region])
+        return "none"
+    if layer.sequence_parallel and comm.group_size(layer.tp_group) > 1:
+        return "sequence"
+    return "all_reduce"
 
 
 def _input_grad(ctx, dz2: Tensor, weight: Tensor, x_shape) -> tuple[Tensor, object]:
@@ -269,7 +282,7 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
                  activation: str | None = None, sequence_parallel: bool = False, seq_dim: int = 0,
-                 gathered_input: bool = False, tp_group: dist.ProcessGroup | None = None, device=None, dtype=None,
+                 shared_input: bool = False, tp_group: dist.ProcessGroup | None = None, device=None, dtype=None,
                  init_method: Callable[[Tensor], None] | None = None, fused_sizes: tuple[int, ...] | None = None,
                  _full: tuple[Tensor, Tensor | None] | None = None):
         super().__init__()
@@ -278,10 +291,8 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True with sequence_parallel=True is not supported: under sequence "
                              "parallelism the column output feeds a RowParallelLinear")
-        if gathered_input and not sequence_parallel:
-            raise ValueError("gathered_input=True needs sequence_parallel=True: it says the sequence was gathered "
-                             "before this layer (comm.gather_from_sp), whose backward reduce-scatters the input "
-                             "gradient that this layer leaves partial")
+        if not isinstance(shared_input, bool):
+            raise TypeError(f"ColumnParallelLinear: shared_input must be True or False, got {shared_input!r}")
         _check_seq_dim(seq_dim, "ColumnParallelLinear")
         check_size(in_features, "ColumnParallelLinear in_features")
         check_size(out_features, "ColumnParallelLinear out_features")
@@ -293,7 +304,7 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
             raise ValueError(f"fused_sizes {fused_sizes} sum to {sum(fused_sizes)}, not out_features {out_features}")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.seq_dim, self.gathered_input = seq_dim, gathered_input
+        self.seq_dim, self.shared_input = seq_dim, shared_input
         self.activation, self.tp_group, self.fused_sizes = activation, tp_group, fused_sizes
         weight, b = _full if _full is not None else _init_full(out_features, in_features, bias, device, dtype,
                                                                 init_method)
@@ -303,10 +314,7 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features, "ColumnParallelLinear", "in_features")
         x, weight, bias = linear_autocast_inputs(x, self.weight, self.bias)
-        input_comm = "all_reduce"
-        if self.sequence_parallel and comm.group_size(self.tp_group) > 1:
-            input_comm = "none" if self.gathered_input else "sequence"
-        y = _ColumnLinear.apply(x, weight, bias, _ACTIVATIONS[self.activation], self.tp_group, input_comm,
+        y = _ColumnLinear.apply(x, weight, bias, _ACTIVATIONS[self.activation], self.tp_group, _input_comm(self),
                                 self.seq_dim % x.dim())
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
@@ -315,7 +323,8 @@ class ColumnParallelLinear(_LinearConversions, nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
                 f"tp={tp}, bias={self.bias is not None}, activation={self.activation}, "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
-                + (f", seq_dim={self.seq_dim}, gathered_input={self.gathered_input}" if self.sequence_parallel else ""))
+                + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else "")
+                + (", shared_input=True" if self.shared_input else ""))
 
 
 class RowParallelLinear(_LinearConversions, nn.Module):
@@ -387,7 +396,7 @@ class SwiGLUMLP(nn.Module):
                              f"and {tuple(up_proj.weight.shape)}, bias {gate_proj.bias is not None} and "
                              f"{up_proj.bias is not None}")
         if isinstance(gate_proj, ColumnParallelLinear):
-            settings = ("tp_group", "sequence_parallel", "seq_dim", "gathered_input", "gather_output", "activation")
+            settings = ("tp_group", "sequence_parallel", "seq_dim", "shared_input", "gather_output", "activation")
             differ = [a for a in settings if getattr(gate_proj, a) != getattr(up_proj, a)]
             if differ or gate_proj.gather_output or gate_proj.activation or gate_proj.fused_sizes:
                 raise ValueError(f"SwiGLUMLP: gate_proj and up_proj must be plain column layers with the same "
@@ -413,9 +422,7 @@ class SwiGLUMLP(nn.Module):
         group, input_comm, seq_dim = None, "none", 0  # plain nn.Linear: no collective at all
         if isinstance(gate, ColumnParallelLinear):  # as ColumnParallelLinear.forward decides
             _check_input(x, gate.in_features, "SwiGLUMLP gate_proj/up_proj", "in_features")
-            group, seq_dim, input_comm = gate.tp_group, gate.seq_dim % x.dim(), "all_reduce"
-            if gate.sequence_parallel and comm.group_size(group) > 1:
-                input_comm = "none" if gate.gathered_input else "sequence"
+            group, seq_dim, input_comm = gate.tp_group, gate.seq_dim % x.dim(), _input_comm(gate)
         xc, w_gate, b_gate = linear_autocast_inputs(x, gate.weight, gate.bias)
         _, w_up, b_up = linear_autocast_inputs(x, up.weight, up.bias)
         return self.down_proj(_ColumnSwiGLU.apply(xc, w_gate, w_up, b_gate, b_up, group, input_comm, seq_dim))

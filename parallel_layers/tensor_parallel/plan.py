@@ -42,7 +42,9 @@ Without a plan, a Hugging Face model's published one is used (Note [published pl
 sequence_parallel=True (Hugging Face Llama, Mistral, Qwen2 and GPT-2 decoders, activations
 [batch, seq, hidden]): between the attention and MLP regions each rank holds 1 / tp of the
 sequence; the split, the gathers and the gradient sums are hf_sequence_parallel.py's (Note [hf
-sequence parallel boundaries]).
+sequence parallel boundaries]). Without it, in the same families, a region whose column layers
+read one input (attention's q, k and v) all-reduces their input gradients once, at its entry
+(Note [one reduction per region]).
 
 fused_kernels=True (the default): after the conversion, a Hugging Face decoder's SwiGLU MLPs
 (gate_proj and up_proj column-parallel, down_proj row-parallel) become SwiGLUMLP, one packed
@@ -269,7 +271,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)
             layer = ColumnParallelLinear(
                 in_features, out_features, bias is not None, tp_group=tp_group, gather_output=spec.gather_output,
-                activation=spec.activation, fused_sizes=fused, _full=(weight, bias), gathered_input=bool(sp), **sp)
+                activation=spec.activation, fused_sizes=fused, _full=(weight, bias), shared_input=bool(sp), **sp)
         else:
             layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
@@ -278,6 +280,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         fused_modules.fuse(model)
     if sp_layout is not None:
         hf_sequence_parallel.apply(model, sp_layout, tp_group)
+    elif (layout := hf_sequence_parallel.known_layout(model)) is not None:
+        hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
     return model
 
 

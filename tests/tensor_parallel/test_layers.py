@@ -240,10 +240,11 @@ def _count_collectives():
 def _count_layer(rank, ws, kind, sequence_parallel):
     group = dist.group.WORLD
     torch.manual_seed(0)
-    if kind == "column":
+    if kind in ("column", "shared column"):
+        shared = kind == "shared column"  # its region's entry gathered / reduces for it: whole sequence
         layer = ColumnParallelLinear(D_MODEL, HIDDEN, activation="gelu", tp_group=group,
-                                     sequence_parallel=sequence_parallel)
-        x = torch.randn(SEQ // (ws if sequence_parallel else 1), BATCH, D_MODEL, requires_grad=True)
+                                     sequence_parallel=sequence_parallel, shared_input=shared)
+        x = torch.randn(SEQ // (ws if sequence_parallel and not shared else 1), BATCH, D_MODEL, requires_grad=True)
     else:
         layer = RowParallelLinear(HIDDEN, D_MODEL, bias=False, tp_group=group, sequence_parallel=sequence_parallel)
         x = torch.randn(SEQ, BATCH, HIDDEN // ws, requires_grad=True)
@@ -258,6 +259,8 @@ def _count_layer(rank, ws, kind, sequence_parallel):
 EXPECTED = {
     ("column", False): ({}, {"all_reduce": 1}),
     ("column", True): ({"all_gather_single": 1}, {"reduce_scatter_single": 1}),
+    ("shared column", False): ({}, {}),  # Note [one reduction per region]: the region's copy_to_tp reduces
+    ("shared column", True): ({}, {}),  # the region's gather_from_sp gathers and reduce-scatters
     ("row", False): ({"all_reduce": 1}, {}),
     ("row", True): ({"reduce_scatter_single": 1}, {"all_gather_single": 1}),
 }

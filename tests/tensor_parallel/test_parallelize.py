@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from parallel_layers.tensor_parallel import Column, VocabParallel, gather_full, parallelize
 from tests.dist_harness import run_distributed
+from tests.tensor_parallel.test_layers import _count_collectives
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,6 +45,8 @@ def _build(kind):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)), LLAMA_PLAN
     if kind == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**small)), LLAMA_PLAN
+    if kind == "llama_unfused":  # built the same; parallelized with fused_kernels=False
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)), LLAMA_PLAN
     if kind == "llama_vocab":  # the embedding split on the vocabulary too, by transformers' spelling
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)), \
             {**LLAMA_PLAN, "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
@@ -63,11 +66,13 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
     ref, plan = _build(kind)
     if plan_free:  # the model's published plan (GPT-2: the built-in one)
         plan = None
+    fused = kind != "llama_unfused"
     if directory is None:
-        par = parallelize(copy.deepcopy(ref), plan, tp_group=group)
+        par = parallelize(copy.deepcopy(ref), plan, tp_group=group, fused_kernels=fused)
     else:  # both loaded from save_pretrained's files: parameters in memory-mapped storage
         ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
-        par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), plan, tp_group=group)
+        par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), plan, tp_group=group,
+                          fused_kernels=fused)
     ref.train()
     par.train()
     g = torch.Generator().manual_seed(1)
@@ -99,24 +104,37 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
             want = want.t()
         worst[f"param {name}"] = _rel(full, want)
     sharded = sum(hasattr(p, "tp_shard") for p in par.parameters())
-    return worst, sharded
+    ids = torch.randint(0, 96, (2, 16), generator=g)
+    out = par(input_ids=ids, labels=ids)
+    with _count_collectives() as backward:
+        out.loss.backward()
+    return worst, sharded, backward["all_reduce"]
+
+
+# Input-gradient all-reduces of one backward (2 decoder layers), Note [one reduction per region]:
+# per Llama layer one at the attention's entry for q, k and v, and the MLP's one (SwiGLUMLP's;
+# unfused: its region's entry for gate and up); GPT-2's packed c_attn and its c_fc one each.
+# Plus the untied head's column layer (published plans, llama_vocab). Per-layer reductions were
+# 4 a Llama layer (q, k, v, the fused MLP), 5 unfused.
+BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
-                                             ("llama_vocab", True)])
+                                             ("llama_vocab", True), ("llama_unfused", False)])
 def test_hf_model_parallelized_matches_single_process(kind, pretrained, tmp_path):
     directory = None
     if pretrained:
         _build(kind)[0].save_pretrained(tmp_path)
         directory = str(tmp_path)
-    _check_parity(_hf_parity, (kind, 3, directory))
+    _check_parity(_hf_parity, (kind, 3, directory), all_reduces=BACKWARD_ALL_REDUCES[kind])
 
 
-def _check_parity(fn, args, min_sharded=1):
-    for rank, (worst, sharded) in enumerate(run_distributed(fn, 2, args=args, timeout_s=300)):
+def _check_parity(fn, args, all_reduces, min_sharded=1):
+    for rank, (worst, sharded, backward_all_reduces) in enumerate(run_distributed(fn, 2, args=args, timeout_s=300)):
         assert sharded >= min_sharded
         bad = {k: v for k, v in worst.items() if not v < RTOL}
         assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
+        assert backward_all_reduces == all_reduces, (rank, backward_all_reduces)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
@@ -128,7 +146,8 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # Qwen2); GPT-2: 2 layers x (c_attn weight and bias, c_fc weight and bias, the two row
     # weights) = 12 (row biases stay replicated; its head is tied, so its embedding too).
     _build(kind)[0].save_pretrained(tmp_path)
-    _check_parity(_hf_parity, (kind, 3, str(tmp_path), True), min_sharded=12 if kind == "gpt2" else 16)
+    _check_parity(_hf_parity, (kind, 3, str(tmp_path), True), min_sharded=12 if kind == "gpt2" else 16,
+                  all_reduces=BACKWARD_ALL_REDUCES["gpt2" if kind == "gpt2" else "plan_free"])
 
 
 def test_hf_style_names_in_a_plan_and_refused_ones():
@@ -198,3 +217,31 @@ def test_fused_needs_a_column_that_applies_it():
         parallelize(copy.deepcopy(model), {"0": Column(activation="gelu"), "1": "fused", "2": "row"})
     converted = parallelize(copy.deepcopy(model), {"0": Column(activation="gelu_tanh"), "1": "fused", "2": "row"})
     assert isinstance(converted[1], nn.Identity)
+
+
+def test_which_regions_share_one_input_reduction():
+    """Note [one reduction per region], decided at conversion (the fake process group, tp=2, no
+    forward): attention's q, k and v share the region's all-reduce; the fused MLP keeps its own
+    (overlapped with its weight-gradient GEMM), the unfused one shares; a region that holds a
+    linear left replicated is left alone, as is GPT-2's single column layer per region."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def shared(kind, plan=None, **kwargs):
+        model = parallelize(_build(kind)[0], plan, tp_group=dist.group.WORLD, **kwargs)
+        return sorted(name.removeprefix("model.layers.0.").removeprefix("transformer.h.0.")
+                      for name, m in model.named_modules()
+                      if getattr(m, "shared_input", False) and name.startswith(("model.layers.0.", "transformer.h.0.")))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        attention, mlp = ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
+        assert shared("llama") == attention
+        assert shared("llama", fused_kernels=False) == mlp + attention
+        v_replicated = {k: v for k, v in LLAMA_PLAN.items() if "[qkv]" not in k}
+        v_replicated["model.layers.*.self_attn.[qk]_proj"] = "column"
+        assert shared("llama", v_replicated, fused_kernels=False) == mlp
+        assert shared("gpt2") == []
+        # under sequence parallelism every column layer of a region reads its gathered input
+        assert shared("llama", sequence_parallel=True, fused_kernels=False) == mlp + attention
+    finally:
+        dist.destroy_process_group()

@@ -234,9 +234,8 @@ def test_refusals_before_any_conversion():
 def test_sequence_layer_arguments():
     from parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    with pytest.raises(ValueError, match=r"gathered_input=True needs sequence_parallel=True: it says the sequence was "
-                                         r"gathered before this layer \(comm.gather_from_sp\)"):
-        ColumnParallelLinear(4, 4, gathered_input=True)
+    with pytest.raises(TypeError, match=r"ColumnParallelLinear: shared_input must be True or False, got 'yes'"):
+        ColumnParallelLinear(4, 4, shared_input="yes")
     with pytest.raises(TypeError, match=r"ColumnParallelLinear: seq_dim must be an int \(0 for \[seq, batch, hidden\], "
                                         r"1 for \[batch, seq, hidden\]\), got '1'"):
         ColumnParallelLinear(4, 4, sequence_parallel=True, seq_dim="1")
