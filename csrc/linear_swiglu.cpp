@@ -196,9 +196,9 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
 // place (the output's row stride 2N is BLAS's ldc, so nothing is copied). Each output element is
 // the same K-long dot product either way. Which is faster depends on the BLAS: on this project's
 // 2-core AVX-512 machine (MKL for float32, oneDNN for bfloat16; x [M, K], N gate columns; median
-// of 30 interleaved calls, both threads) two float32 GEMMs took 0.92 / 0.95 / 0.99x the packed
-// one's time at 512x512x1376 / 512x1024x2816 / 1024x2048x5632, and two bfloat16 GEMMs
-// 1.05 / 1.04 / 1.02x. So float32 and float64 (MKL both) split; 16-bit types keep one GEMM.
+// of 25-30 interleaved calls, both threads) two float32 GEMMs took 0.98 / 0.97 / 0.99x and, in
+// a second run, 0.92 / 0.95 / 0.99x the packed one's time at 512x512x1376 / 512x1024x2816 /
+// 1024x2048x5632; two bfloat16 GEMMs 1.05 / 1.04 / 1.02x. So float32 and float64 (MKL both) split; 16-bit types keep one GEMM.
 // The backward's GEMMs (dz @ W, dz^T @ x) split gained nothing (1.00-1.04x) and stay packed.
 std::vector<std::pair<int64_t, int64_t>> forward_gemm_columns(at::ScalarType dtype, int64_t n) {
   if (dtype == at::kFloat || dtype == at::kDouble) return {{0, n}, {n, 2 * n}};
