@@ -103,8 +103,9 @@ namespace parallel_layers {
 // Note [weight-gradient operand layout]: the one rule for the layout in which the GEMM
 // dweight = dz^T @ x gets dz^T, on every path that computes a linear layer's weight gradient
 // (linear_gelu_backward and linear_weight_grad, CPU and CUDA; the tensor-parallel layers call
-// the latter). On CPU in bfloat16 it gets a row-major [N, M] copy of dz^T; everywhere else it
-// reads the transposed view of dz, as eager autograd does.
+// the latter). In bfloat16 on a CPU with bfloat16 dot-product instructions (cpu_has_native_bf16)
+// it gets a row-major [N, M] copy of dz^T; everywhere else it reads the transposed view of dz,
+// as eager autograd does.
 // - bfloat16 on CPU: ATen's oneDNN GEMM runs 2-2.5x slower from a transposed first operand on
 //   a CPU with AMX (M x K x N = 2048x1024x4096: dz.t() @ x 15.2 ms, a row-major dz^T 6.8 ms;
 //   4096x4096x1024: 24.7 vs 14.6 ms; the TP benchmark's dz [1024, 2048], x [1024, 1024], one
@@ -117,10 +118,32 @@ namespace parallel_layers {
 //   view on the AVX-512 CPU (256x256x512: 29.5 vs 14.1 ms; 512x512x1024: 306 vs 115 ms, one
 //   thread), and gained less than any copy costs on the AMX one (5.3 vs 5.9 ms): it keeps the view.
 // - float32 and float64 (MKL) read either layout at the same speed, and so does cuBLAS.
+// - bfloat16 on a CPU without native bfloat16 dot products (no AVX512_BF16, no AMX; e.g. an
+//   AVX2-only AMD EPYC) is the opposite: the row-major dz^T made the GEMM ~11x slower (dz [512,
+//   2752], x [512, 512], both threads: 1161 / 1186 ms against 110 / 101 ms from the view, the copy
+//   2-3 ms), and linear_swiglu's forward + backward took 2742 ms against eager's 1556. So the copy
+//   is made only where cpu_has_native_bf16() says the instructions it was measured with exist.
 // Both layouts accumulate the GEMM in float32 for 16-bit dtypes (the BLAS's own accumulation)
 // and round dweight once; dz is rounded to the dtype first, as eager's gelu_backward does.
+
+namespace {
+
+// Whether this CPU has bfloat16 dot-product instructions (AVX512_BF16 or AMX-BF16), the CPUs on
+// which the row-major dz^T was measured faster. Elsewhere (other x86, other compilers, other
+// architectures) the GEMM reads the view, as eager autograd does.
+bool cpu_has_native_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  static const bool has = __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
 bool weight_grad_wants_dz_t(const at::Tensor& dz) {
-  return dz.device().is_cpu() && dz.scalar_type() == at::kBFloat16;
+  return dz.device().is_cpu() && dz.scalar_type() == at::kBFloat16 && cpu_has_native_bf16();
 }
 
 at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& dz_t, const at::Tensor& x2) {
