@@ -169,9 +169,14 @@ def test_property_16bit_no_worse_than_twice_eager(m, k, n, bias, dtype, seed):
     err = lambda t: (t.double() - ref).abs().max().item()  # noqa: E731
     # With a handful of outputs the max error is one element's rounding, which can land on either
     # side of eager's by chance (m = k = n = 3 in bfloat16 did: 1 ulp vs half of one), so the
-    # bound is 2x eager's or one unit in the last place at the largest output, whichever is larger.
+    # bound is 2x eager's or two units in the last place at the largest output, whichever is
+    # larger. Two, not one: the pre-activation's own rounding (the GEMM's, eager's too) can move
+    # an output by more than an ulp before the epilogue rounds. m = k = 29, n = 1, seed 29 in
+    # bfloat16: from the rounded g, u, silu(g) * u is 0.0132 away from the float64 output;
+    # ours, -2.1875, is that value correctly rounded, 0.0198 (1.27 ulp at 2.17) away; eager's two
+    # roundings landed closer by chance (0.0060).
     ulp = torch.finfo(dtype).eps * ref.abs().max().item() if ref.numel() else 0.0
-    assert err(ours) <= max(2 * err(eager), ulp) + 1e-12  # + 0 when both are exact
+    assert err(ours) <= max(2 * err(eager), 2 * ulp) + 1e-12  # + 0 when both are exact
 
 
 @pytest.mark.parametrize("device", devices())
