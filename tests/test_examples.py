@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("nproc, flags", [(4, ["--dp", "2", "--tp", "2", "--zero", "1"]),
                                           (2, ["--dp", "2", "--zero", "3"]),
-                                          (8, ["--dp", "2", "--tp", "2", "--pp", "2"])])
+                                          # all three axes at once: tests/pipeline/test_composition.py
+                                          # checks that layout against one process, and `make demo` runs it
+                                          pytest.param(8, ["--dp", "2", "--tp", "2", "--pp", "2"],
+                                                       marks=pytest.mark.slow)])
 def test_train_gpt_parity(nproc, flags):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -73,9 +76,14 @@ def test_finetune_hf_parity_and_export(tmp_path, flags, layout):
     assert (tmp_path / "export" / "config.json").exists() and (tmp_path / "checkpoints" / "step_3").is_dir()
 
 
+# Qwen2 and Mistral through this job are slow-only: their pipelined training is checked against
+# plain transformers in tests/hf (test_pipeline_hf, test_load_pretrained); GPT-2 is the family
+# whose plan is not published, so the default run keeps it.
 @pytest.mark.parametrize("family, model, flags", [
-    ("qwen2", "Qwen2ForCausalLM", ["--pp", "2", "--tp", "2", "--activation-checkpointing", "full"]),
-    ("mistral", "MistralForCausalLM", ["--pp", "2", "--dp", "2", "--activation-checkpointing", "selective"]),
+    pytest.param("qwen2", "Qwen2ForCausalLM", ["--pp", "2", "--tp", "2", "--activation-checkpointing", "full"],
+                 marks=pytest.mark.slow),
+    pytest.param("mistral", "MistralForCausalLM", ["--pp", "2", "--dp", "2", "--activation-checkpointing", "selective"],
+                 marks=pytest.mark.slow),
     ("gpt2", "GPT2LMHeadModel", ["--tp", "2", "--dp", "2", "--zero", "3", "--activation-checkpointing", "selective"]),
 ])
 def test_finetune_hf_other_families(tmp_path, family, model, flags):
