@@ -48,7 +48,9 @@ def machine() -> dict:
         pass
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
             "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__}
+            "python": platform.python_version(), "torch": torch.__version__,
+            # False on AVX2-only CPUs: our CPU bfloat16 GEMMs widen to float32 there (docs/kernels.md)
+            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

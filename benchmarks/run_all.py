@@ -94,7 +94,10 @@ def section_linear_swiglu(d: dict) -> list[str]:
     return ["## Fused linear + SwiGLU (`linear_swiglu`)", "",
             "M x K x N = tokens x hidden -> ffn. Speed-up of ours over eager (two F.linear, F.silu, mul: a "
             "Hugging Face Llama MLP's gate and up) and over eager on the packed weight (>1: ours faster), and "
-            "ours over the bare packed GEMM (1.0 is a free epilogue; target <= 1.05 in float32).", ""] + _table(
+            "ours over the bare packed GEMM (1.0 is a free epilogue; target <= 1.05 in float32). On a CPU where "
+            "oneDNN has no bfloat16 (AVX2 only: `oneDNN bf16` in the machine line is False) our bfloat16 GEMMs "
+            "run in float32 (docs/kernels.md) and the eager and GEMM baselines run ATen's slow bfloat16 loops, so "
+            "those ratios measure that, not the epilogue.", ""] + _table(
         ["M x K x N", "dtype", "eager/ours fwd", "eager packed/ours fwd", "ours/GEMM fwd", "eager/ours fwd+bwd",
          "eager packed/ours fwd+bwd", "ours/GEMM fwd+bwd"], rows) + [
         "", "![linear_swiglu](bench_linear_swiglu.png)", ""]
@@ -217,6 +220,7 @@ def write_report(out: Path, runs: list[dict]) -> Path:
     lines = [f"# Benchmark report {stamp} on {host}", ""]
     machine = next((d["machine"] for r in runs if (d := _load(out, r["name"]))), {})
     lines += [f"- machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+              + (f", oneDNN bf16 {machine['onednn_bf16']}" if "onednn_bf16" in machine else "")
               + (f", GPU {machine['gpu']}" if "gpu" in machine else ", no GPU"),
               f"- versions: torch {torch.__version__}, Python {platform.python_version()}",
               "- every ratio compares variants measured in the same run, interleaved round-robin (except "

@@ -25,6 +25,57 @@
 #include "parallel_layers/cpu/linear_panels.h"
 #include "parallel_layers/ops.h"
 
+namespace parallel_layers {
+namespace {
+
+// Whether ATen's oneDNN supports bfloat16 on this CPU (mkldnn::_is_mkldnn_bf16_supported; it
+// needs AVX-512 or AMX on x86). Where it does not, ATen's bfloat16 GEMM runs its own loops.
+bool onednn_supports_bf16() {
+  static const bool supported = [] {
+    const auto check = c10::Dispatcher::singleton().findOp({"mkldnn::_is_mkldnn_bf16_supported", ""});
+    if (!check) return false;
+    torch::jit::Stack stack;
+    check->callBoxed(stack);
+    return stack.size() == 1 && stack[0].toBool();
+  }();
+  return supported;
+}
+
+}  // namespace
+
+// Note [bfloat16 GEMM without oneDNN]: where oneDNN has no bfloat16 support (an AVX2-only CPU,
+// e.g. an AMD EPYC before Zen 4), ATen's bfloat16 GEMM falls back to its own loops. On such a
+// CPU (2 cores, both threads, median of 3) the three GEMMs of linear_swiglu at 512x512x1376 took
+// in bfloat16: forward x @ W^T 96 ms, dx = dz @ W 1529 ms, dweight = dz^T @ x 71 ms; widened to
+// float32 (MKL), converted and rounded back included: 22, 19 and 21 ms. Eager autograd runs the
+// same slow loops, so where the fused ops own the GEMM they widen. Each product is accumulated
+// in float32 either way and rounded once to bfloat16 - the value is what the bfloat16 GEMM means,
+// though not necessarily its bits (the summation order is MKL's). CPUs with oneDNN bfloat16
+// (AVX-512, AMX) and every other dtype and device keep ATen's GEMM.
+bool gemm_widens(const at::Tensor& a) {
+  return a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && !onednn_supports_bf16();
+}
+
+at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) {
+  if (!gemm_widens(a)) return at::mm(a, b);
+  return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+}
+
+void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, const at::Tensor& a,
+              const at::Tensor& b) {
+  at::Tensor result = out;  // the *_out functions take a mutable handle; this one shares out's storage
+  if (gemm_widens(a)) {
+    const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+    result.copy_(bias ? at::addmm(bias->to(at::kFloat), a32, b32) : at::mm(a32, b32));
+  } else if (bias) {
+    at::addmm_out(result, *bias, a, b);
+  } else {
+    at::mm_out(result, a, b);
+  }
+}
+
+}  // namespace parallel_layers
+
 namespace parallel_layers::cpu {
 namespace {
 
@@ -36,14 +87,8 @@ namespace {
 // op and this CPU supports oneDNN bfloat16; training keeps our path, which also writes z.
 std::optional<at::Tensor> onednn_bf16_linear_gelu(const at::Tensor& x2, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias, GeluApprox approx) {
-  static const auto supported = [] {
-    const auto check = c10::Dispatcher::singleton().findOp({"mkldnn::_is_mkldnn_bf16_supported", ""});
-    const auto fused = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
-    if (!check || !fused) return false;
-    torch::jit::Stack stack;
-    check->callBoxed(stack);
-    return stack.size() == 1 && stack[0].toBool();
-  }();
+  static const bool supported =
+      onednn_supports_bf16() && c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
   if (!supported || x2.scalar_type() != at::kBFloat16) return std::nullopt;
   static const auto fused = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel of ours: no graph for the inner op
@@ -82,12 +127,8 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
       // The bias goes into the GEMM (addmm accumulates it before the one rounding to the
       // output dtype); adding it in the epilogue instead saved ~4% in float32 but rounded
       // 16-bit outputs twice (up to 7x eager's error in bfloat16).
-      at::Tensor acc_panel = acc.slice(0, r0, r1);
-      if (bias) {
-        at::addmm_out(acc_panel, *bias, x2.slice(0, r0, r1), wt);
-      } else {
-        at::mm_out(acc_panel, x2.slice(0, r0, r1), wt);
-      }
+      // Note [bfloat16 GEMM without oneDNN]: gemm_out widens where ATen's bfloat16 GEMM is slow.
+      gemm_out(acc.slice(0, r0, r1), bias, x2.slice(0, r0, r1), wt);
       at::parallel_for(r0, r1, rows_per_task(N), [&](int64_t begin, int64_t end) {
         gelu_epilogue(acc.slice(0, begin, end), std::nullopt, at::Tensor(), y.slice(0, begin, end), approx);
       });
@@ -149,7 +190,7 @@ bool weight_grad_wants_dz_t(const at::Tensor& dz) {
 at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& dz_t, const at::Tensor& x2) {
   if (dz_t.defined()) return at::mm(dz_t, x2);
   if (weight_grad_wants_dz_t(dz)) return at::mm(cpu::transpose_2d(dz), x2);
-  return at::mm(dz.t(), x2);
+  return gemm(dz.t(), x2);  // Note [bfloat16 GEMM without oneDNN]
 }
 
 }  // namespace parallel_layers
@@ -184,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
   } else if (need_db) {  // only the bias gradient is wanted: dz is written to scratch and dropped
     db = dgelu_parallel(dy, z, dz_buf->tensor(), at::Tensor(), /*want_dbias=*/true, approx);
   }
-  at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
+  at::Tensor dx = need_dx ? gemm(dz, weight).view(x.sizes()) : empty();
   at::Tensor dw = need_dw ? weight_grad(dz, dz_t, x2) : empty();
   return {dx, dw, need_db ? db : empty()};
 }

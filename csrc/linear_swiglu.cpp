@@ -229,12 +229,9 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
       // Note [split forward GEMM]: in float32 / float64 the gate and up halves are two GEMMs.
       const at::Tensor xr = x2.slice(0, r0, r1);
       for (const auto& [c0, c1] : forward_gemm_columns(x.scalar_type(), N)) {
-        at::Tensor out = acc.slice(1, c0, c1);  // BLAS writes the strided half in place (ldc = 2N)
-        if (bias) {
-          at::addmm_out(out, bias->slice(0, c0, c1), xr, wt.slice(1, c0, c1));
-        } else {
-          at::mm_out(out, xr, wt.slice(1, c0, c1));
-        }
+        // BLAS writes the strided half in place (ldc = 2N); Note [bfloat16 GEMM without oneDNN].
+        gemm_out(acc.slice(1, c0, c1), bias ? std::optional(bias->slice(0, c0, c1)) : std::nullopt, xr,
+                 wt.slice(1, c0, c1));
       }
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "linear_swiglu", [&] {
         const scalar_t* zp = acc.const_data_ptr<scalar_t>();
@@ -262,7 +259,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
   const Scratch dz_buf(0, {M, N2}, x.options());  // Note [backward scratch on CPU]
   const at::Tensor& dz = dz_buf.tensor();
   at::Tensor db = dswiglu_parallel(dy, z, dz, need_db);
-  at::Tensor dx = need_dx ? at::mm(dz, weight).view(x.sizes()) : empty();
+  // Note [bfloat16 GEMM without oneDNN]: gemm (and weight_grad) widen where ATen's is slow.
+  at::Tensor dx = need_dx ? gemm(dz, weight).view(x.sizes()) : empty();
   // Note [weight-gradient operand layout]: on CPU in bfloat16 weight_grad copies dz^T first.
   at::Tensor dw = need_dw ? weight_grad(dz, at::Tensor(), x.reshape({M, K})) : empty();
   return {dx, dw, need_db ? db : empty()};

@@ -1,4 +1,5 @@
-"""Error measures shared by the op tests: compare against float64 references."""
+"""Error measures shared by the op tests: compare against float64 references; and how the CPU
+ops' bfloat16 GEMMs run on this machine."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def assert_within_rounding(actual: torch.Tensor, reference: torch.Tensor, scale:
             f"{what}: {int(bad.sum())} of {err.numel()} elements beyond {ulps} ulps of {actual.dtype}; first at flat "
             f"index {i}: got {actual.flatten()[i].item()!r}, reference {reference.flatten()[i].item()!r}, "
             f"error {err.flatten()[i].item():.3g} > bound {bound.flatten()[i].item():.3g}")
+
+
+# Note [bfloat16 GEMM without oneDNN] (csrc/linear_gelu.cpp): where ATen's oneDNN has no bfloat16
+# support on this CPU, the fused ops' bfloat16 GEMMs are float32 products rounded once.
+BF16_GEMMS_WIDEN = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def conversions_inside(fn) -> int:
+    """How many dtype conversions (aten::_to_copy) fn makes: the profiler sees the ATen calls a
+    C++ kernel makes inside an op, which a dispatch mode does not."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name == "aten::_to_copy" for e in prof.events())

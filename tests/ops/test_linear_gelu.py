@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel_layers  # noqa: F401  (registers the ops)
 from parallel_layers.ops import bias_gelu_backward, linear_autocast_inputs, linear_gelu, linear_weight_grad, transpose_2d
-from tests.ops.numerics import devices, max_abs_error
+from tests.ops.numerics import BF16_GEMMS_WIDEN, conversions_inside, devices, max_abs_error
 
 APPROX = ["none", "tanh"]
 # (x shape, out_features): degenerate M, N, K, odd sizes, 3-D, one big enough for several
@@ -524,3 +524,27 @@ def test_bfloat16_inference_uses_the_onednn_post_op(approximate):
     assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], approximate))
     y_train, z_train = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, True)
     assert torch.equal(z_train, F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bfloat16_gemms_widen_where_onednn_has_no_bfloat16(dtype):
+    """Note [bfloat16 GEMM without oneDNN]: where ATen's bfloat16 GEMM has no oneDNN kernel, the
+    op's GEMMs (forward with its bias, dx, dW, linear_weight_grad) are float32 products rounded
+    once; elsewhere, and for the other dtypes, ATen's GEMM of the dtype, with no conversion."""
+    x, w, b = _inputs((64, 300), 96, dtype, "cpu")
+    dy = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    widens = BF16_GEMMS_WIDEN and dtype == torch.bfloat16
+    f32 = lambda t: t.float()  # noqa: E731
+    _, z = torch.ops.parallel_layers.linear_gelu(x, w, b, "tanh", True)
+    dx, dw, _ = torch.ops.parallel_layers.linear_gelu_backward(dy, x, w, z, "tanh", [True, True, True])
+    dz, _ = bias_gelu_backward(dy, z, "tanh")  # the dz the fused backward computes
+    if widens:
+        assert torch.equal(z, torch.addmm(f32(b), f32(x), f32(w).t()).to(dtype))
+        assert torch.equal(dx, (f32(dz) @ f32(w)).to(dtype))
+        assert torch.equal(dw, (f32(dz).t() @ f32(x)).to(dtype))
+        assert torch.equal(linear_weight_grad(dy, x), (f32(dy).t() @ f32(x)).to(dtype))
+        assert conversions_inside(lambda: linear_weight_grad(dy, x)) == 3  # two operands widened, dW narrowed
+    else:
+        assert torch.equal(z, F.linear(x, w, b))
+        assert conversions_inside(lambda: linear_weight_grad(dy, x)) == 0
+        assert conversions_inside(lambda: torch.ops.parallel_layers.linear_gelu(x, w, b, "tanh", True)) == 0

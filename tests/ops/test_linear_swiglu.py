@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import parallel_layers  # noqa: F401  (registers the ops)
 from parallel_layers import ops
 from parallel_layers.ops import linear_swiglu
-from tests.ops.numerics import devices, max_abs_error
+from tests.ops.numerics import BF16_GEMMS_WIDEN, conversions_inside, devices, max_abs_error
 
 # (x shape, n): degenerate M, N, K, odd sizes, 3-D, and one with two CPU GEMM panels
 # (1100 rows of 2n = 4200 outputs: a 1024-row panel and a 76-row one).
@@ -384,3 +384,25 @@ def test_epilogue_op_is_the_backward_ops_epilogue(shape, n, dtype, device):
     torch.library.opcheck(torch.ops.parallel_layers.swiglu_backward.default, (cast(dy), cast(z), True))
     with pytest.raises(RuntimeError, match=r"swiglu_backward: preact must be the packed pre-activation \[\.\.\., 2n\]"):
         torch.ops.parallel_layers.swiglu_backward(cast(dy), cast(dy), True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bfloat16_gemms_widen_where_onednn_has_no_bfloat16(dtype):
+    """Note [bfloat16 GEMM without oneDNN]: where ATen's bfloat16 GEMM has no oneDNN kernel, the
+    forward (bias included), dx and dW GEMMs are float32 products rounded once; elsewhere, and in
+    float32, ATen's GEMM of the dtype with no conversion."""
+    x, w, b = _inputs((64, 300), 96, dtype, "cpu")
+    dy = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    f32 = lambda t: t.float()  # noqa: E731
+    _, z = torch.ops.parallel_layers.linear_swiglu(x, w, b, True)
+    dx, dw, _ = torch.ops.parallel_layers.linear_swiglu_backward(dy, x, w, z, [True, True, True])
+    dz, _ = ops.swiglu_backward(dy, z)  # the d_preact the fused backward's GEMMs consume
+    if BF16_GEMMS_WIDEN and dtype == torch.bfloat16:
+        assert torch.equal(z, torch.addmm(f32(b), f32(x), f32(w).t()).to(dtype))
+        assert torch.equal(dx, (f32(dz) @ f32(w)).to(dtype))
+        assert torch.equal(dw, (f32(dz).t() @ f32(x)).to(dtype))
+        # x, w and b widened (the product is rounded by copy_ into z, not converted)
+        assert conversions_inside(lambda: torch.ops.parallel_layers.linear_swiglu(x, w, b, True)) == 3
+    else:
+        assert torch.equal(z, F.linear(x, w, b))
+        assert conversions_inside(lambda: torch.ops.parallel_layers.linear_swiglu(x, w, b, True)) == 0

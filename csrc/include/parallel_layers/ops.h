@@ -21,6 +21,15 @@ namespace parallel_layers {
 bool weight_grad_wants_dz_t(const at::Tensor& dz);
 at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& dz_t, const at::Tensor& x2);
 
+// The fused ops' GEMMs (Note [bfloat16 GEMM without oneDNN], csrc/linear_gelu.cpp). For a
+// bfloat16 CPU operand on a CPU where ATen's oneDNN has no bfloat16 support, the operands are
+// widened to float32 and the product (bias included) rounded once into the bfloat16 result;
+// everywhere else these are at::mm / at::addmm_out. gemm_widens says which.
+bool gemm_widens(const at::Tensor& a);
+at::Tensor gemm(const at::Tensor& a, const at::Tensor& b);
+void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, const at::Tensor& a,
+              const at::Tensor& b);
+
 namespace cpu {
 // x [..., n], bias [n] -> (gelu(x + bias), x + bias), both shaped like x.
 std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tensor& bias,
