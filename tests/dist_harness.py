@@ -45,9 +45,13 @@ class DistributedTestFailure(AssertionError):
 
 
 def _worker(fn, rank, world_size, args, init_file, backend, collective_timeout_s, results):
+    import torch
     import torch.distributed as dist
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks share this machine's cores
+    # N ranks share this machine's cores: one intra-op thread each. The environment variable alone
+    # does not do it here - the forkserver imported torch (and its OpenMP) before it was set.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size,
