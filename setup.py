@@ -1,9 +1,9 @@
 """Build of parallel_layers and its extension module parallel_layers._C.
 
-CPU kernels are always compiled. CUDA kernels (csrc/cuda/*.cu) are compiled too when the
-installed torch is a CUDA build and an nvcc is found, for PARALLEL_LAYERS_CUDA_ARCHS
-(default 8.0;9.0+PTX). PARALLEL_LAYERS_FORCE_CPU=1 forces a CPU-only build. MAX_JOBS caps
-the parallel compile jobs (read by torch's ninja builder).
+CPU kernels are always compiled. CUDA kernels (csrc/cuda/*.cu, their ops in csrc/cuda/*.cpp)
+are compiled too when the installed torch is a CUDA build and an nvcc is found, for
+PARALLEL_LAYERS_CUDA_ARCHS (default 8.0;9.0+PTX). PARALLEL_LAYERS_FORCE_CPU=1 forces a CPU-only
+build. MAX_JOBS caps the parallel compile jobs (read by torch's ninja builder).
 """
 
 import os
@@ -77,7 +77,10 @@ def _extension(toolkit, archs):
             "parallel_layers._C", sources, include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx}, extra_link_args=link)
 
-    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
+    # The ops (csrc/cuda/*.cpp, torch's headers) go to the host compiler and only the kernels
+    # (csrc/cuda/*.cu) to nvcc: Note [kernels apart from torch's headers].
+    cuda_dir = ROOT / "csrc" / "cuda"
+    sources += sorted(str(p.relative_to(ROOT)) for p in [*cuda_dir.glob("*.cpp"), *cuda_dir.glob("*.cu")])
     wheels = build_env.nvidia_wheel_dirs(torch.version.cuda.split(".")[0])
     if wheels is None:
         raise RuntimeError(

@@ -2,7 +2,7 @@
 //
 // Tensor ops go through the dispatcher (torch.ops.parallel_layers.*), so autograd,
 // torch.compile and fake tensors work; each backend registers its implementation in
-// csrc/<family>.cpp (CPU) and csrc/cuda/<family>.cu (CUDA). pybind11 carries only build info.
+// csrc/<family>.cpp (CPU) and csrc/cuda/<family>.cpp (CUDA). pybind11 carries only build info.
 #include <string>
 #include <vector>
 

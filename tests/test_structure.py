@@ -30,3 +30,49 @@ def test_consumers_of_the_placement_import_nothing_else_of_the_library(path):
 
 def test_the_check_sees_imports():  # the parser finds what a forbidden import would look like
     assert _imports(ROOT / "data_parallel.py")  # it imports parallel_layers.fault and placement
+
+
+# Note [kernels apart from torch's headers] (csrc/include/parallel_layers/cuda/kernels.h): nvcc
+# compiles only the kernels, against c10's scalar types and our own math headers, so that the
+# CUDA build does not parse torch's headers once per arch; the ops around them are host C++.
+CSRC = ROOT.parent / "csrc"
+KERNEL_HEADERS_ALLOWED = {"ATen/OpMathType.h", "c10/util/Half.h", "c10/util/BFloat16.h",
+                          "c10/cuda/CUDAException.h"}
+
+
+def _includes(path: pathlib.Path, seen: set) -> set[str]:
+    """The <...> headers a file includes, through our own "parallel_layers/..." headers."""
+    import re
+
+    found = set()
+    for kind, name in re.findall(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', path.read_text(), flags=re.M):
+        ours = CSRC / "include" / name
+        if kind == '"' and ours.is_file():
+            if ours not in seen:
+                seen.add(ours)
+                found |= _includes(ours, seen)
+        else:
+            found.add(name)
+    return found
+
+
+KERNEL_SOURCES = sorted((CSRC / "cuda").glob("*.cu"))
+
+
+@pytest.mark.parametrize("path", KERNEL_SOURCES, ids=lambda p: p.name)
+def test_cuda_kernels_include_no_torch_headers(path):
+    torch_headers = {h for h in _includes(path, set()) if h.split("/")[0] in ("ATen", "c10", "torch", "caffe2")}
+    assert torch_headers <= KERNEL_HEADERS_ALLOWED, (
+        f"{path.name} includes {sorted(torch_headers - KERNEL_HEADERS_ALLOWED)}; kernels may use only "
+        f"{sorted(KERNEL_HEADERS_ALLOWED)} of torch (Note [kernels apart from torch's headers])")
+
+
+@pytest.mark.parametrize("path", sorted((CSRC / "cuda").glob("*.cpp")), ids=lambda p: p.name)
+def test_cuda_ops_hold_no_kernels(path):  # the host compiler builds these
+    text = path.read_text()
+    assert "<<<" not in text and "__global__" not in text, f"{path.name} holds device code; move it to a .cu"
+
+
+def test_the_include_check_sees_torch_headers():  # it would catch an op's includes in a kernel file
+    assert KERNEL_SOURCES and "ATen/ATen.h" in _includes(CSRC / "cuda" / "bias_gelu.cpp", set())
+    assert "ATen/core/Tensor.h" in _includes(CSRC / "cuda" / "rms_norm.cpp", set())  # through rms_norm.h

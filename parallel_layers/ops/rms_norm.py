@@ -9,7 +9,8 @@ multiply by weight, as the module does; backward (`rms_norm_backward`, one pass 
 returns dx and this process's dweight, a plain sum over its rows (under sequence parallelism
 the caller sums it over the tensor-parallel group). `rms_norm_add` first adds a residual and
 returns the sum too, the next residual of a decoder. Kernels: csrc/rms_norm.cpp,
-csrc/cuda/rms_norm.cu; the math, once, in csrc/include/parallel_layers/rms_norm.h.
+csrc/cuda/rms_norm.cpp (kernels in csrc/cuda/rms_norm_kernels.cu); the math, once, in
+csrc/include/parallel_layers/rms_norm.h and rms_norm_math.h.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // C++ entry points of the ops, per backend. The dispatcher registrations in
-// csrc/<family>.cpp and csrc/cuda/<family>.cu point at these; the C++ unit tests
+// csrc/<family>.cpp and csrc/cuda/<family>.cpp point at these; the C++ unit tests
 // (tests/cpp) call the CPU ones directly.
 #pragma once
 

@@ -1,6 +1,7 @@
 // RMSNorm (Hugging Face's LlamaRMSNorm, also Qwen2/Qwen3/Mistral) written once for every backend:
-// the per-row math the CPU loops (csrc/rms_norm.cpp) and the CUDA kernels (csrc/cuda/rms_norm.cu)
-// share, the input checks, and the entry points of both backends.
+// the input checks and the entry points of both backends; the per-row math the CPU loops
+// (csrc/rms_norm.cpp) and the CUDA kernels (csrc/cuda/rms_norm_kernels.cu) share is in
+// parallel_layers/rms_norm_math.h.
 //
 // Forward of one row x[0..n) (x already x + residual for rms_norm_add), M the math type (float;
 // double for float64 inputs), in the order and roundings of the Hugging Face module:
@@ -22,28 +23,9 @@
 #include <c10/util/Exception.h>
 
 #include "parallel_layers/checks.h"
-#include "parallel_layers/macros.h"
+#include "parallel_layers/rms_norm_math.h"
 
 namespace parallel_layers {
-
-// 1 / sqrt(sum_sq / n + eps) in M with the Hugging Face module's roundings: the sum rounded to M,
-// divided by n, eps added, then the reciprocal square root (on CPU ATen's float rsqrt is a
-// correctly rounded 1 / sqrt; on CUDA torch.rsqrt is rsqrtf, used here too).
-template <typename M, typename Acc>
-PL_HOST_DEVICE M rms_rstd(Acc sum_sq, int64_t n, M eps) {
-  const M var = static_cast<M>(sum_sq) / static_cast<M>(n);
-#if defined(__CUDA_ARCH__)
-  return ::rsqrt(var + eps);
-#else
-  return M(1) / std::sqrt(var + eps);
-#endif
-}
-
-// dx of one element: rstd * (g - h~ * c), c = mean(g * h~) over the row; see the file comment.
-template <typename M>
-PL_HOST_DEVICE M rms_dx(M g, M h_unrounded, M rstd, M mean_gh) {
-  return rstd * (g - h_unrounded * mean_gh);
-}
 
 // The dtype rstd (and the math) has: float64 for float64 inputs, float32 otherwise.
 inline at::ScalarType rms_math_dtype(at::ScalarType x) { return x == at::kDouble ? at::kDouble : at::kFloat; }

@@ -1,6 +1,6 @@
 // Index arithmetic of the flat buffers that sharded parameters are gathered into and whose
 // gradients are reduce-scattered out of; shared by csrc/shard_copy.cpp and
-// csrc/cuda/shard_copy.cu so the CPU tests cover what the GPU runs.
+// csrc/cuda/shard_copy_kernels.cu so the CPU tests cover what the GPU runs.
 //
 // N tensors, tensor i with numel n_i. Each is padded to a multiple of the world size W and cut
 // into W equal shards of s_i = ceil(n_i / W) elements; rank r holds elements

@@ -1,4 +1,6 @@
-// Fused linear + SwiGLU on CUDA: the same math (parallel_layers/swiglu.h), packed layout
+// Fused linear + SwiGLU on CUDA: the ops around the epilogue kernels of
+// csrc/cuda/linear_swiglu_kernels.cu (Note [kernels apart from torch's headers],
+// parallel_layers/cuda/kernels.h), with the same math (parallel_layers/swiglu.h), packed layout
 // (PackedGateUp) and bias-gradient row chunks (parallel_layers/row_chunks.h) as the CPU op
 // (csrc/linear_swiglu.cpp).
 //
@@ -13,64 +15,19 @@
 // are needed, the weight gradient's through the shared weight_grad.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "parallel_layers/checks.h"
+#include "parallel_layers/cuda/kernels.h"
 #include "parallel_layers/ops.h"
-#include "parallel_layers/row_chunks.h"
-#include "parallel_layers/swiglu.h"
 
 namespace parallel_layers::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-// One thread per output element, grid-stride; math in opmath (float for 16-bit), rounded once.
-template <typename scalar_t>
-__global__ void swiglu_forward_kernel(const scalar_t* __restrict__ z, scalar_t* __restrict__ y, int64_t numel,
-                                      int64_t n) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const PackedGateUp pk{n};
-  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
-    const int64_t row = i / n, col = i - row * n;
-    y[pk.out(row, col)] = static_cast<scalar_t>(
-        swiglu_forward(static_cast<opmath_t>(z[pk.gate(row, col)]), static_cast<opmath_t>(z[pk.up(row, col)])));
-  }
-}
-
-// Thread = one output column, blockIdx.y = one chunk of rows: consecutive threads read
-// consecutive columns (coalesced); each writes its chunk's sums of the rounded d_gate and d_up
-// to partials[chunk, col] and partials[chunk, n + col] - the packed layout again.
-template <typename scalar_t>
-__global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
-                                       scalar_t* __restrict__ dz, at::opmath_type<scalar_t>* __restrict__ partials,
-                                       RowChunks chunks, int64_t n) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const PackedGateUp pk{n};
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t chunk = blockIdx.y;
-  if (col >= n) return;
-  opmath_t acc_g = 0, acc_u = 0;
-  for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
-    opmath_t d_gate, d_up;
-    parallel_layers::swiglu_backward(static_cast<opmath_t>(dy[pk.out(r, col)]), static_cast<opmath_t>(z[pk.gate(r, col)]),
-                    static_cast<opmath_t>(z[pk.up(r, col)]), &d_gate, &d_up);
-    const scalar_t dg = static_cast<scalar_t>(d_gate), du = static_cast<scalar_t>(d_up);
-    dz[pk.gate(r, col)] = dg;
-    dz[pk.up(r, col)] = du;
-    acc_g += static_cast<opmath_t>(dg);  // the rounded values, as the CPU op sums
-    acc_u += static_cast<opmath_t>(du);
-  }
-  partials[pk.gate(chunk, col)] = acc_g;
-  partials[pk.up(chunk, col)] = acc_u;
-}
-
 // d_preact = d_gate | d_up [rows, 2n] and, when need_dbias, dbias [2n] (else an undefined
-// tensor) from dy [rows, n] and z [rows, 2n], both contiguous: one pass of the kernel above.
+// tensor) from dy [rows, n] and z [rows, 2n], both contiguous: one pass of the backward kernel.
 std::tuple<at::Tensor, at::Tensor> dswiglu(const at::Tensor& dy, const at::Tensor& z, bool need_dbias) {
   const int64_t rows = z.size(0), n = z.size(1) / 2;
   at::Tensor dz = at::empty({rows, 2 * n}, z.options());
@@ -78,18 +35,12 @@ std::tuple<at::Tensor, at::Tensor> dswiglu(const at::Tensor& dy, const at::Tenso
   // partials buffer for wide n.
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, /*min_rows=*/16);
   at::Tensor partials = at::empty({chunks.num_chunks(), 2 * n}, z.options().dtype(at::toOpMathType(z.scalar_type())));
-  if (rows > 0 && n > 0) {
-    const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "swiglu_backward_cuda", [&] {
-      swiglu_backward_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-          dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(),
-          partials.mutable_data_ptr<at::opmath_type<scalar_t>>(), chunks, n);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  } else {
-    partials.zero_();
-  }
+  if (rows == 0 || n == 0) partials.zero_();  // the kernel writes every partial of a non-empty z
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "swiglu_backward_cuda", [&] {
+    launch_swiglu_backward<scalar_t>(dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(),
+                                     dz.mutable_data_ptr<scalar_t>(), partials.mutable_data_ptr<opmath_t<scalar_t>>(),
+                                     chunks, n, at::cuda::getCurrentCUDAStream());
+  });
   return {dz, need_dbias ? partials.sum(0).to(z.scalar_type()) : at::Tensor()};
 }
 
@@ -111,14 +62,10 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
   const at::Tensor x2 = x.reshape({M, K});
   const at::Tensor z = bias ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());  // [M, 2N], contiguous
   at::Tensor y = at::empty({M, N}, x.options());
-  const int64_t numel = M * N;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "linear_swiglu_cuda", [&] {
-    swiglu_forward_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        z.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), numel, N);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_swiglu_forward<scalar_t>(z.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), M, N, sms,
+                                    at::cuda::getCurrentCUDAStream());
   });
   return {y.view(out_shape), save_preact ? z.view(pre_shape) : no_preact()};
 }

@@ -10,7 +10,7 @@
 // cuBLASLt's heuristic returns an algorithm. Everything else (exact-erf GeLU, float64, odd
 // shapes - including the out_features == 1 case reported to fault inside cuBLASLt elsewhere)
 // takes the fallback: ATen's addmm (bias inside the GEMM), then our GeLU kernel
-// (csrc/cuda/bias_gelu.cu). Every cuBLASLt status is checked; a heuristic that finds nothing,
+// (csrc/cuda/bias_gelu_kernels.cu). Every cuBLASLt status is checked; a heuristic that finds nothing,
 // or a matmul that reports the configuration unsupported, falls back.
 #include <array>
 #include <atomic>
@@ -184,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
 
 int64_t lt_matmul_calls() { return g_lt_matmul_calls.load(std::memory_order_relaxed); }
 
-// Backward: our fused dgelu + bias-gradient kernel (csrc/cuda/bias_gelu.cu), then the two
+// Backward: our fused dgelu + bias-gradient kernel (csrc/cuda/bias_gelu_kernels.cu), then the two
 // GEMMs that are needed, the weight gradient's through the shared weight_grad (on CUDA it reads
 // dz transposed in place: Note [weight-gradient operand layout], csrc/linear_gelu.cpp).
 // cuBLASLt's DGELU_BGRAD epilogue fuses dgelu into the GEMM that produces grad_y - the

@@ -1,0 +1,90 @@
+// Fused bias-add + GeLU kernels: the math of parallel_layers/gelu.h (as csrc/bias_gelu.cpp
+// runs it) and the row chunks of parallel_layers/row_chunks.h for the bias gradient. Launched
+// by csrc/cuda/bias_gelu.cpp and csrc/cuda/linear_gelu.cpp through
+// parallel_layers/cuda/kernels.h (Note [kernels apart from torch's headers]).
+#include <algorithm>
+
+#include <c10/cuda/CUDAException.h>
+
+#include "parallel_layers/cuda/kernels.h"
+
+namespace parallel_layers::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One thread per element, grid-stride; column = flat index mod n. bias and z may be null
+// (GeLU only, for linear_gelu's fallback, whose GEMM has already added the bias).
+template <GeluApprox kApprox, typename scalar_t>
+__global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ bias,
+                                         scalar_t* __restrict__ y, scalar_t* __restrict__ z, int64_t numel,
+                                         int64_t n) {
+  using M = opmath_t<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+    const M xi = static_cast<M>(x[i]);
+    const M pre = bias ? xi + static_cast<M>(bias[i % n]) : xi;  // keeps -0.0 without a bias
+    if (z) z[i] = static_cast<scalar_t>(pre);
+    y[i] = static_cast<scalar_t>(gelu_forward<kApprox>(pre));
+  }
+}
+
+// Thread = one column, blockIdx.y = one chunk of rows: consecutive threads read consecutive
+// columns (coalesced), and each writes its chunk's column sum to partials[chunk, col].
+template <GeluApprox kApprox, typename scalar_t>
+__global__ void bias_gelu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
+                                          scalar_t* __restrict__ dz, opmath_t<scalar_t>* __restrict__ partials,
+                                          RowChunks chunks, int64_t n) {
+  using M = opmath_t<scalar_t>;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunk = blockIdx.y;
+  if (col >= n) return;
+  M acc = 0;
+  for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
+    const int64_t i = r * n + col;
+    const M g = static_cast<M>(dy[i]) * gelu_derivative<kApprox>(static_cast<M>(z[i]));
+    const scalar_t g_rounded = static_cast<scalar_t>(g);
+    dz[i] = g_rounded;
+    acc += static_cast<M>(g_rounded);  // the rounded values, as the CPU op and eager sum
+  }
+  partials[chunk * n + col] = acc;
+}
+
+}  // namespace
+
+template <typename T>
+void launch_bias_gelu_forward(const T* x, const T* bias, T* y, T* z, int64_t numel, int64_t n, GeluApprox approx,
+                              int sms, cudaStream_t stream) {
+  if (numel == 0) return;
+  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
+  dispatch_gelu_approx(approx, [&](auto a) {
+    bias_gelu_forward_kernel<decltype(a)::value, T>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, bias, y, z, numel, n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+template <typename T>
+void launch_bias_gelu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* partials, RowChunks chunks, int64_t n,
+                               GeluApprox approx, cudaStream_t stream) {
+  if (chunks.rows == 0 || n == 0) return;
+  // gridDim.y is limited to 65535; the ops ask for at most 256 chunks.
+  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
+  dispatch_gelu_approx(approx, [&](auto a) {
+    bias_gelu_backward_kernel<decltype(a)::value, T><<<grid, kThreads, 0, stream>>>(dy, z, dz, partials, chunks, n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+#define PL_INSTANTIATE(T)                                                                                      \
+  template void launch_bias_gelu_forward<T>(const T*, const T*, T*, T*, int64_t, int64_t, GeluApprox, int,     \
+                                            cudaStream_t);                                                    \
+  template void launch_bias_gelu_backward<T>(const T*, const T*, T*, opmath_t<T>*, RowChunks, int64_t,         \
+                                             GeluApprox, cudaStream_t);
+PL_INSTANTIATE(float)
+PL_INSTANTIATE(double)
+PL_INSTANTIATE(c10::Half)
+PL_INSTANTIATE(c10::BFloat16)
+#undef PL_INSTANTIATE
+
+}  // namespace parallel_layers::cuda

@@ -1,0 +1,88 @@
+// SwiGLU epilogue kernels of linear_swiglu: the math of parallel_layers/swiglu.h over the packed
+// pre-activation (PackedGateUp), bias-gradient row chunks of parallel_layers/row_chunks.h, as
+// the CPU op (csrc/linear_swiglu.cpp) runs them. Launched by csrc/cuda/linear_swiglu.cpp through
+// parallel_layers/cuda/kernels.h (Note [kernels apart from torch's headers]).
+#include <algorithm>
+
+#include <c10/cuda/CUDAException.h>
+
+#include "parallel_layers/cuda/kernels.h"
+#include "parallel_layers/swiglu.h"
+
+namespace parallel_layers::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One thread per output element, grid-stride; math in opmath (float for 16-bit), rounded once.
+template <typename scalar_t>
+__global__ void swiglu_forward_kernel(const scalar_t* __restrict__ z, scalar_t* __restrict__ y, int64_t numel,
+                                      int64_t n) {
+  using M = opmath_t<scalar_t>;
+  const PackedGateUp pk{n};
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+    const int64_t row = i / n, col = i - row * n;
+    y[pk.out(row, col)] =
+        static_cast<scalar_t>(swiglu_forward(static_cast<M>(z[pk.gate(row, col)]), static_cast<M>(z[pk.up(row, col)])));
+  }
+}
+
+// Thread = one output column, blockIdx.y = one chunk of rows: consecutive threads read
+// consecutive columns (coalesced); each writes its chunk's sums of the rounded d_gate and d_up
+// to partials[chunk, col] and partials[chunk, n + col] - the packed layout again.
+template <typename scalar_t>
+__global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
+                                       scalar_t* __restrict__ dz, opmath_t<scalar_t>* __restrict__ partials,
+                                       RowChunks chunks, int64_t n) {
+  using M = opmath_t<scalar_t>;
+  const PackedGateUp pk{n};
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunk = blockIdx.y;
+  if (col >= n) return;
+  M acc_g = 0, acc_u = 0;
+  for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
+    M d_gate, d_up;
+    parallel_layers::swiglu_backward(static_cast<M>(dy[pk.out(r, col)]), static_cast<M>(z[pk.gate(r, col)]),
+                                     static_cast<M>(z[pk.up(r, col)]), &d_gate, &d_up);
+    const scalar_t dg = static_cast<scalar_t>(d_gate), du = static_cast<scalar_t>(d_up);
+    dz[pk.gate(r, col)] = dg;
+    dz[pk.up(r, col)] = du;
+    acc_g += static_cast<M>(dg);  // the rounded values, as the CPU op sums
+    acc_u += static_cast<M>(du);
+  }
+  partials[pk.gate(chunk, col)] = acc_g;
+  partials[pk.up(chunk, col)] = acc_u;
+}
+
+}  // namespace
+
+template <typename T>
+void launch_swiglu_forward(const T* z, T* y, int64_t rows, int64_t n, int sms, cudaStream_t stream) {
+  const int64_t numel = rows * n;
+  if (numel == 0) return;
+  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
+  swiglu_forward_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(z, y, numel, n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_swiglu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* partials, RowChunks chunks, int64_t n,
+                            cudaStream_t stream) {
+  if (chunks.rows == 0 || n == 0) return;
+  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
+  swiglu_backward_kernel<T><<<grid, kThreads, 0, stream>>>(dy, z, dz, partials, chunks, n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+#define PL_INSTANTIATE(T)                                                                              \
+  template void launch_swiglu_forward<T>(const T*, T*, int64_t, int64_t, int, cudaStream_t);           \
+  template void launch_swiglu_backward<T>(const T*, const T*, T*, opmath_t<T>*, RowChunks, int64_t,    \
+                                          cudaStream_t);
+PL_INSTANTIATE(float)
+PL_INSTANTIATE(double)
+PL_INSTANTIATE(c10::Half)
+PL_INSTANTIATE(c10::BFloat16)
+#undef PL_INSTANTIATE
+
+}  // namespace parallel_layers::cuda
