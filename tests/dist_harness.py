@@ -10,8 +10,8 @@ list indexed by rank. The run fails, never hangs:
 - ranks still running after `timeout_s` are killed and the run fails, naming them;
 - a collective that never completes raises inside its rank after `collective_timeout_s`
   (the process group's own timeout), which then fails the run as above.
-Workers start from a forkserver that has imported torch once, so a run costs a fork, not
-a fresh interpreter per rank.
+Workers start from a forkserver that has imported torch, the library and transformers' model
+families once, so a run costs a fork, not a fresh interpreter and its imports per rank.
 
 One failure is not the code under test: gloo's TCP rendezvous (`connectFullMesh`, run while a
 process group is created) rarely sees a peer's half-open socket closed under load (seen once in
@@ -37,7 +37,17 @@ _GRACE_S = 2.0  # after a first failure, how long to collect the other ranks' re
 _RENDEZVOUS_RETRIES = 2
 _RENDEZVOUS_FLAKE = "Gloo connectFullMesh failed"
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed"])
+# What the test functions import, loaded once into the forkserver so that no rank pays for it
+# again: `from transformers import LlamaForCausalLM` alone costs ~3 s of CPU in a process that
+# has torch, and the ranks of a run share 2 cores. With only torch preloaded, tests/hf +
+# tests/tensor_parallel/test_parallelize.py took 101 s here, with this list 23 s, and the whole
+# default pytest run 7.7 min. A module missing here is imported by the rank as before.
+_ctx.set_forkserver_preload([
+    "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor", "parallel_layers",
+    "parallel_layers.hf", "transformers", "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2", "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.mistral.modeling_mistral",
+])
 
 
 class DistributedTestFailure(AssertionError):
