@@ -44,8 +44,8 @@ cpp-test: $(STAMP)
 pytest: build
 	$(PY) -m pytest
 
-# The tests marked slow (pyproject.toml: more schedule shapes, repeated exit races, the
-# CPU-only build), which `make test` leaves out; test-all runs everything.
+# The tests marked slow (pyproject.toml: repeated exit races, the CPU-only build, more example
+# runs under torchrun), which `make test` leaves out; test-all runs everything.
 test-slow: build
 	$(PY) -m pytest -m slow
 
