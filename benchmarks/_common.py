@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+import parallel_layers
+
 # BENCH_RESULTS_DIR redirects every script's output (run_all.py --out, the smoke test).
 RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
@@ -50,7 +52,9 @@ def machine() -> dict:
             "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             # False on AVX2-only CPUs: our CPU bfloat16 GEMMs widen to float32 there (docs/kernels.md)
-            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            # where our fused ops' float32 CPU GEMMs run (Note [float32 GEMMs through oneDNN], csrc/gemm.cpp)
+            "fp32_cpu_gemm": parallel_layers._C._fp32_cpu_gemm()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

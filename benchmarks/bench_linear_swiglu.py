@@ -13,6 +13,13 @@ forward + backward:
   GEMM          F.linear on the packed weight alone: the bare packed GEMM, the practical limit of
                 the forward (ours / GEMM = 1.0 is a free epilogue)
   compile       torch.compile of eager packed, with --compile
+and, on CPU in float32, the same through oneDNN's matmul (ATen's mkldnn::_linear_pointwise), the
+library our op's float32 GEMMs use on some CPUs (Note [float32 GEMMs through oneDNN], csrc/gemm.cpp;
+`fp32_cpu_gemm` in the machine line says which):
+  eager oneDNN  eager's two linears through oneDNN, F.silu, mul: the fusion's own gain, same GEMMs
+  GEMM oneDNN   the bare packed GEMM through oneDNN
+"ours / GEMM" is against the bare GEMM of the library our op used (ours_over_gemm), and ours over
+ATen's GEMM is kept too (ours_over_aten_gemm).
 Prints a table of ratios and writes benchmarks/results/bench_linear_swiglu.json and .png.
 """
 
@@ -45,6 +52,24 @@ def eager_packed(x, w, b):
     return F.silu(gate) * up
 
 
+class _OneDNNLinear(torch.autograd.Function):
+    """x @ w.T + b through oneDNN's matmul, forward and dx (as our op's rule does), dW from ATen."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return torch.ops.mkldnn._linear_pointwise(g, w.t(), None, "none", [], ""), g.t() @ x, g.sum(0)
+
+
+def eager_onednn(x, wg, bg, wu, bu):
+    return F.silu(_OneDNNLinear.apply(x, wg, bg)) * _OneDNNLinear.apply(x, wu, bu)
+
+
 def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).to(device, dtype)
@@ -66,6 +91,10 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     }
     if compiled:
         fwd["compile"] = lambda: compiled(x, w, b)
+    onednn = device == "cpu" and dtype == torch.float32
+    if onednn:
+        fwd["eager_onednn"] = lambda: eager_onednn(x, wg, bg, wu, bu)
+        fwd["gemm_onednn"] = lambda: _OneDNNLinear.apply(x, w, b)
     with torch.no_grad():
         t_fwd = time_interleaved(fwd, reps, sync=sync)
 
@@ -85,16 +114,28 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     }
     if compiled:
         t_train["compile"] = train(compiled, (xg, w_, b_), dy)
+    if onednn:
+        t_train["eager_onednn"] = train(eager_onednn, (xg, wg_, bg_, wu_, bu_), dy)
+        t_train["gemm_onednn"] = train(_OneDNNLinear.apply, (xg, w_, b_), dy_gemm)
     t_train = time_interleaved(t_train, reps, sync=sync)
     return t_fwd, t_train
 
 
-def ratios(t_fwd, t_train) -> dict:
+def gemm_library(dtype, device) -> str:
+    """Where our op's GEMMs ran: oneDNN for float32 on CPU where the rule says so, else ATen's."""
+    return parallel_layers._C._fp32_cpu_gemm() if device == "cpu" and dtype == torch.float32 else "aten"
+
+
+def ratios(t_fwd, t_train, gemm_library: str) -> dict:
     r = {}
     for phase, t in (("fwd", t_fwd), ("train", t_train)):
         r[f"{phase}_eager_over_ours"] = t["eager"] / t["ours"]
         r[f"{phase}_eager_packed_over_ours"] = t["eager_packed"] / t["ours"]
-        r[f"{phase}_ours_over_gemm"] = t["ours"] / t["gemm"]
+        own_gemm = t["gemm_onednn"] if gemm_library == "onednn" and "gemm_onednn" in t else t["gemm"]
+        r[f"{phase}_ours_over_gemm"] = t["ours"] / own_gemm
+        r[f"{phase}_ours_over_aten_gemm"] = t["ours"] / t["gemm"]
+        if "eager_onednn" in t:
+            r[f"{phase}_eager_onednn_over_ours"] = t["eager_onednn"] / t["ours"]
         if "compile" in t:
             r[f"{phase}_compile_over_ours"] = t["compile"] / t["ours"]
     return r
@@ -142,9 +183,11 @@ def main(argv=None):
         QUICK_SHAPES if args.quick else SHAPES
     for m, k, n in shapes:
         for dname in args.dtypes.split(","):
-            t_fwd, t_train = bench_case(m, k, n, getattr(torch, dname), args.device, args.reps, args.compile)
-            r = ratios(t_fwd, t_train)
-            rows.append({"m": m, "k": k, "n": n, "dtype": dname, "device": args.device,
+            dtype = getattr(torch, dname)
+            t_fwd, t_train = bench_case(m, k, n, dtype, args.device, args.reps, args.compile)
+            library = gemm_library(dtype, args.device)
+            r = ratios(t_fwd, t_train, library)
+            rows.append({"m": m, "k": k, "n": n, "dtype": dname, "device": args.device, "gemm_library": library,
                          "forward_s": t_fwd, "forward_backward_s": t_train, "ratios": r})
             ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
             line = f"{f'{m},{k},{n}':>16} {dname:>9} |"
@@ -153,6 +196,10 @@ def main(argv=None):
                          f" {r[f'{phase}_eager_over_ours']:10.2f} {r[f'{phase}_eager_packed_over_ours']:11.2f}"
                          f" {r[f'{phase}_ours_over_gemm']:9.2f} |")
             print(line, flush=True)
+            if "fwd_eager_onednn_over_ours" in r:
+                print(f"{'':>28}GEMMs through {library}; eager oneDNN / ours: fwd {r['fwd_eager_onednn_over_ours']:.2f}, "
+                      f"fwd+bwd {r['train_eager_onednn_over_ours']:.2f}; ours / ATen's GEMM: fwd "
+                      f"{r['fwd_ours_over_aten_gemm']:.2f}, fwd+bwd {r['train_ours_over_aten_gemm']:.2f}", flush=True)
             if args.compile:
                 print(f"{'':>28}compile / ours: fwd {r['fwd_compile_over_ours']:.2f}, "
                       f"fwd+bwd {r['train_compile_over_ours']:.2f}", flush=True)

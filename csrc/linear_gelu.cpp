@@ -17,64 +17,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "parallel_layers/checks.h"
 #include "parallel_layers/cpu/gelu_epilogue.h"
 #include "parallel_layers/cpu/linear_panels.h"
 #include "parallel_layers/ops.h"
-
-namespace parallel_layers {
-namespace {
-
-// Whether ATen's oneDNN supports bfloat16 on this CPU (mkldnn::_is_mkldnn_bf16_supported; it
-// needs AVX-512 or AMX on x86). Where it does not, ATen's bfloat16 GEMM runs its own loops.
-bool onednn_supports_bf16() {
-  static const bool supported = [] {
-    const auto check = c10::Dispatcher::singleton().findOp({"mkldnn::_is_mkldnn_bf16_supported", ""});
-    if (!check) return false;
-    torch::jit::Stack stack;
-    check->callBoxed(stack);
-    return stack.size() == 1 && stack[0].toBool();
-  }();
-  return supported;
-}
-
-}  // namespace
-
-// Note [bfloat16 GEMM without oneDNN]: where oneDNN has no bfloat16 support (an AVX2-only CPU,
-// e.g. an AMD EPYC before Zen 4), ATen's bfloat16 GEMM falls back to its own loops. On such a
-// CPU (2 cores, both threads, median of 3) the three GEMMs of linear_swiglu at 512x512x1376 took
-// in bfloat16: forward x @ W^T 96 ms, dx = dz @ W 1529 ms, dweight = dz^T @ x 71 ms; widened to
-// float32 (MKL), converted and rounded back included: 22, 19 and 21 ms. Eager autograd runs the
-// same slow loops, so where the fused ops own the GEMM they widen. Each product is accumulated
-// in float32 either way and rounded once to bfloat16 - the value is what the bfloat16 GEMM means,
-// though not necessarily its bits (the summation order is MKL's). CPUs with oneDNN bfloat16
-// (AVX-512, AMX) and every other dtype and device keep ATen's GEMM.
-bool gemm_widens(const at::Tensor& a) {
-  return a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && !onednn_supports_bf16();
-}
-
-at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) {
-  if (!gemm_widens(a)) return at::mm(a, b);
-  return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
-}
-
-void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, const at::Tensor& a,
-              const at::Tensor& b) {
-  at::Tensor result = out;  // the *_out functions take a mutable handle; this one shares out's storage
-  if (gemm_widens(a)) {
-    const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
-    result.copy_(bias ? at::addmm(bias->to(at::kFloat), a32, b32) : at::mm(a32, b32));
-  } else if (bias) {
-    at::addmm_out(result, *bias, a, b);
-  } else {
-    at::mm_out(result, a, b);
-  }
-}
-
-}  // namespace parallel_layers
 
 namespace parallel_layers::cpu {
 namespace {
@@ -87,17 +35,9 @@ namespace {
 // op and this CPU supports oneDNN bfloat16; training keeps our path, which also writes z.
 std::optional<at::Tensor> onednn_bf16_linear_gelu(const at::Tensor& x2, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias, GeluApprox approx) {
-  static const bool supported =
-      onednn_supports_bf16() && c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
-  if (!supported || x2.scalar_type() != at::kBFloat16) return std::nullopt;
-  static const auto fused = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel of ours: no graph for the inner op
-  torch::jit::Stack stack{x2.contiguous(), weight.contiguous(),
-                          bias ? c10::IValue(bias->contiguous()) : c10::IValue(), c10::IValue(std::string("gelu")),
-                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
-                          c10::IValue(std::string(approx == GeluApprox::kTanh ? "tanh" : "none"))};
-  fused.callBoxed(stack);
-  return stack[0].toTensor();
+  if (!onednn_supports_bf16() || !has_onednn_linear() || x2.scalar_type() != at::kBFloat16) return std::nullopt;
+  return onednn_linear(x2.contiguous(), weight.contiguous(), bias ? std::optional(bias->contiguous()) : std::nullopt,
+                       "gelu", approx == GeluApprox::kTanh ? "tanh" : "none");
 }
 
 }  // namespace
@@ -115,6 +55,17 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
     if (auto y = onednn_bf16_linear_gelu(x2, weight, bias, approx)) {
       return {y->view(out_shape), at::empty({0}, x.options())};
     }
+  }
+  if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {
+    // Note [float32 GEMMs through oneDNN] (csrc/gemm.cpp): one GEMM, bias included, then the
+    // epilogue over all of it - into y, or in place when the pre-activation is not kept.
+    const at::Tensor acc = onednn_linear(x2.contiguous(), weight.contiguous(),
+                                         bias ? std::optional(bias->contiguous()) : std::nullopt);
+    const at::Tensor y = save_preact ? at::empty({M, N}, x.options()) : acc;
+    at::parallel_for(0, M, rows_per_task(N), [&](int64_t begin, int64_t end) {
+      gelu_epilogue(acc.slice(0, begin, end), std::nullopt, at::Tensor(), y.slice(0, begin, end), approx);
+    });
+    return {y.view(out_shape), save_preact ? acc.view(out_shape) : at::empty({0}, x.options())};
   }
   const at::Tensor wt = weight.t();  // [K, N] view; BLAS reads it transposed, no copy
   at::Tensor y = at::empty({M, N}, x.options());
@@ -225,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
   } else if (need_db) {  // only the bias gradient is wanted: dz is written to scratch and dropped
     db = dgelu_parallel(dy, z, dz_buf->tensor(), at::Tensor(), /*want_dbias=*/true, approx);
   }
-  at::Tensor dx = need_dx ? gemm(dz, weight).view(x.sizes()) : empty();
+  at::Tensor dx = need_dx ? input_grad_gemm(dz, weight).view(x.sizes()) : empty();  // csrc/gemm.cpp
   at::Tensor dw = need_dw ? weight_grad(dz, dz_t, x2) : empty();
   return {dx, dw, need_db ? db : empty()};
 }
@@ -235,10 +186,18 @@ at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x) {
   return weight_grad(grad_out.reshape({M, N}), at::Tensor(), x.reshape({M, K}));
 }
 
+at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight) {
+  const auto [M, K, N] = check_linear_input_grad_args(grad_out, weight, at::kCPU);
+  std::vector<int64_t> shape(grad_out.sizes().begin(), grad_out.sizes().end());
+  shape.back() = K;
+  return input_grad_gemm(grad_out.reshape({M, N}).contiguous(), weight).view(shape);
+}
+
 }  // namespace parallel_layers::cpu
 
 TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
   m.impl("linear_gelu", &parallel_layers::cpu::linear_gelu);
   m.impl("linear_gelu_backward", &parallel_layers::cpu::linear_gelu_backward);
   m.impl("linear_weight_grad", &parallel_layers::cpu::linear_weight_grad);
+  m.impl("linear_input_grad", &parallel_layers::cpu::linear_input_grad);
 }

@@ -9,9 +9,11 @@
 // addmm, all threads; in float32 gate and up as two GEMMs, Note [split forward GEMM]) writes row
 // panels of z, and the SwiGLU epilogue runs over each panel in parallel while it is still in
 // cache. Without a kept pre-activation the panel is scratch
-// (Note [backward scratch on CPU]), so inference allocates only y. Backward: one pass over z
-// and grad_y writes d_gate | d_up (the gradient of the packed pre-activation) and sums the
-// bias gradient, then dx = dz @ weight and dweight through the shared weight_grad.
+// (Note [backward scratch on CPU]), so inference allocates only y. Where float32 GEMMs go
+// through oneDNN (Note [float32 GEMMs through oneDNN], csrc/gemm.cpp) the GEMM is one packed
+// oneDNN call writing all of z, then the same epilogue. Backward: one pass over z and grad_y
+// writes d_gate | d_up (the gradient of the packed pre-activation) and sums the bias gradient,
+// then dx = dz @ weight (input_grad_gemm) and dweight through the shared weight_grad.
 //
 // Rounding (math in float32 for 16-bit and float32 tensors, float64 for float64): z is rounded
 // to the dtype by the GEMM, as F.linear's output is; y = silu(g) * u is computed from those
@@ -166,6 +168,18 @@ void dswiglu_rows(const scalar_t* dy, const scalar_t* z, scalar_t* dz, acc_t* pa
   }
 }
 
+// y = swiglu of z (z [rows, 2n], y [rows, n], both contiguous in their rows), in parallel tasks of rows.
+void swiglu_parallel(const at::Tensor& z, const at::Tensor& y) {
+  const int64_t n = y.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "linear_swiglu", [&] {
+    const scalar_t* zp = z.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, z.size(0), rows_per_task(2 * n), [&](int64_t begin, int64_t end) {
+      swiglu_rows(zp, yp, n, begin, end);
+    });
+  });
+}
+
 // dswiglu_rows over all rows, in parallel over chunks of rows (parallel_layers/row_chunks.h);
 // each chunk sums its bias gradient into its own row of partials, added in chunk order, so
 // dbias does not depend on the thread count. Returns dbias [2n] in z's dtype when want_dbias.
@@ -217,6 +231,14 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
   out_shape.back() = N;
   pre_shape.back() = N2;
   at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {
+    // Note [float32 GEMMs through oneDNN]: one packed GEMM, bias included, into a new z; the
+    // epilogue then reads it whole (it is scratch when not kept).
+    const at::Tensor z = onednn_linear(x2.contiguous(), weight.contiguous(),
+                                       bias ? std::optional(bias->contiguous()) : std::nullopt);
+    swiglu_parallel(z, y);
+    return {y.view(out_shape), save_preact ? z.view(pre_shape) : at::empty({0}, x.options())};
+  }
   at::Tensor z = save_preact ? at::empty({M, N2}, x.options()) : at::empty({0}, x.options());
   if (M > 0 && N > 0) {
     const int64_t panel = rows_per_panel(M, N2);
@@ -233,13 +255,7 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
         gemm_out(acc.slice(1, c0, c1), bias ? std::optional(bias->slice(0, c0, c1)) : std::nullopt, xr,
                  wt.slice(1, c0, c1));
       }
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "linear_swiglu", [&] {
-        const scalar_t* zp = acc.const_data_ptr<scalar_t>();
-        scalar_t* yp = y.mutable_data_ptr<scalar_t>() + r0 * N;
-        at::parallel_for(0, r1 - r0, rows_per_task(N2), [&](int64_t begin, int64_t end) {
-          swiglu_rows(zp, yp, N, begin, end);
-        });
-      });
+      swiglu_parallel(acc, y.slice(0, r0, r1));
     }
   }
   return {y.view(out_shape), save_preact ? z.view(pre_shape) : z};
@@ -259,8 +275,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
   const Scratch dz_buf(0, {M, N2}, x.options());  // Note [backward scratch on CPU]
   const at::Tensor& dz = dz_buf.tensor();
   at::Tensor db = dswiglu_parallel(dy, z, dz, need_db);
-  // Note [bfloat16 GEMM without oneDNN]: gemm (and weight_grad) widen where ATen's is slow.
-  at::Tensor dx = need_dx ? gemm(dz, weight).view(x.sizes()) : empty();
+  // Notes [float32 GEMMs through oneDNN], [bfloat16 GEMM without oneDNN] (csrc/gemm.cpp).
+  at::Tensor dx = need_dx ? input_grad_gemm(dz, weight).view(x.sizes()) : empty();
   // Note [weight-gradient operand layout]: on CPU in bfloat16 weight_grad copies dz^T first.
   at::Tensor dw = need_dw ? weight_grad(dz, at::Tensor(), x.reshape({M, K})) : empty();
   return {dx, dw, need_db ? db : empty()};

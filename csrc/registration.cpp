@@ -54,6 +54,9 @@ TORCH_LIBRARY(parallel_layers, m) {
   // operand layout is linear_gelu_backward's (Note [weight-gradient operand layout]); for
   // callers that split the backward, e.g. to overlap a collective with this GEMM.
   m.def("linear_weight_grad(Tensor grad_out, Tensor x) -> Tensor");
+  // grad_out [..., n], weight [n, k] -> grad_out @ weight [..., k]: the input gradient of a linear
+  // layer, by the same GEMM rule as the fused ops' backward (Note [float32 GEMMs through oneDNN]).
+  m.def("linear_input_grad(Tensor grad_out, Tensor weight) -> Tensor");
   // y = silu(gate) * up from one packed GEMM: [gate | up] = x @ weight^T + bias, weight [2n, k]
   // the gate rows stacked on the up rows, bias [2n]; y [..., n]. preact [..., 2n] as linear_gelu's.
   m.def("linear_swiglu(Tensor x, Tensor weight, Tensor? bias, bool save_preact) -> (Tensor y, Tensor preact)");
@@ -131,6 +134,12 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "parallel_layers C++/CUDA kernels; the ops live under torch.ops.parallel_layers";
   m.def("build_info", &build_info,
         "What this extension was compiled with: CUDA kernels and archs, torch and CUDA versions.");
+  m.def("_set_cpu_gemm", &parallel_layers::set_cpu_gemm, pybind11::arg("backend"),
+        "Which library the fused ops' float32 CPU forward and input-gradient GEMMs use: 'auto' (the rule "
+        "of Note [float32 GEMMs through oneDNN], csrc/gemm.cpp), 'aten' or 'onednn'. Returns the previous "
+        "setting; PARALLEL_LAYERS_CPU_GEMM sets the first one.");
+  m.def("_fp32_cpu_gemm", &parallel_layers::fp32_cpu_gemm,
+        "'aten' or 'onednn': the library the fused ops' float32 CPU GEMMs use under the current setting.");
 #if PL_WITH_CUDA
   m.def("_cuda_lt_matmul_calls", &parallel_layers::cuda::lt_matmul_calls,
         "How many linear_gelu calls in this process ran on the cuBLASLt epilogue path (for tests).");

@@ -214,10 +214,19 @@ at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x) {
   return weight_grad(grad_out.reshape({M, N}), at::Tensor(), x.reshape({M, K}));
 }
 
+at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight) {
+  const auto [M, K, N] = check_linear_input_grad_args(grad_out, weight, at::kCUDA);
+  const c10::cuda::CUDAGuard guard(weight.device());
+  std::vector<int64_t> shape(grad_out.sizes().begin(), grad_out.sizes().end());
+  shape.back() = K;
+  return at::mm(grad_out.reshape({M, N}), weight).view(shape);
+}
+
 }  // namespace parallel_layers::cuda
 
 TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
   m.impl("linear_gelu", &parallel_layers::cuda::linear_gelu);
   m.impl("linear_gelu_backward", &parallel_layers::cuda::linear_gelu_backward);
   m.impl("linear_weight_grad", &parallel_layers::cuda::linear_weight_grad);
+  m.impl("linear_input_grad", &parallel_layers::cuda::linear_input_grad);
 }

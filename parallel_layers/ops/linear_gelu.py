@@ -49,6 +49,17 @@ def linear_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
     return torch.ops.parallel_layers.linear_weight_grad(grad_out, x)
 
 
+def linear_input_grad(grad_out: Tensor, weight: Tensor) -> Tensor:
+    """`grad_out @ weight`: the input gradient of `y = x @ weight.T` (+ bias, then any activation).
+
+    grad_out [..., N] (the gradient of the pre-activation) and weight [N, K], one dtype -> [..., K].
+    The GEMM is the one `linear_gelu`'s and `linear_swiglu`'s own backward use for dx (on CPU in
+    float32 possibly oneDNN's: Note [float32 GEMMs through oneDNN], csrc/gemm.cpp), so a backward
+    split around a collective gives their bits. Not differentiable.
+    """
+    return torch.ops.parallel_layers.linear_input_grad(grad_out, weight)
+
+
 def linear_autocast_inputs(x: Tensor, weight: Tensor,
                            bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """`(x, weight, bias)` as `linear_gelu` computes with them under the current autocast state.
@@ -106,6 +117,14 @@ def _linear_weight_grad_fake(grad_out: Tensor, x: Tensor) -> Tensor:
     return x.new_empty((grad_out.shape[-1], x.shape[-1]))
 
 
+@torch.library.register_fake("parallel_layers::linear_input_grad")
+def _linear_input_grad_fake(grad_out: Tensor, weight: Tensor) -> Tensor:
+    torch._check(weight.dim() == 2 and grad_out.dim() >= 1 and grad_out.shape[-1] == weight.shape[0],
+                 lambda: f"linear_input_grad: grad_out [..., n] and weight [n, k] must agree on n; got grad_out "
+                         f"{tuple(grad_out.shape)} and weight {tuple(weight.shape)}")
+    return grad_out.new_empty((*grad_out.shape[:-1], weight.shape[1]))
+
+
 def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
     x, weight, bias, preact = ctx.saved_tensors
     n = weight.shape[0]
@@ -134,7 +153,7 @@ def linear_grads(dz: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: 
     only when needed; the weight gradient by linear_weight_grad's rule. For the ops' backward
     when the pre-activation output itself was used (linear_gelu, linear_swiglu)."""
     dz2 = dz.reshape(-1, weight.shape[0])
-    dx = (dz2 @ weight).view(x.shape) if need_dx else None
+    dx = linear_input_grad(dz2, weight).view(x.shape) if need_dx else None
     dw = linear_weight_grad(dz2, x.reshape(-1, x.shape[-1])) if need_dw else None
     db = dz2.sum(0) if need_db else None
     return dx, dw, db

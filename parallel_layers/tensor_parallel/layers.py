@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers import fault
-from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_gelu_forward,
+from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_gelu_forward, linear_input_grad,
                                  linear_swiglu_forward, linear_weight_grad, swiglu_backward)
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import check_divisible, check_size, gather_full, sharded_parameter
@@ -89,7 +89,7 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
 # The Functions below write their own backward, to overlap collectives with the GEMMs; the
 # kernel contracts stay the ops' (docs/kernels.md): the layers cast their inputs with
 # linear_autocast_inputs before the Function (the autocast policy), and backward computes dz,
-# dbias and the weight gradient with bias_gelu_backward / swiglu_backward and
+# dbias and the GEMMs with bias_gelu_backward / swiglu_backward, linear_input_grad and
 # linear_weight_grad (the linear + GeLU and linear + SwiGLU backward rules).
 
 
@@ -141,7 +141,7 @@ def _input_comm(layer: "ColumnParallelLinear") -> str:
 def _input_grad(ctx, dz2: Tensor, weight: Tensor, x_shape) -> tuple[Tensor, object]:
     """dx = dz @ W, and its collective launched asynchronously (input_comm "sequence":
     reduce-scatter; "all_reduce"; "none": left partial), to overlap the weight-gradient GEMM."""
-    dx, handle = (dz2 @ weight).view(x_shape), None
+    dx, handle = linear_input_grad(dz2, weight).view(x_shape), None
     if comm.group_size(ctx.group) > 1:
         if ctx.input_comm == "sequence":
             dx, handle = comm.reduce_scatter(dx, ctx.group, async_op=True, dim=ctx.seq_dim)
@@ -233,7 +233,7 @@ class _RowLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         d = comm.all_gather(dy, ctx.seq_dim, ctx.group) if ctx.sequence_parallel else dy
         d2 = d.reshape(-1, weight.shape[0])
-        dx = (d2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        dx = linear_input_grad(d2, weight).view(x.shape) if ctx.needs_input_grad[0] else None
         dw = linear_weight_grad(d2, x.reshape(-1, weight.shape[1])) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None, None
 

@@ -1,10 +1,15 @@
 """Error measures shared by the op tests: compare against float64 references; and how the CPU
-ops' bfloat16 GEMMs run on this machine."""
+ops' bfloat16 and float32 GEMMs run on this machine."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
+
+import parallel_layers
 
 CUDA_COMPILED_AND_PRESENT = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine (the CUDA kernels are compiled, not run)")
@@ -53,3 +58,39 @@ def conversions_inside(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return sum(e.name == "aten::_to_copy" for e in prof.events())
+
+
+# Note [float32 GEMMs through oneDNN] (csrc/gemm.cpp): the fused ops' float32 forward and
+# input-gradient GEMMs run through oneDNN on AMD CPUs with AVX-512 ("auto"), else through ATen.
+def _cpu_is_amd_with_avx512() -> bool:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "AuthenticAMD" in text and "avx512f" in text.split()
+
+
+FP32_GEMMS_ONEDNN = _cpu_is_amd_with_avx512()
+
+
+@contextlib.contextmanager
+def cpu_gemm(backend: str):
+    """The fused ops' float32 CPU GEMMs through `backend` ("auto", "aten", "onednn") inside."""
+    previous = parallel_layers._C._set_cpu_gemm(backend)
+    try:
+        yield
+    finally:
+        parallel_layers._C._set_cpu_gemm(previous)
+
+
+def device_gemms() -> list:
+    """(device, cpu_gemm) for the float32 tests: the CPU with both GEMM libraries, CUDA as devices()."""
+    return [("cpu", "aten"), ("cpu", "onednn"), pytest.param("cuda", "auto", marks=CUDA_COMPILED_AND_PRESENT)]
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, backend: str = "auto"):
+    """x @ w.T + b as the fused ops' float32 CPU forward computes it under `backend`: the same bits."""
+    onednn = backend == "onednn" or (backend == "auto" and FP32_GEMMS_ONEDNN)
+    if onednn and x.dtype == torch.float32 and x.numel() and w.numel():
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import parallel_layers  # noqa: F401  (registers the ops)
-from parallel_layers.ops import bias_gelu_backward, linear_autocast_inputs, linear_gelu, linear_weight_grad, transpose_2d
-from tests.ops.numerics import BF16_GEMMS_WIDEN, conversions_inside, devices, max_abs_error
+import parallel_layers
+from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_gelu, linear_input_grad,
+                                 linear_weight_grad, transpose_2d)
+from tests.ops.numerics import (BF16_GEMMS_WIDEN, FP32_GEMMS_ONEDNN, conversions_inside, cpu_gemm, device_gemms,
+                                devices, fp32_linear, max_abs_error)
 
 APPROX = ["none", "tanh"]
 # (x shape, out_features): degenerate M, N, K, odd sizes, 3-D, one big enough for several
@@ -48,11 +50,16 @@ def _reference(x, w, b, approximate):
 F32_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device, gemm", device_gemms())
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("x_shape, n", CASES)
-def test_forward_float32_matches_float64(x_shape, n, approximate, bias, device):
+def test_forward_float32_matches_float64(x_shape, n, approximate, bias, device, gemm):
+    with cpu_gemm(gemm):
+        _check_forward_float32(x_shape, n, approximate, bias, device)
+
+
+def _check_forward_float32(x_shape, n, approximate, bias, device):
     x, w, b = _inputs(x_shape, n, torch.float32, device, bias)
     y, pre = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, True)
     y_ref, pre_ref = _reference(x, w, b, approximate)
@@ -70,15 +77,16 @@ def test_forward_float32_matches_float64(x_shape, n, approximate, bias, device):
         assert _rel_error(y2, y_ref) < F32_RTOL
 
 
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device, gemm", device_gemms())
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("x_shape, n", CASES)
-def test_backward_float32_matches_float64(x_shape, n, approximate, bias, device):
+def test_backward_float32_matches_float64(x_shape, n, approximate, bias, device, gemm):
     x, w, b = _inputs(x_shape, n, torch.float32, device, bias)
     params = [t.requires_grad_() for t in (x, w, b) if t is not None]
     dy = torch.randn(*x_shape[:-1], n, generator=torch.Generator().manual_seed(1)).to(device)
-    linear_gelu(x, w, b, approximate).backward(dy)
+    with cpu_gemm(gemm):
+        linear_gelu(x, w, b, approximate).backward(dy)
     ref_params = [t.detach().double().requires_grad_() for t in params]
     xr, wr = ref_params[0], ref_params[1]
     br = ref_params[2] if bias else None
@@ -249,11 +257,13 @@ def test_split_backward_matches_the_fused_op_bitwise(x_shape, n, dtype, device):
     op = torch.ops.parallel_layers.linear_gelu_backward
     dz, db = bias_gelu_backward(dy, z, "tanh")
     dz2, x2 = dz.reshape(-1, n), x.reshape(-1, x_shape[-1])
-    split = ((dz2 @ w).view(x.shape), linear_weight_grad(dz2, x2), db)
-    for mask in ([True, True, True], [False, True, False]):  # dweight alone: the CPU pass writes dz^T only
-        for need, fused, mine in zip(mask, op(dy, x, w, z, "tanh", mask), split):
-            if need:
-                assert torch.equal(fused, mine)
+    for gemm in ("aten", "onednn"):  # either float32 CPU GEMM rule (Note [float32 GEMMs through oneDNN])
+        with cpu_gemm(gemm):
+            split = (linear_input_grad(dz2, w).view(x.shape), linear_weight_grad(dz2, x2), db)
+            for mask in ([True, True, True], [False, True, False]):  # dweight alone: the CPU pass writes dz^T only
+                for need, fused, mine in zip(mask, op(dy, x, w, z, "tanh", mask), split):
+                    if need:
+                        assert torch.equal(fused, mine)
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -545,6 +555,69 @@ def test_bfloat16_gemms_widen_where_onednn_has_no_bfloat16(dtype):
         assert torch.equal(linear_weight_grad(dy, x), (f32(dy).t() @ f32(x)).to(dtype))
         assert conversions_inside(lambda: linear_weight_grad(dy, x)) == 3  # two operands widened, dW narrowed
     else:
-        assert torch.equal(z, F.linear(x, w, b))
+        assert torch.equal(z, fp32_linear(x, w, b))  # F.linear but where float32 goes through oneDNN
         assert conversions_inside(lambda: linear_weight_grad(dy, x)) == 0
         assert conversions_inside(lambda: torch.ops.parallel_layers.linear_gelu(x, w, b, "tanh", True)) == 0
+
+
+@pytest.mark.parametrize("setting", ["auto", "aten", "onednn"])
+def test_float32_gemms_follow_the_cpu_gemm_rule(setting):
+    """Note [float32 GEMMs through oneDNN]: the forward (bias included) and dx GEMMs are the bits
+    of the library the setting picks - "auto": oneDNN exactly on AMD CPUs with AVX-512 - and the
+    weight gradient stays ATen's; float64 always ATen's."""
+    x, w, b = _inputs((64, 40), 24, torch.float32, "cpu")
+    dy = torch.randn(64, 24, generator=torch.Generator().manual_seed(3))
+    onednn = setting == "onednn" or (setting == "auto" and FP32_GEMMS_ONEDNN)
+    with cpu_gemm(setting):
+        _, z = torch.ops.parallel_layers.linear_gelu(x, w, b, "tanh", True)
+        dx, dw, _ = torch.ops.parallel_layers.linear_gelu_backward(dy, x, w, z, "tanh", [True, True, False])
+        dz, _ = bias_gelu_backward(dy, z, "tanh")
+        assert torch.equal(z, fp32_linear(x, w, b, setting))
+        dx_onednn = torch.ops.mkldnn._linear_pointwise(dz, w.t(), None, "none", [], "")
+        assert torch.equal(dx, dx_onednn if onednn else dz @ w)
+        assert torch.equal(dx, linear_input_grad(dz, w))
+        assert torch.equal(dw, dz.t() @ x)
+        x64, w64, b64 = (t.double() for t in (x, w, b))
+        assert torch.equal(torch.ops.parallel_layers.linear_gelu(x64, w64, b64, "tanh", True)[1], F.linear(x64, w64, b64))
+    # The ATen and oneDNN products differ only in summation order.
+    assert _rel_error(fp32_linear(x, w, b, "onednn"), F.linear(x.double(), w.double(), b.double())) < F32_RTOL
+
+
+def test_cpu_gemm_setting_refuses_unknown_names():
+    with pytest.raises(RuntimeError, match=r"CPU GEMM backend must be 'auto', 'aten' or 'onednn' "
+                                           r"\(PARALLEL_LAYERS_CPU_GEMM\), got 'mkl'"):
+        parallel_layers._C._set_cpu_gemm("mkl")
+    with cpu_gemm("onednn"):  # a refused name leaves the setting as it was
+        with pytest.raises(RuntimeError, match="got ''"):
+            parallel_layers._C._set_cpu_gemm("")
+        assert parallel_layers._C._set_cpu_gemm("onednn") == "onednn"
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dz_shape, k", [((0, 5), 3), ((7, 5), 1), ((2, 3, 17), 33), ((130, 64), 48)])
+def test_linear_input_grad_matches_float64(dz_shape, k, dtype, device):
+    g = torch.Generator().manual_seed(11)
+    dz = torch.randn(dz_shape, generator=g, dtype=torch.float64)
+    w = torch.randn(dz_shape[-1], k, generator=g, dtype=torch.float64)
+    ref = dz @ w
+    for gemm in (["aten", "onednn"] if device == "cpu" and dtype == torch.float32 else ["auto"]):
+        with cpu_gemm(gemm):
+            got = linear_input_grad(dz.to(device, dtype), w.to(device, dtype))
+        assert got.shape == ref.shape and got.dtype == dtype
+        # float32 / float64: the GEMM's own rounding (~sqrt(n) eps); bfloat16: the inputs' rounding
+        # to 8 bits dominates, 2^-8 relative per factor.
+        bound = {torch.float32: F32_RTOL, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+        assert _rel_error(got.cpu(), ref) < bound
+    torch.library.opcheck(torch.ops.parallel_layers.linear_input_grad.default,
+                          (dz.to(device, dtype), w.to(device, dtype)))
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda: (torch.randn(3, 4), torch.randn(5, 2)),
+     r"linear_input_grad: grad_out \[..., n\] and weight \[n, k\] must agree on n; got grad_out \[3, 4\] and weight \[5, 2\]"),
+    (lambda: (torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float64)), r"dtype"),
+])
+def test_linear_input_grad_bad_input_messages(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        linear_input_grad(*args())

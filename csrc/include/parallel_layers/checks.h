@@ -161,6 +161,18 @@ inline int64_t check_swiglu_backward_args(const at::Tensor& grad_y, const at::Te
   return preact.size(-1) / 2;
 }
 
+// linear_input_grad(grad_out [..., n], weight [n, k]); returns {rows, k, n}.
+inline LinearShape check_linear_input_grad_args(const at::Tensor& grad_out, const at::Tensor& weight,
+                                                at::DeviceType expected) {
+  check_floating(weight, "weight");
+  check_same_device_dtype(weight, "weight", grad_out, "grad_out");
+  check_device_type(weight, "weight", expected, "linear_input_grad");
+  TORCH_CHECK(weight.dim() == 2 && grad_out.dim() >= 1 && grad_out.size(-1) == weight.size(0),
+              "linear_input_grad: grad_out [..., n] and weight [n, k] must agree on n; got grad_out ",
+              grad_out.sizes(), " and weight ", weight.sizes());
+  return LinearShape{leading_rows(grad_out), weight.size(1), weight.size(0)};
+}
+
 // linear_weight_grad(grad_out [..., n], x [..., k]): the same leading dims (the rows of the
 // GEMM); returns {rows, k, n}.
 inline LinearShape check_linear_weight_grad_args(const at::Tensor& grad_out, const at::Tensor& x,

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <tuple>
 
@@ -21,14 +22,30 @@ namespace parallel_layers {
 bool weight_grad_wants_dz_t(const at::Tensor& dz);
 at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& dz_t, const at::Tensor& x2);
 
-// The fused ops' GEMMs (Note [bfloat16 GEMM without oneDNN], csrc/linear_gelu.cpp). For a
-// bfloat16 CPU operand on a CPU where ATen's oneDNN has no bfloat16 support, the operands are
-// widened to float32 and the product (bias included) rounded once into the bfloat16 result;
-// everywhere else these are at::mm / at::addmm_out. gemm_widens says which.
+// The fused ops' CPU GEMMs (csrc/gemm.cpp). Note [bfloat16 GEMM without oneDNN]: for a bfloat16
+// CPU operand on a CPU where ATen's oneDNN has no bfloat16 support (onednn_supports_bf16), the
+// operands are widened to float32 and the product (bias included) rounded once into the bfloat16
+// result; everywhere else gemm / gemm_out are at::mm / at::addmm_out. gemm_widens says which.
+bool onednn_supports_bf16();
 bool gemm_widens(const at::Tensor& a);
 at::Tensor gemm(const at::Tensor& a, const at::Tensor& b);
 void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, const at::Tensor& a,
               const at::Tensor& b);
+// Note [float32 GEMMs through oneDNN]: whether the float32 forward and input-gradient GEMMs
+// with first operand `a` go through oneDNN's matmul (onednn_linear: x2 [M, K] @ weight^T [K, N]
+// + bias, weight [N, K] in any strides, non-empty operands) rather than ATen's; input_grad_gemm
+// is dz @ weight by that rule (and Note [bfloat16 GEMM without oneDNN]). set_cpu_gemm("auto" |
+// "aten" | "onednn") overrides the rule and returns the previous setting.
+// onednn_linear with a post_op other than "none" is oneDNN's fused epilogue (its GeLU:
+// Note [bfloat16 inference through oneDNN]); has_onednn_linear says whether ATen has the op.
+bool onednn_fp32_gemm(const at::Tensor& a);
+bool has_onednn_linear();
+at::Tensor onednn_linear(const at::Tensor& x2, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const std::string& post_op = "none", const std::string& algorithm = "");
+at::Tensor input_grad_gemm(const at::Tensor& dz, const at::Tensor& weight);
+// "aten" or "onednn": where float32 CPU GEMMs go under the current setting.
+std::string set_cpu_gemm(const std::string& name);
+std::string fp32_cpu_gemm();
 
 namespace cpu {
 // x [..., n], bias [n] -> (gelu(x + bias), x + bias), both shaped like x.
@@ -67,6 +84,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, con
                                                    bool need_dbias);
 // grad_out [..., n], x [..., k] with the same leading dims -> grad_out^T @ x [n, k].
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
+// grad_out [..., n], weight [n, k] -> grad_out @ weight [..., k].
+at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight);
 // x [rows, cols] -> x^T as a contiguous [cols, rows].
 at::Tensor transpose_2d(const at::Tensor& x);
 }  // namespace cpu
@@ -94,6 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, const at::Tensor& preact,
                                                    bool need_dbias);
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
+at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight);
 at::Tensor transpose_2d(const at::Tensor& x);
 // gelu(z), no bias, no pre-activation written (linear_gelu's fallback after its addmm).
 at::Tensor gelu_only(const at::Tensor& z, std::string_view approximate);
