@@ -81,10 +81,7 @@ void launch_bias_gelu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* part
                                             cudaStream_t);                                                    \
   template void launch_bias_gelu_backward<T>(const T*, const T*, T*, opmath_t<T>*, RowChunks, int64_t,         \
                                              GeluApprox, cudaStream_t);
-PL_INSTANTIATE(float)
-PL_INSTANTIATE(double)
-PL_INSTANTIATE(c10::Half)
-PL_INSTANTIATE(c10::BFloat16)
+PL_FOR_EACH_FLOAT_TYPE(PL_INSTANTIATE)
 #undef PL_INSTANTIATE
 
 }  // namespace parallel_layers::cuda

@@ -79,10 +79,7 @@ void launch_swiglu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* partial
   template void launch_swiglu_forward<T>(const T*, T*, int64_t, int64_t, int, cudaStream_t);           \
   template void launch_swiglu_backward<T>(const T*, const T*, T*, opmath_t<T>*, RowChunks, int64_t,    \
                                           cudaStream_t);
-PL_INSTANTIATE(float)
-PL_INSTANTIATE(double)
-PL_INSTANTIATE(c10::Half)
-PL_INSTANTIATE(c10::BFloat16)
+PL_FOR_EACH_FLOAT_TYPE(PL_INSTANTIATE)
 #undef PL_INSTANTIATE
 
 }  // namespace parallel_layers::cuda

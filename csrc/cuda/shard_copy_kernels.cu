@@ -116,10 +116,7 @@ void launch_reduce_scatter_copy_out(ShardTable t, const Src* reduced, double pos
   PL_INSTANTIATE(S, double)       \
   PL_INSTANTIATE(S, c10::Half)    \
   PL_INSTANTIATE(S, c10::BFloat16)
-PL_INSTANTIATE_FROM(float)
-PL_INSTANTIATE_FROM(double)
-PL_INSTANTIATE_FROM(c10::Half)
-PL_INSTANTIATE_FROM(c10::BFloat16)
+PL_FOR_EACH_FLOAT_TYPE(PL_INSTANTIATE_FROM)
 #undef PL_INSTANTIATE_FROM
 #undef PL_INSTANTIATE
 

@@ -31,6 +31,10 @@ namespace parallel_layers::cuda {
 template <typename T>
 using opmath_t = at::opmath_type<T>;
 
+// M(T) for each element type the ops dispatch to (AT_DISPATCH_FLOATING_TYPES_AND2(Half,
+// BFloat16)): the .cu files instantiate their launchers with it.
+#define PL_FOR_EACH_FLOAT_TYPE(M) M(float) M(double) M(c10::Half) M(c10::BFloat16)
+
 // bias_gelu (csrc/cuda/bias_gelu_kernels.cu). x, y, z: numel elements in rows of n; bias [n]
 // or null (GeLU only; z may be null too). Backward: dz = dy * gelu'(z), and each chunk of rows'
 // column sums of the rounded dz into partials[chunk, n].
