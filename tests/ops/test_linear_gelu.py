@@ -1,6 +1,9 @@
 """linear_gelu against a float64 reference (forward and backward), 16-bit against eager,
 opcheck, gradcheck, torch.compile, and the inference path that keeps no pre-activation."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -621,3 +624,19 @@ def test_linear_input_grad_matches_float64(dz_shape, k, dtype, device):
 def test_linear_input_grad_bad_input_messages(args, message):
     with pytest.raises(RuntimeError, match=message):
         linear_input_grad(*args())
+
+
+def test_cpu_gemm_environment_variable_is_checked():
+    """PARALLEL_LAYERS_CPU_GEMM is read once, at the first float32 GEMM; a bad value is an error
+    there that names it and the valid ones, never a silent default."""
+    probe = ("import torch, parallel_layers\n"
+             "x, w = torch.randn(4, 8), torch.randn(6, 8)\n"
+             "torch.ops.parallel_layers.linear_swiglu(x, w, None, False)\n")
+    env = {**os.environ, "PARALLEL_LAYERS_CPU_GEMM": "mkl"}
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "CPU GEMM backend must be 'auto', 'aten' or 'onednn' (PARALLEL_LAYERS_CPU_GEMM), got 'mkl'" in r.stderr
+    env["PARALLEL_LAYERS_CPU_GEMM"] = "aten"
+    r = subprocess.run([sys.executable, "-c", probe + "print(parallel_layers._C._fp32_cpu_gemm())"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "aten", r.stderr
