@@ -56,9 +56,8 @@ PL_ALWAYS_INLINE void backward_loop(const S* dy, const S* g, const S* u, S* dg, 
   if (acc_g != nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      float d_gate, d_up;
-      parallel_layers::swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
-      const S dg_r = narrow<S>(d_gate), du_r = narrow<S>(d_up);
+      const auto d = parallel_layers::swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]));
+      const S dg_r = narrow<S>(d.gate), du_r = narrow<S>(d.up);
       dg[i] = dg_r;
       du[i] = du_r;
       acc_g[i] += widen(dg_r);
@@ -67,10 +66,9 @@ PL_ALWAYS_INLINE void backward_loop(const S* dy, const S* g, const S* u, S* dg, 
   } else {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      float d_gate, d_up;
-      parallel_layers::swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]), &d_gate, &d_up);
-      dg[i] = narrow<S>(d_gate);
-      du[i] = narrow<S>(d_up);
+      const auto d = parallel_layers::swiglu_backward(widen(dy[i]), widen(g[i]), widen(u[i]));
+      dg[i] = narrow<S>(d.gate);
+      du[i] = narrow<S>(d.up);
     }
   }
 }
@@ -129,13 +127,12 @@ void dswiglu_rows(const scalar_t* dy, const scalar_t* z, scalar_t* dz, acc_t* pa
   if constexpr (std::is_same_v<scalar_t, double>) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c = 0; c < n; ++c) {
-        double d_gate, d_up;
-        parallel_layers::swiglu_backward(dy[pk.out(r, c)], z[pk.gate(r, c)], z[pk.up(r, c)], &d_gate, &d_up);
-        dz[pk.gate(r, c)] = d_gate;
-        dz[pk.up(r, c)] = d_up;
+        const auto d = parallel_layers::swiglu_backward(dy[pk.out(r, c)], z[pk.gate(r, c)], z[pk.up(r, c)]);
+        dz[pk.gate(r, c)] = d.gate;
+        dz[pk.up(r, c)] = d.up;
         if (partial) {
-          acc_g[c] += d_gate;
-          acc_u[c] += d_up;
+          acc_g[c] += d.gate;
+          acc_u[c] += d.up;
         }
       }
     }

@@ -42,10 +42,9 @@ __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const sc
   if (col >= n) return;
   M acc_g = 0, acc_u = 0;
   for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
-    M d_gate, d_up;
-    parallel_layers::swiglu_backward(static_cast<M>(dy[pk.out(r, col)]), static_cast<M>(z[pk.gate(r, col)]),
-                                     static_cast<M>(z[pk.up(r, col)]), &d_gate, &d_up);
-    const scalar_t dg = static_cast<scalar_t>(d_gate), du = static_cast<scalar_t>(d_up);
+    const auto d = parallel_layers::swiglu_backward(
+        static_cast<M>(dy[pk.out(r, col)]), static_cast<M>(z[pk.gate(r, col)]), static_cast<M>(z[pk.up(r, col)]));
+    const scalar_t dg = static_cast<scalar_t>(d.gate), du = static_cast<scalar_t>(d.up);
     dz[pk.gate(r, col)] = dg;
     dz[pk.up(r, col)] = du;
     acc_g += static_cast<M>(dg);  // the rounded values, as the CPU op sums

@@ -46,13 +46,23 @@ PL_HOST_DEVICE T swiglu_forward(T g, T u) {
   return g * sigmoid_with_slope(g, &unused) * u;
 }
 
-// The gradients of the gate and up pre-activations, given the output's gradient dy.
+// The gradients of the gate and up pre-activations.
 template <typename T>
-PL_HOST_DEVICE void swiglu_backward(T dy, T g, T u, T* d_gate, T* d_up) {
+struct SwigluGrads {
+  T gate, up;
+};
+
+// Note [results by value in SIMD loops]: the gradients come back by value, not through pointers
+// to the caller's locals. GCC lowers `#pragma omp simd` before it inlines, so a local whose
+// address a loop body passes on becomes a per-lane "omp simd array" sized for the translation
+// unit's baseline target, and the x86-64-v4 clone vectorised around it with 256-bit vectors: the
+// bfloat16 backward loop took 0.75 ms (1.12 with the bias sums) for 512 x 1376 on one Zen 4
+// thread, 0.54 (0.73) with the results returned by value; float32 was unaffected (0.36).
+template <typename T>
+PL_HOST_DEVICE SwigluGrads<T> swiglu_backward(T dy, T g, T u) {
   T slope;
   const T s = sigmoid_with_slope(g, &slope);
-  *d_up = dy * (g * s);
-  *d_gate = dy * u * (s + g * slope);
+  return {dy * u * (s + g * slope), dy * (g * s)};
 }
 
 }  // namespace parallel_layers
