@@ -125,7 +125,8 @@ bool onednn_fp32_gemm(const at::Tensor& a) {
 }
 
 bool has_onednn_linear() {
-  static const bool has = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""}).has_value();
+  static const bool has = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""}).has_value() &&
+                          c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", "binary"}).has_value();
   return has;
 }
 
@@ -135,6 +136,15 @@ at::Tensor onednn_linear(const at::Tensor& x2, const at::Tensor& weight, const s
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel of ours: no graph for the inner op
   torch::jit::Stack stack{x2, weight, bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue(post_op),
                           c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(algorithm)};
+  op.callBoxed(stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor onednn_linear_binary(const at::Tensor& x2, const at::Tensor& other, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, const std::string& binary_op) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  torch::jit::Stack stack{x2, other, weight, bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue(binary_op)};
   op.callBoxed(stack);
   return stack[0].toTensor();
 }

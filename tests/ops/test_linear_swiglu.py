@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import parallel_layers  # noqa: F401  (registers the ops)
+import parallel_layers
 from parallel_layers import ops
 from parallel_layers.ops import linear_swiglu
 from tests.ops.numerics import (BF16_GEMMS_WIDEN, conversions_inside, cpu_gemm, device_gemms, devices, fp32_linear,
                                 max_abs_error)
+
+ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 # (x shape, n): degenerate M, N, K, odd sizes, 3-D, and one with two CPU GEMM panels
 # (1100 rows of 2n = 4200 outputs: a 1024-row panel and a 76-row one).
@@ -38,6 +40,24 @@ def eager_separate(x, w, b=None):
     n = w.shape[0] // 2
     bg, bu = (None, None) if b is None else (b[:n], b[n:])
     return F.silu(F.linear(x, w[:n], bg)) * F.linear(x, w[n:], bu)
+
+
+def onednn_swiglu(x, w, b=None):
+    """Note [SwiGLU inference through oneDNN post-ops]: silu(x Wg^T + bg) from a swish post-op,
+    then (x Wu^T + bu) times it from a binary-mul post-op - the bits the op's inference gives
+    where oneDNN computes the dtype's GEMM."""
+    n = w.shape[0] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    bg, bu = (None, None) if b is None else (b[:n], b[n:])
+    s = torch.ops.mkldnn._linear_pointwise(x2, w[:n], bg, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x2, s, w[n:], bu, "mul").view(*x.shape[:-1], n)
+
+
+def inference_through_onednn(x, w) -> bool:
+    """Whether the op's inference on these CPU operands is onednn_swiglu, under the current rule."""
+    nonempty = x.numel() > 0 and w.numel() > 0
+    return nonempty and ((x.dtype == torch.bfloat16 and ONEDNN_BF16) or
+                         (x.dtype == torch.float32 and parallel_layers._C._fp32_cpu_gemm() == "onednn"))
 
 
 def _rel_error(actual, reference):
@@ -68,10 +88,16 @@ def _check_forward_float32(x_shape, n, bias, device):
     assert y.shape == y_ref.shape and pre.shape == pre_ref.shape
     assert _rel_error(y, y_ref) < F32_RTOL
     assert _rel_error(pre, pre_ref) < F32_RTOL
-    # Without save_preact nothing else is written and y is the same bits: one GEMM, one epilogue.
+    # Without save_preact nothing else is written. y is the same bits (one GEMM, one epilogue),
+    # except where inference is oneDNN's two GEMMs with fused epilogues: then their bits, as
+    # close to float64.
     y2, none = torch.ops.parallel_layers.linear_swiglu(x, w, b, False)
     assert none.numel() == 0
-    assert torch.equal(y2, y)
+    if device == "cpu" and inference_through_onednn(x, w):
+        assert torch.equal(y2, onednn_swiglu(x, w, b))
+        assert _rel_error(y2, y_ref) < F32_RTOL
+    else:
+        assert torch.equal(y2, y)
 
 
 @pytest.mark.parametrize("device, gemm", device_gemms())
@@ -391,6 +417,30 @@ def test_epilogue_op_is_the_backward_ops_epilogue(shape, n, dtype, device):
     torch.library.opcheck(torch.ops.parallel_layers.swiglu_backward.default, (cast(dy), cast(z), True))
     with pytest.raises(RuntimeError, match=r"swiglu_backward: preact must be the packed pre-activation \[\.\.\., 2n\]"):
         torch.ops.parallel_layers.swiglu_backward(cast(dy), cast(dy), True)
+
+
+@pytest.mark.parametrize("dtype, gemm", [(torch.bfloat16, "auto"), (torch.float32, "onednn"), (torch.float32, "aten")])
+def test_inference_through_onednn_post_ops(dtype, gemm):
+    """Note [SwiGLU inference through oneDNN post-ops]: with nothing kept for backward, bfloat16
+    (where ATen's oneDNN supports it) and float32 under the oneDNN GEMM rule are oneDNN's two
+    GEMMs with swish and multiply epilogues, bit for bit, and no pass of ours; training keeps one
+    packed GEMM (its z is the packed pre-activation) and our epilogue."""
+    if dtype == torch.bfloat16 and not ONEDNN_BF16:
+        pytest.skip("this CPU has no oneDNN bfloat16")
+    x, w, b = _inputs((3, 37, 40), 56, dtype, "cpu")
+    with cpu_gemm(gemm):
+        for bias in (b, None):
+            y, none = torch.ops.parallel_layers.linear_swiglu(x, w, bias, False)
+            assert none.numel() == 0
+            y_train, z = torch.ops.parallel_layers.linear_swiglu(x, w, bias, True)
+            assert torch.equal(z, fp32_linear(x, w, bias, gemm))
+            if gemm == "aten":  # ATen's GEMM: inference is the training path without z
+                assert torch.equal(y, y_train)
+                continue
+            assert torch.equal(y, onednn_swiglu(x, w, bias))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                torch.ops.parallel_layers.linear_swiglu(x, w, bias, False)
+            assert [e.name for e in prof.events()].count("mkldnn::_linear_pointwise") == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -37,11 +37,15 @@ void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, cons
 // is dz @ weight by that rule (and Note [bfloat16 GEMM without oneDNN]). set_cpu_gemm("auto" |
 // "aten" | "onednn") overrides the rule and returns the previous setting.
 // onednn_linear with a post_op other than "none" is oneDNN's fused epilogue (its GeLU:
-// Note [bfloat16 inference through oneDNN]); has_onednn_linear says whether ATen has the op.
+// Note [bfloat16 inference through oneDNN]); onednn_linear_binary applies `binary_op` ("mul",
+// "add") with `other` [M, N] to x2 @ weight^T + bias in the GEMM's epilogue (Note [SwiGLU
+// inference through oneDNN post-ops]); has_onednn_linear says whether ATen has both ops.
 bool onednn_fp32_gemm(const at::Tensor& a);
 bool has_onednn_linear();
 at::Tensor onednn_linear(const at::Tensor& x2, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const std::string& post_op = "none", const std::string& algorithm = "");
+at::Tensor onednn_linear_binary(const at::Tensor& x2, const at::Tensor& other, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, const std::string& binary_op);
 at::Tensor input_grad_gemm(const at::Tensor& dz, const at::Tensor& weight);
 // "aten" or "onednn": where float32 CPU GEMMs go under the current setting.
 std::string set_cpu_gemm(const std::string& name);
