@@ -193,6 +193,20 @@ at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weigh
   return input_grad_gemm(grad_out.reshape({M, N}).contiguous(), weight).view(shape);
 }
 
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const auto [M, K, N] = check_linear_gelu_args(x, weight, bias, at::kCPU, "linear_forward");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  const at::Tensor x2 = x.reshape({M, K});
+  if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {  // Note [float32 GEMMs through oneDNN]
+    return onednn_linear(x2.contiguous(), weight.contiguous(), bias ? std::optional(bias->contiguous()) : std::nullopt)
+        .view(shape);
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) gemm_out(y, bias, x2, weight.t());  // Note [bfloat16 GEMM without oneDNN]
+  return y.view(shape);
+}
+
 }  // namespace parallel_layers::cpu
 
 TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
@@ -200,4 +214,5 @@ TORCH_LIBRARY_IMPL(parallel_layers, CPU, m) {
   m.impl("linear_gelu_backward", &parallel_layers::cpu::linear_gelu_backward);
   m.impl("linear_weight_grad", &parallel_layers::cpu::linear_weight_grad);
   m.impl("linear_input_grad", &parallel_layers::cpu::linear_input_grad);
+  m.impl("linear_forward", &parallel_layers::cpu::linear_forward);
 }

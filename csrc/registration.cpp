@@ -57,6 +57,10 @@ TORCH_LIBRARY(parallel_layers, m) {
   // grad_out [..., n], weight [n, k] -> grad_out @ weight [..., k]: the input gradient of a linear
   // layer, by the same GEMM rule as the fused ops' backward (Note [float32 GEMMs through oneDNN]).
   m.def("linear_input_grad(Tensor grad_out, Tensor weight) -> Tensor");
+  // x [..., k], weight [n, k], bias [n] or none -> x @ weight^T + bias [..., n]: the forward GEMM
+  // of a linear layer, by the fused ops' CPU GEMM rules (Notes [float32 GEMMs through oneDNN],
+  // [bfloat16 GEMM without oneDNN]); for the tensor-parallel layers, whose backward is their own.
+  m.def("linear_forward(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // y = silu(gate) * up from one packed GEMM: [gate | up] = x @ weight^T + bias, weight [2n, k]
   // the gate rows stacked on the up rows, bias [2n]; y [..., n]. preact [..., 2n] as linear_gelu's.
   m.def("linear_swiglu(Tensor x, Tensor weight, Tensor? bias, bool save_preact) -> (Tensor y, Tensor preact)");

@@ -222,6 +222,12 @@ at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weigh
   return at::mm(grad_out.reshape({M, N}), weight).view(shape);
 }
 
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_linear_gelu_args(x, weight, bias, at::kCUDA, "linear_forward");
+  const c10::cuda::CUDAGuard guard(x.device());
+  return at::linear(x, weight, bias);  // cuBLASLt with its bias epilogue, as F.linear
+}
+
 }  // namespace parallel_layers::cuda
 
 TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
@@ -229,4 +235,5 @@ TORCH_LIBRARY_IMPL(parallel_layers, CUDA, m) {
   m.impl("linear_gelu_backward", &parallel_layers::cuda::linear_gelu_backward);
   m.impl("linear_weight_grad", &parallel_layers::cuda::linear_weight_grad);
   m.impl("linear_input_grad", &parallel_layers::cuda::linear_input_grad);
+  m.impl("linear_forward", &parallel_layers::cuda::linear_forward);
 }

@@ -60,6 +60,18 @@ def linear_input_grad(grad_out: Tensor, weight: Tensor) -> Tensor:
     return torch.ops.parallel_layers.linear_input_grad(grad_out, weight)
 
 
+def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`x @ weight.T + bias`: `F.linear`'s value, by the GEMM rules of the fused ops' forward.
+
+    x [..., K], weight [N, K], bias [N] or None, one dtype -> [..., N]. On CPU in float32 the
+    GEMM is oneDNN's where Note [float32 GEMMs through oneDNN] says so, and in bfloat16 on a CPU
+    without oneDNN bfloat16 a float32 product rounded once (Note [bfloat16 GEMM without oneDNN],
+    csrc/gemm.cpp); elsewhere, and on CUDA, `F.linear`'s bits. The forward GEMM of the layers whose
+    backward is their own (`linear_input_grad`, `linear_weight_grad`). Not differentiable.
+    """
+    return torch.ops.parallel_layers.linear_forward(x, weight, bias)
+
+
 def linear_autocast_inputs(x: Tensor, weight: Tensor,
                            bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """`(x, weight, bias)` as `linear_gelu` computes with them under the current autocast state.
@@ -115,6 +127,16 @@ def _linear_weight_grad_fake(grad_out: Tensor, x: Tensor) -> Tensor:
                  lambda: f"linear_weight_grad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} must have "
                          "the same leading dims (all but the last)")
     return x.new_empty((grad_out.shape[-1], x.shape[-1]))
+
+
+@torch.library.register_fake("parallel_layers::linear_forward")
+def _linear_forward_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    torch._check(weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+                 lambda: f"linear_forward: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match: weight "
+                         "must be [out_features, in_features] with in_features the last dim of x")
+    torch._check(bias is None or tuple(bias.shape) == (weight.shape[0],),
+                 lambda: f"linear_forward: bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.register_fake("parallel_layers::linear_input_grad")

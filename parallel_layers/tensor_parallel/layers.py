@@ -35,12 +35,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers import fault
-from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_gelu_forward, linear_input_grad,
-                                 linear_swiglu_forward, linear_weight_grad, swiglu_backward)
+from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_forward, linear_gelu_forward,
+                                 linear_input_grad, linear_swiglu_forward, linear_weight_grad, swiglu_backward)
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import check_divisible, check_size, gather_full, sharded_parameter
 
@@ -88,9 +87,11 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
 
 # The Functions below write their own backward, to overlap collectives with the GEMMs; the
 # kernel contracts stay the ops' (docs/kernels.md): the layers cast their inputs with
-# linear_autocast_inputs before the Function (the autocast policy), and backward computes dz,
+# linear_autocast_inputs before the Function (the autocast policy), the forward GEMM is
+# linear_forward / linear_gelu_forward / linear_swiglu_forward, and backward computes dz,
 # dbias and the GEMMs with bias_gelu_backward / swiglu_backward, linear_input_grad and
-# linear_weight_grad (the linear + GeLU and linear + SwiGLU backward rules).
+# linear_weight_grad (the linear + GeLU and linear + SwiGLU backward rules) - every GEMM by the
+# library's CPU GEMM rules (csrc/gemm.cpp).
 
 
 class _ColumnLinear(torch.autograd.Function):
@@ -104,7 +105,7 @@ class _ColumnLinear(torch.autograd.Function):
         x_full = comm.all_gather(x, seq_dim, group) if input_comm == "sequence" else x
         needs_grad = any(ctx.needs_input_grad[:3])
         if approximate is None:
-            y, preact = F.linear(x_full, weight, bias), None
+            y, preact = linear_forward(x_full, weight, bias), None
         else:
             y, preact = linear_gelu_forward(x_full, weight, bias, approximate, needs_grad)
         if needs_grad:
@@ -210,7 +211,7 @@ class _RowLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim):
-        partial = F.linear(x, weight)
+        partial = linear_forward(x, weight, None)
         if comm.group_size(group) > 1:
             if sequence_parallel:
                 partial, _ = comm.reduce_scatter(partial, group, dim=seq_dim)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel_layers
-from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_gelu, linear_input_grad,
+from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_forward, linear_gelu,
+                                 linear_input_grad,
                                  linear_weight_grad, transpose_2d)
 from tests.ops.numerics import (BF16_GEMMS_WIDEN, FP32_GEMMS_ONEDNN, conversions_inside, cpu_gemm, device_gemms,
                                 devices, fp32_linear, max_abs_error)
@@ -624,6 +625,48 @@ def test_linear_input_grad_matches_float64(dz_shape, k, dtype, device):
 def test_linear_input_grad_bad_input_messages(args, message):
     with pytest.raises(RuntimeError, match=message):
         linear_input_grad(*args())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_shape, n", [((0, 5), 3), ((7, 0), 4), ((7, 5), 1), ((2, 3, 17), 33), ((130, 64), 48)])
+def test_linear_forward_matches_float64_and_the_gemm_rules(x_shape, n, dtype, device):
+    """linear_forward is F.linear's value by the fused ops' forward GEMM rules: the bits of the
+    library the float32 rule picks (both, on any CPU), a float32 product rounded once where
+    bfloat16 GEMMs widen, F.linear's bits everywhere else; as close to float64 as the GEMM."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64)
+    w = torch.randn(n, x_shape[-1], generator=g, dtype=torch.float64) / max(x_shape[-1], 1) ** 0.5
+    b = torch.randn(n, generator=g, dtype=torch.float64)
+    for bias in (b, None):
+        ref = F.linear(x, w, bias)
+        cast = lambda t: None if t is None else t.to(device, dtype)  # noqa: E731
+        for gemm in (["aten", "onednn"] if device == "cpu" and dtype == torch.float32 else ["auto"]):
+            with cpu_gemm(gemm):
+                got = linear_forward(cast(x), cast(w), cast(bias))
+            assert got.shape == ref.shape and got.dtype == dtype
+            if device == "cpu" and dtype == torch.float32:
+                expected = fp32_linear(cast(x), cast(w), cast(bias), gemm)
+            elif device == "cpu" and dtype == torch.bfloat16 and BF16_GEMMS_WIDEN:
+                expected = F.linear(x.to(dtype).float(), w.to(dtype).float(),
+                                    None if bias is None else bias.to(dtype).float()).to(dtype)
+            else:
+                expected = F.linear(cast(x), cast(w), cast(bias))
+            assert torch.equal(got, expected)
+            bound = {torch.float32: F32_RTOL, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+            assert _rel_error(got.cpu(), ref) < bound
+        torch.library.opcheck(torch.ops.parallel_layers.linear_forward.default, (cast(x), cast(w), cast(bias)))
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda: (torch.randn(3, 4), torch.randn(5, 2), None),
+     r"x has 4 features in its last dim \(shape \[3, 4\]\) but weight expects in_features = 2"),
+    (lambda: (torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)), r"bias must have shape \[5\]"),
+    (lambda: (torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64), None), r"dtype"),
+])
+def test_linear_forward_bad_input_messages(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        linear_forward(*args())
 
 
 def test_cpu_gemm_environment_variable_is_checked():

@@ -90,6 +90,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, con
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 // grad_out [..., n], weight [n, k] -> grad_out @ weight [..., k].
 at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight);
+// x [..., k], weight [n, k], bias [n] or none -> x @ weight^T + bias [..., n].
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 // x [rows, cols] -> x^T as a contiguous [cols, rows].
 at::Tensor transpose_2d(const at::Tensor& x);
 }  // namespace cpu
@@ -118,6 +120,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, con
                                                    bool need_dbias);
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x);
 at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight);
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 at::Tensor transpose_2d(const at::Tensor& x);
 // gelu(z), no bias, no pre-activation written (linear_gelu's fallback after its addmm).
 at::Tensor gelu_only(const at::Tensor& z, std::string_view approximate);
