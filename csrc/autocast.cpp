@@ -69,6 +69,18 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu_autocast(const at::Tensor& x, c
   return op.call(x_cast, weight_cast, bias_cast, save_preact);
 }
 
+// linear_forward: F.linear's autocast policy (the inputs cast to the autocast dtype).
+template <c10::DeviceType kDevice>
+at::Tensor linear_forward_autocast(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("parallel_layers::linear_forward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  const auto [x_cast, weight_cast, bias_cast] = cast_linear_inputs<kDevice>(x, weight, bias);
+  return op.call(x_cast, weight_cast, bias_cast);
+}
+
 template <c10::DeviceType kDevice>
 LinearInputs linear_autocast_inputs_autocast(const at::Tensor& x, const at::Tensor& weight,
                                              const std::optional<at::Tensor>& bias) {
@@ -101,6 +113,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_autocast(const at::Tensor& x, const
 TORCH_LIBRARY_IMPL(parallel_layers, AutocastCPU, m) {
   m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CPU>);
   m.impl("linear_swiglu", &parallel_layers::linear_swiglu_autocast<c10::DeviceType::CPU>);
+  m.impl("linear_forward", &parallel_layers::linear_forward_autocast<c10::DeviceType::CPU>);
   m.impl("linear_autocast_inputs", &parallel_layers::linear_autocast_inputs_autocast<c10::DeviceType::CPU>);
   m.impl("bias_gelu", &parallel_layers::bias_gelu_autocast<c10::DeviceType::CPU>);
 }
@@ -108,6 +121,7 @@ TORCH_LIBRARY_IMPL(parallel_layers, AutocastCPU, m) {
 TORCH_LIBRARY_IMPL(parallel_layers, AutocastCUDA, m) {
   m.impl("linear_gelu", &parallel_layers::linear_gelu_autocast<c10::DeviceType::CUDA>);
   m.impl("linear_swiglu", &parallel_layers::linear_swiglu_autocast<c10::DeviceType::CUDA>);
+  m.impl("linear_forward", &parallel_layers::linear_forward_autocast<c10::DeviceType::CUDA>);
   m.impl("linear_autocast_inputs", &parallel_layers::linear_autocast_inputs_autocast<c10::DeviceType::CUDA>);
   m.impl("bias_gelu", &parallel_layers::bias_gelu_autocast<c10::DeviceType::CUDA>);
 }

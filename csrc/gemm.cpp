@@ -125,8 +125,12 @@ bool onednn_fp32_gemm(const at::Tensor& a) {
 }
 
 bool has_onednn_linear() {
-  static const bool has = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""}).has_value() &&
-                          c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", "binary"}).has_value();
+  static const bool has = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""}).has_value();
+  return has;
+}
+
+bool has_onednn_linear_binary() {
+  static const bool has = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", "binary"}).has_value();
   return has;
 }
 

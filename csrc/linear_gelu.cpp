@@ -45,6 +45,7 @@ std::optional<at::Tensor> onednn_bf16_linear_gelu(const at::Tensor& x2, const at
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                std::string_view approximate, bool save_preact) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const GeluApprox approx = parse_gelu_approx(approximate);
   const auto [M, K, N] = check_linear_gelu_args(x, weight, bias, at::kCPU);
 
@@ -153,6 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const GeluApprox approx = parse_gelu_approx(approximate);
   const auto [M, K, N] = check_linear_gelu_backward_args(grad_y, x, weight, preact, at::kCPU);
   const auto [need_dx, need_dw, need_db] = output_mask;
@@ -182,11 +184,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
 }
 
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N] = check_linear_weight_grad_args(grad_out, x, at::kCPU);
   return weight_grad(grad_out.reshape({M, N}), at::Tensor(), x.reshape({M, K}));
 }
 
 at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N] = check_linear_input_grad_args(grad_out, weight, at::kCPU);
   std::vector<int64_t> shape(grad_out.sizes().begin(), grad_out.sizes().end());
   shape.back() = K;
@@ -194,6 +198,7 @@ at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weigh
 }
 
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N] = check_linear_gelu_args(x, weight, bias, at::kCPU, "linear_forward");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;

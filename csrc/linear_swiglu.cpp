@@ -237,7 +237,7 @@ std::vector<std::pair<int64_t, int64_t>> forward_gemm_columns(at::ScalarType dty
 std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias) {
   const bool bf16 = x2.scalar_type() == at::kBFloat16 && onednn_supports_bf16();
-  if (!has_onednn_linear() || !(bf16 || onednn_fp32_gemm(x2))) return std::nullopt;
+  if (!has_onednn_linear() || !has_onednn_linear_binary() || !(bf16 || onednn_fp32_gemm(x2))) return std::nullopt;
   const int64_t n = weight.size(0) / 2;
   const at::Tensor xc = x2.contiguous(), w = weight.contiguous();
   const std::optional<at::Tensor> b = bias ? std::optional(bias->contiguous()) : std::nullopt;
@@ -250,6 +250,7 @@ std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at
 
 std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
                                                  const std::optional<at::Tensor>& bias, bool save_preact) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N2] = check_linear_swiglu_args(x, weight, bias, at::kCPU);
   const int64_t N = N2 / 2;
   const at::Tensor x2 = x.reshape({M, K});
@@ -263,7 +264,8 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {
     // Note [float32 GEMMs through oneDNN]: one packed GEMM, bias included, into a new z; the
-    // epilogue then reads it whole (it is scratch when not kept).
+    // epilogue then reads it whole. Inference took the post-op path above unless ATen lacks the
+    // binary op; then z is scratch.
     const at::Tensor z = onednn_linear(x2.contiguous(), weight.contiguous(),
                                        bias ? std::optional(bias->contiguous()) : std::nullopt);
     swiglu_parallel(z, y);
@@ -295,6 +297,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
                                                                       const at::Tensor& weight,
                                                                       const at::Tensor& preact,
                                                                       std::array<bool, 3> output_mask) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N2] = check_linear_swiglu_backward_args(grad_y, x, weight, preact, at::kCPU);
   const auto [need_dx, need_dw, need_db] = output_mask;
   // Unasked gradients: distinct empty tensors (outputs must not alias).

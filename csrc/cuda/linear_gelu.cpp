@@ -154,6 +154,7 @@ bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::option
 std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                std::string_view approximate, bool save_preact) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const GeluApprox approx = parse_gelu_approx(approximate);
   const auto [M, K, N] = check_linear_gelu_args(x, weight, bias, at::kCUDA);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -195,6 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   parse_gelu_approx(approximate);
   const auto [M, K, N] = check_linear_gelu_backward_args(grad_y, x, weight, preact, at::kCUDA);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -209,12 +211,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
 }
 
 at::Tensor linear_weight_grad(const at::Tensor& grad_out, const at::Tensor& x) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N] = check_linear_weight_grad_args(grad_out, x, at::kCUDA);
   const c10::cuda::CUDAGuard guard(x.device());
   return weight_grad(grad_out.reshape({M, N}), at::Tensor(), x.reshape({M, K}));
 }
 
 at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weight) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N] = check_linear_input_grad_args(grad_out, weight, at::kCUDA);
   const c10::cuda::CUDAGuard guard(weight.device());
   std::vector<int64_t> shape(grad_out.sizes().begin(), grad_out.sizes().end());
@@ -223,6 +227,7 @@ at::Tensor linear_input_grad(const at::Tensor& grad_out, const at::Tensor& weigh
 }
 
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   check_linear_gelu_args(x, weight, bias, at::kCUDA, "linear_forward");
   const c10::cuda::CUDAGuard guard(x.device());
   return at::linear(x, weight, bias);  // cuBLASLt with its bias epilogue, as F.linear

@@ -48,6 +48,7 @@ std::tuple<at::Tensor, at::Tensor> dswiglu(const at::Tensor& dy, const at::Tenso
 
 std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
                                                  const std::optional<at::Tensor>& bias, bool save_preact) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N2] = check_linear_swiglu_args(x, weight, bias, at::kCUDA);
   const int64_t N = N2 / 2;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -74,6 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
                                                                       const at::Tensor& weight,
                                                                       const at::Tensor& preact,
                                                                       std::array<bool, 3> output_mask) {
+  const NoAutocastInside no_autocast;  // Note [no autocast inside the ops]
   const auto [M, K, N2] = check_linear_swiglu_backward_args(grad_y, x, weight, preact, at::kCUDA);
   const int64_t N = N2 / 2;
   const c10::cuda::CUDAGuard guard(x.device());

@@ -669,6 +669,39 @@ def test_linear_forward_bad_input_messages(args, message):
         linear_forward(*args())
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("gemm", ["aten", "onednn"])
+def test_gemm_ops_keep_their_dtype_and_bits_under_autocast(device, gemm):
+    """Note [no autocast inside the ops]: inside a torch.autocast region the backward GEMM ops
+    compute in their operands' dtype (autocast would send ATen's mm to the low-precision dtype),
+    the fused backward ops likewise, and linear_forward casts its inputs as F.linear does, then
+    gives the bits it gives on the cast inputs outside the region."""
+    low = torch.bfloat16 if device == "cpu" else torch.float16
+    g = torch.Generator().manual_seed(13)
+    x, dz = torch.randn(24, 16, generator=g).to(device), torch.randn(24, 40, generator=g).to(device)
+    w, b = torch.randn(40, 16, generator=g).to(device), torch.randn(40, generator=g).to(device)
+    z = torch.randn(24, 40, generator=g).to(device)
+    calls = {
+        "linear_weight_grad": lambda: linear_weight_grad(dz, x),
+        "linear_input_grad": lambda: linear_input_grad(dz, w),
+        "linear_gelu_backward": lambda: torch.ops.parallel_layers.linear_gelu_backward(dz, x, w, z, "tanh",
+                                                                                       [True, True, True]),
+        "linear_swiglu_backward": lambda: torch.ops.parallel_layers.linear_swiglu_backward(
+            dz[:, :20], x, w, z, [True, True, True]),
+    }
+    with cpu_gemm(gemm):
+        for name, call in calls.items():
+            outside = call()
+            with torch.autocast(device, dtype=low):
+                inside = call()
+            for o, i in zip(outside if isinstance(outside, tuple) else [outside],
+                            inside if isinstance(inside, tuple) else [inside]):
+                assert i.dtype == torch.float32 and torch.equal(i, o), name
+        with torch.autocast(device, dtype=low):
+            y = linear_forward(x, w, b)
+        assert y.dtype == low and torch.equal(y, linear_forward(x.to(low), w.to(low), b.to(low)))
+
+
 def test_cpu_gemm_environment_variable_is_checked():
     """PARALLEL_LAYERS_CPU_GEMM is read once, at the first float32 GEMM; a bad value is an error
     there that names it and the valid ones, never a silent default."""

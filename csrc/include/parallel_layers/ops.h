@@ -10,8 +10,21 @@
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 namespace parallel_layers {
+
+// Note [no autocast inside the ops]: an op computes in its inputs' dtype by its own rules
+// (float32 stays float32; Note [bfloat16 GEMM without oneDNN] widens bfloat16 on purpose). Inside
+// a torch.autocast region the ATen GEMMs a kernel calls would be recast by autocast's policy (CPU
+// autocast runs mm / addmm in bfloat16): linear_weight_grad of float32 operands returned
+// bfloat16 there, against its fake's float32, and a widened product went back to bfloat16's slow
+// loops. So every kernel that calls an ATen GEMM holds this guard. The ops' own autocast policy
+// is their Autocast kernels (csrc/autocast.cpp), which cast the inputs before the kernel runs.
+struct NoAutocastInside {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
 
 // The weight gradient of a linear layer, dweight = dz^T @ x2 (dz [M, N]: the gradient of its
 // pre-activation; x2 [M, K]: its input), shared by both backends' linear_gelu_backward and
@@ -39,9 +52,10 @@ void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, cons
 // onednn_linear with a post_op other than "none" is oneDNN's fused epilogue (its GeLU:
 // Note [bfloat16 inference through oneDNN]); onednn_linear_binary applies `binary_op` ("mul",
 // "add") with `other` [M, N] to x2 @ weight^T + bias in the GEMM's epilogue (Note [SwiGLU
-// inference through oneDNN post-ops]); has_onednn_linear says whether ATen has both ops.
+// inference through oneDNN post-ops]); has_onednn_linear(_binary) say whether ATen has them.
 bool onednn_fp32_gemm(const at::Tensor& a);
 bool has_onednn_linear();
+bool has_onednn_linear_binary();
 at::Tensor onednn_linear(const at::Tensor& x2, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const std::string& post_op = "none", const std::string& algorithm = "");
 at::Tensor onednn_linear_binary(const at::Tensor& x2, const at::Tensor& other, const at::Tensor& weight,
