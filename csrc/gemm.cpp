@@ -138,7 +138,8 @@ at::Tensor onednn_linear(const at::Tensor& x2, const at::Tensor& weight, const s
                          const std::string& post_op, const std::string& algorithm) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel of ours: no graph for the inner op
-  torch::jit::Stack stack{x2, weight, bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue(post_op),
+  const c10::IValue b = bias ? c10::IValue(bias->contiguous()) : c10::IValue();
+  torch::jit::Stack stack{x2.contiguous(), weight, b, c10::IValue(post_op),
                           c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(algorithm)};
   op.callBoxed(stack);
   return stack[0].toTensor();
@@ -148,7 +149,8 @@ at::Tensor onednn_linear_binary(const at::Tensor& x2, const at::Tensor& other, c
                                 const std::optional<at::Tensor>& bias, const std::string& binary_op) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  torch::jit::Stack stack{x2, other, weight, bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue(binary_op)};
+  const c10::IValue b = bias ? c10::IValue(bias->contiguous()) : c10::IValue();
+  torch::jit::Stack stack{x2.contiguous(), other.contiguous(), weight, b, c10::IValue(binary_op)};
   op.callBoxed(stack);
   return stack[0].toTensor();
 }
@@ -157,7 +159,7 @@ at::Tensor input_grad_gemm(const at::Tensor& dz, const at::Tensor& weight) {
   // dz @ weight is a linear layer of dz with weight^T ([in, out] as [out, in]): oneDNN reads the
   // transposed view of a row-major weight (no copy; measured at the dx speed in the Note).
   if (onednn_fp32_gemm(dz) && dz.numel() > 0 && weight.numel() > 0) {
-    return onednn_linear(dz.contiguous(), weight.contiguous().t(), std::nullopt);
+    return onednn_linear(dz, weight.contiguous().t(), std::nullopt);
   }
   return gemm(dz, weight);
 }

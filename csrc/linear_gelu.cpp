@@ -36,7 +36,7 @@ namespace {
 std::optional<at::Tensor> onednn_bf16_linear_gelu(const at::Tensor& x2, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias, GeluApprox approx) {
   if (!onednn_supports_bf16() || !has_onednn_linear() || x2.scalar_type() != at::kBFloat16) return std::nullopt;
-  return onednn_linear(x2.contiguous(), weight.contiguous(), bias ? std::optional(bias->contiguous()) : std::nullopt,
+  return onednn_linear(x2, weight.contiguous(), bias,
                        "gelu", approx == GeluApprox::kTanh ? "tanh" : "none");
 }
 
@@ -60,8 +60,7 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
   if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {
     // Note [float32 GEMMs through oneDNN] (csrc/gemm.cpp): one GEMM, bias included, then the
     // epilogue over all of it - into y, or in place when the pre-activation is not kept.
-    const at::Tensor acc = onednn_linear(x2.contiguous(), weight.contiguous(),
-                                         bias ? std::optional(bias->contiguous()) : std::nullopt);
+    const at::Tensor acc = onednn_linear(x2, weight.contiguous(), bias);
     const at::Tensor y = save_preact ? at::empty({M, N}, x.options()) : acc;
     at::parallel_for(0, M, rows_per_task(N), [&](int64_t begin, int64_t end) {
       gelu_epilogue(acc.slice(0, begin, end), std::nullopt, at::Tensor(), y.slice(0, begin, end), approx);
@@ -204,8 +203,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   shape.back() = N;
   const at::Tensor x2 = x.reshape({M, K});
   if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {  // Note [float32 GEMMs through oneDNN]
-    return onednn_linear(x2.contiguous(), weight.contiguous(), bias ? std::optional(bias->contiguous()) : std::nullopt)
-        .view(shape);
+    return onednn_linear(x2, weight.contiguous(), bias).view(shape);
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) gemm_out(y, bias, x2, weight.t());  // Note [bfloat16 GEMM without oneDNN]

@@ -211,7 +211,8 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
 // 2-core AVX-512 machine (MKL for float32, oneDNN for bfloat16; x [M, K], N gate columns; median
 // of 25-30 interleaved calls, both threads) two float32 GEMMs took 0.98 / 0.97 / 0.99x and, in
 // a second run, 0.92 / 0.95 / 0.99x the packed one's time at 512x512x1376 / 512x1024x2816 /
-// 1024x2048x5632; two bfloat16 GEMMs 1.05 / 1.04 / 1.02x. So float32 and float64 (MKL both) split; 16-bit types keep one GEMM.
+// 1024x2048x5632; two bfloat16 GEMMs 1.05 / 1.04 / 1.02x. So float32 and float64 (MKL both)
+// split; 16-bit types keep one GEMM.
 // The backward's GEMMs (dz @ W, dz^T @ x) split gained nothing (1.00-1.04x) and stay packed.
 std::vector<std::pair<int64_t, int64_t>> forward_gemm_columns(at::ScalarType dtype, int64_t n) {
   if (dtype == at::kFloat || dtype == at::kDouble) return {{0, n}, {n, 2 * n}};
@@ -240,8 +241,7 @@ std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at
   if (!has_onednn_linear() || !has_onednn_linear_binary() || !(bf16 || onednn_fp32_gemm(x2))) return std::nullopt;
   const int64_t n = weight.size(0) / 2;
   const at::Tensor xc = x2.contiguous(), w = weight.contiguous();
-  const std::optional<at::Tensor> b = bias ? std::optional(bias->contiguous()) : std::nullopt;
-  const auto half = [&](int64_t i) { return b ? std::optional(b->slice(0, i * n, (i + 1) * n)) : std::nullopt; };
+  const auto half = [&](int64_t i) { return bias ? std::optional(bias->slice(0, i * n, (i + 1) * n)) : std::nullopt; };
   const at::Tensor gate = onednn_linear(xc, w.slice(0, 0, n), half(0), "swish");
   return onednn_linear_binary(xc, gate, w.slice(0, n, 2 * n), half(1), "mul");
 }
@@ -266,8 +266,7 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
     // Note [float32 GEMMs through oneDNN]: one packed GEMM, bias included, into a new z; the
     // epilogue then reads it whole. Inference took the post-op path above unless ATen lacks the
     // binary op; then z is scratch.
-    const at::Tensor z = onednn_linear(x2.contiguous(), weight.contiguous(),
-                                       bias ? std::optional(bias->contiguous()) : std::nullopt);
+    const at::Tensor z = onednn_linear(x2, weight.contiguous(), bias);
     swiglu_parallel(z, y);
     return {y.view(out_shape), save_preact ? z.view(pre_shape) : at::empty({0}, x.options())};
   }

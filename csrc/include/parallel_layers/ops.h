@@ -46,9 +46,10 @@ void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, cons
               const at::Tensor& b);
 // Note [float32 GEMMs through oneDNN]: whether the float32 forward and input-gradient GEMMs
 // with first operand `a` go through oneDNN's matmul (onednn_linear: x2 [M, K] @ weight^T [K, N]
-// + bias, weight [N, K] in any strides, non-empty operands) rather than ATen's; input_grad_gemm
-// is dz @ weight by that rule (and Note [bfloat16 GEMM without oneDNN]). set_cpu_gemm("auto" |
-// "aten" | "onednn") overrides the rule and returns the previous setting.
+// + bias, non-empty operands; x2 and bias are made contiguous, weight [N, K] is read in its own
+// strides) rather than ATen's; input_grad_gemm is dz @ weight by that rule (and Note [bfloat16
+// GEMM without oneDNN]). set_cpu_gemm("auto" | "aten" | "onednn") overrides the rule and returns
+// the previous setting.
 // onednn_linear with a post_op other than "none" is oneDNN's fused epilogue (its GeLU:
 // Note [bfloat16 inference through oneDNN]); onednn_linear_binary applies `binary_op` ("mul",
 // "add") with `other` [M, N] to x2 @ weight^T + bias in the GEMM's epilogue (Note [SwiGLU
