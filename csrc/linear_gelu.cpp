@@ -102,9 +102,9 @@ namespace parallel_layers {
 //   a CPU with AMX (M x K x N = 2048x1024x4096: dz.t() @ x 15.2 ms, a row-major dz^T 6.8 ms;
 //   4096x4096x1024: 24.7 vs 14.6 ms; the TP benchmark's dz [1024, 2048], x [1024, 1024], one
 //   thread: 5.9 vs 2.7 ms) and 4-5% slower on an AVX-512-BF16 CPU without AMX (2048x1024x4096:
-//   86.9 vs 83.3 ms, one thread). linear_gelu_backward's dgelu pass writes dz^T from tiles of
-//   rows still in L2; linear_weight_grad, handed a ready dz, copies it with transpose_2d. For
-//   dz [1024, 2048], one thread: on the AMX CPU ~0.7 ms more than writing dz alone, and 0.33 ms
+//   86.9 vs 83.3 ms, one thread). linear_gelu_backward's dgelu pass and linear_swiglu_backward's
+//   dswiglu pass write dz^T from tiles of rows still in L2; linear_weight_grad, handed a ready
+//   dz, copies it with transpose_2d. For dz [1024, 2048], one thread: on the AMX CPU ~0.7 ms more than writing dz alone, and 0.33 ms
 //   per [1024, 1024] for the copy; on the other, 0.86 and 0.94 ms.
 // - float16 on CPU: the GEMM ran 2.1-2.7x slower from a row-major dz^T than from the transposed
 //   view on the AVX-512 CPU (256x256x512: 29.5 vs 14.1 ms; 512x512x1024: 306 vs 115 ms, one

@@ -36,6 +36,7 @@
 #include "parallel_layers/checks.h"
 #include "parallel_layers/cpu/linear_panels.h"
 #include "parallel_layers/cpu/simd.h"
+#include "parallel_layers/cpu/transpose.h"
 #include "parallel_layers/ops.h"
 #include "parallel_layers/row_chunks.h"
 #include "parallel_layers/swiglu.h"
@@ -182,7 +183,14 @@ void swiglu_parallel(const at::Tensor& z, const at::Tensor& y) {
 // dswiglu_rows over all rows, in parallel over chunks of rows (parallel_layers/row_chunks.h);
 // each chunk sums its bias gradient into its own row of partials, added in chunk order, so
 // dbias does not depend on the thread count. Returns dbias [2n] in z's dtype when want_dbias.
-at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, bool want_dbias) {
+// With dz_t ([2n, rows]: Note [weight-gradient operand layout], csrc/linear_gelu.cpp) a chunk
+// also writes dz transposed, kTransposeRows rows at a time, right after computing them: the
+// block (32 rows of 2n: 176 KB at n = 1376 in bfloat16, 704 KB at n = 5632) is still in L2, and
+// each dz_t row receives a whole 64-byte line per block. This is linear_gelu's dgelu pass's
+// scheme; before it, weight_grad copied the finished dz with transpose_2d, a second pass over it.
+at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
+                            bool want_dbias) {
+  constexpr int64_t kTransposeRows = 32;
   const int64_t rows = z.size(0), n = z.size(1) / 2;
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), rows_per_task(2 * n));
   const auto acc_type = at::toOpMathType(z.scalar_type());
@@ -191,12 +199,19 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
   if (rows > 0 && n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "dswiglu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
+      const scalar_t* zp = z.const_data_ptr<scalar_t>();
+      scalar_t* dzp = dz.mutable_data_ptr<scalar_t>();
+      scalar_t* dztp = dz_t.defined() ? dz_t.mutable_data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, chunks.num_chunks(), 1, [&](int64_t chunk_begin, int64_t chunk_end) {
         for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-          dswiglu_rows<scalar_t, acc_t>(dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(),
-                                        dz.mutable_data_ptr<scalar_t>(),
-                                        want_dbias ? partials.mutable_data_ptr<acc_t>() + c * 2 * n : nullptr, n,
-                                        chunks.begin(c), chunks.end(c));
+          acc_t* partial = want_dbias ? partials.mutable_data_ptr<acc_t>() + c * 2 * n : nullptr;
+          const int64_t step = dztp ? kTransposeRows : chunks.end(c) - chunks.begin(c);
+          for (int64_t r0 = chunks.begin(c); r0 < chunks.end(c); r0 += step) {
+            const int64_t r1 = std::min(chunks.end(c), r0 + step);
+            dswiglu_rows<scalar_t, acc_t>(dyp, zp, dzp, partial, n, r0, r1);
+            if (dztp) transpose_tile(dzp + r0 * 2 * n, 2 * n, r1 - r0, 2 * n, dztp + r0, rows);
+          }
         }
       });
     });
@@ -306,11 +321,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_swiglu_backward(const at::
   const at::Tensor z = preact.contiguous().view({M, N2});
   const Scratch dz_buf(0, {M, N2}, x.options());  // Note [backward scratch on CPU]
   const at::Tensor& dz = dz_buf.tensor();
-  at::Tensor db = dswiglu_parallel(dy, z, dz, need_db);
+  // Note [weight-gradient operand layout]: where the rule wants a row-major dz^T, the pass writes it.
+  std::optional<Scratch> dz_t_buf;
+  if (need_dw && weight_grad_wants_dz_t(dy)) dz_t_buf.emplace(1, at::IntArrayRef{N2, M}, x.options());
+  const at::Tensor dz_t = dz_t_buf ? dz_t_buf->tensor() : at::Tensor();
+  at::Tensor db = dswiglu_parallel(dy, z, dz, dz_t, need_db);
   // Notes [float32 GEMMs through oneDNN], [bfloat16 GEMM without oneDNN] (csrc/gemm.cpp).
   at::Tensor dx = need_dx ? input_grad_gemm(dz, weight).view(x.sizes()) : empty();
-  // Note [weight-gradient operand layout]: on CPU in bfloat16 weight_grad copies dz^T first.
-  at::Tensor dw = need_dw ? weight_grad(dz, at::Tensor(), x.reshape({M, K})) : empty();
+  at::Tensor dw = need_dw ? weight_grad(dz, dz_t, x.reshape({M, K})) : empty();
   return {dx, dw, need_db ? db : empty()};
 }
 
@@ -320,7 +338,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_y, con
   const int64_t rows = n == 0 ? 0 : preact.numel() / (2 * n);
   const at::Tensor z = preact.contiguous().view({rows, 2 * n});
   at::Tensor dz = at::empty_like(z);
-  at::Tensor db = dswiglu_parallel(grad_y.contiguous().view({rows, n}), z, dz, need_dbias);
+  at::Tensor db = dswiglu_parallel(grad_y.contiguous().view({rows, n}), z, dz, at::Tensor(), need_dbias);
   return {dz.view(preact.sizes()), need_dbias ? db : at::empty({0}, preact.options())};
 }
 

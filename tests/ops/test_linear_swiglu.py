@@ -401,11 +401,13 @@ def test_backward_bad_shapes_message():
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape, n", [((0,), 3), ((2, 3), 16), ((300,), 200)])
+@pytest.mark.parametrize("shape, n", [((0,), 3), ((2, 3), 16), ((300,), 200), ((70,), 33)])
 def test_epilogue_op_is_the_backward_ops_epilogue(shape, n, dtype, device):
     """swiglu_backward (what the tensor-parallel layer composes with its own GEMMs) gives the
-    d_preact that linear_swiglu_backward's GEMMs consume - dx = d_preact @ W is the same bits -
-    and the same dbias; against float64, d_preact is within the float32 bound."""
+    d_preact that linear_swiglu_backward's GEMMs consume - dx = d_preact @ W and dW by the
+    weight-gradient rule (linear_weight_grad: a row-major d_preact^T for bfloat16 where the CPU
+    has bfloat16 dot products, which the fused op's pass writes itself) are the same bits - and
+    the same dbias; against float64, d_preact is within the float32 bound."""
     g = torch.Generator().manual_seed(5)
     dy = torch.randn(*shape, n, generator=g, dtype=torch.float64)
     z = torch.randn(*shape, 2 * n, generator=g, dtype=torch.float64)
@@ -413,9 +415,13 @@ def test_epilogue_op_is_the_backward_ops_epilogue(shape, n, dtype, device):
     x = torch.randn(*shape, 7, generator=g, dtype=torch.float64)
     cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     d_pre, db = ops.swiglu_backward(cast(dy), cast(z))
-    dx, _, db_op = torch.ops.parallel_layers.linear_swiglu_backward(cast(dy), cast(x), cast(w), cast(z),
-                                                                    [True, False, True])
+    dx, dw, db_op = torch.ops.parallel_layers.linear_swiglu_backward(cast(dy), cast(x), cast(w), cast(z),
+                                                                     [True, True, True])
     assert torch.equal(ops.linear_input_grad(d_pre, cast(w)).view(dx.shape), dx) and torch.equal(db, db_op)
+    assert torch.equal(ops.linear_weight_grad(d_pre, cast(x)), dw)
+    _, dw_alone, _ = torch.ops.parallel_layers.linear_swiglu_backward(cast(dy), cast(x), cast(w), cast(z),
+                                                                      [False, True, False])
+    assert torch.equal(dw_alone, dw)
     assert ops.swiglu_backward(cast(dy), cast(z), need_dbias=False)[1] is None
     gate, up = z.chunk(2, dim=-1)
     s = torch.sigmoid(gate)

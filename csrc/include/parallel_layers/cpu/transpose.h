@@ -1,7 +1,7 @@
 // Out-of-place 2-D transposes on CPU: dst[c * ld_dst + t] = src[t * ld_src + c]. Used by
-// the dgelu pass that also writes dz^T (csrc/gelu_epilogue.cpp) and by the transpose_2d op
-// (csrc/transpose.cpp): ATen's bfloat16 GEMM wants row-major operands (Note [weight-gradient
-// operand layout], csrc/linear_gelu.cpp).
+// the dgelu and dswiglu passes that also write dz^T (csrc/gelu_epilogue.cpp,
+// csrc/linear_swiglu.cpp) and by the transpose_2d op (csrc/transpose.cpp): ATen's bfloat16 GEMM
+// wants row-major operands (Note [weight-gradient operand layout], csrc/linear_gelu.cpp).
 #pragma once
 
 #include <cstdint>
