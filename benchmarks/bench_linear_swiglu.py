@@ -20,6 +20,11 @@ library our op's float32 GEMMs use on some CPUs (Note [float32 GEMMs through one
   GEMM oneDNN   the bare packed GEMM through oneDNN
 "ours / GEMM" is against the bare GEMM of the library our op used (ours_over_gemm), and ours over
 ATen's GEMM is kept too (ours_over_aten_gemm).
+It also times the backward alone, without autograd (bwd_split_over_fused): the fused op
+(linear_swiglu_backward: one elementwise pass that also writes the weight gradient's operand
+layout, then dx and dW) against the same work split in three ops - swiglu_backward, then
+linear_input_grad and linear_weight_grad on its d_preact - which is what the tensor-parallel
+packed layer runs (it overlaps dx's collective with dW). Both give the same bits.
 Prints a table of ratios and writes benchmarks/results/bench_linear_swiglu.json and .png.
 """
 
@@ -118,7 +123,18 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
         t_train["eager_onednn"] = train(eager_onednn, (xg, wg_, bg_, wu_, bu_), dy)
         t_train["gemm_onednn"] = train(_OneDNNLinear.apply, (xg, w_, b_), dy_gemm)
     t_train = time_interleaved(t_train, reps, sync=sync)
-    return t_fwd, t_train
+
+    ops = torch.ops.parallel_layers
+    preact = F.linear(x, w, b)
+
+    def split():
+        d_pre, db = ops.swiglu_backward(dy, preact, True)
+        return ops.linear_input_grad(d_pre, w), ops.linear_weight_grad(d_pre, x), db
+
+    fused = lambda: ops.linear_swiglu_backward(dy, x, w, preact, [True, True, True])  # noqa: E731
+    assert all(torch.equal(a, c) for a, c in zip(fused(), split())), "fused and split backward differ"
+    t_bwd = time_interleaved({"fused": fused, "split": split}, reps, sync=sync)
+    return t_fwd, t_train, t_bwd
 
 
 def gemm_library(dtype, device) -> str:
@@ -126,8 +142,9 @@ def gemm_library(dtype, device) -> str:
     return parallel_layers._C._fp32_cpu_gemm() if device == "cpu" and dtype == torch.float32 else "aten"
 
 
-def ratios(t_fwd, t_train, gemm_library: str) -> dict:
+def ratios(t_fwd, t_train, t_bwd, gemm_library: str) -> dict:
     r = {}
+    r["bwd_split_over_fused"] = t_bwd["split"] / t_bwd["fused"]
     for phase, t in (("fwd", t_fwd), ("train", t_train)):
         r[f"{phase}_eager_over_ours"] = t["eager"] / t["ours"]
         r[f"{phase}_eager_packed_over_ours"] = t["eager_packed"] / t["ours"]
@@ -184,11 +201,12 @@ def main(argv=None):
     for m, k, n in shapes:
         for dname in args.dtypes.split(","):
             dtype = getattr(torch, dname)
-            t_fwd, t_train = bench_case(m, k, n, dtype, args.device, args.reps, args.compile)
+            t_fwd, t_train, t_bwd = bench_case(m, k, n, dtype, args.device, args.reps, args.compile)
             library = gemm_library(dtype, args.device)
-            r = ratios(t_fwd, t_train, library)
+            r = ratios(t_fwd, t_train, t_bwd, library)
             rows.append({"m": m, "k": k, "n": n, "dtype": dname, "device": args.device, "gemm_library": library,
-                         "forward_s": t_fwd, "forward_backward_s": t_train, "ratios": r})
+                         "forward_s": t_fwd, "forward_backward_s": t_train, "backward_s": t_bwd,
+                         "ratios": r})
             ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
             line = f"{f'{m},{k},{n}':>16} {dname:>9} |"
             for phase, t in (("fwd", t_fwd), ("train", t_train)):
@@ -200,6 +218,8 @@ def main(argv=None):
                 print(f"{'':>28}GEMMs through {library}; eager oneDNN / ours: fwd {r['fwd_eager_onednn_over_ours']:.2f}, "
                       f"fwd+bwd {r['train_eager_onednn_over_ours']:.2f}; ours / ATen's GEMM: fwd "
                       f"{r['fwd_ours_over_aten_gemm']:.2f}, fwd+bwd {r['train_ours_over_aten_gemm']:.2f}", flush=True)
+            print(f"{'':>28}backward alone: split (swiglu_backward + 2 GEMM ops) / fused "
+                  f"{r['bwd_split_over_fused']:.2f}", flush=True)
             if args.compile:
                 print(f"{'':>28}compile / ours: fwd {r['fwd_compile_over_ours']:.2f}, "
                       f"fwd+bwd {r['train_compile_over_ours']:.2f}", flush=True)
