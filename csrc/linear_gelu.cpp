@@ -94,18 +94,19 @@ namespace parallel_layers {
 
 // Note [weight-gradient operand layout]: the one rule for the layout in which the GEMM
 // dweight = dz^T @ x gets dz^T, on every path that computes a linear layer's weight gradient
-// (linear_gelu_backward and linear_weight_grad, CPU and CUDA; the tensor-parallel layers call
-// the latter). In bfloat16 on a CPU with bfloat16 dot-product instructions (cpu_has_native_bf16)
-// it gets a row-major [N, M] copy of dz^T; everywhere else it reads the transposed view of dz,
-// as eager autograd does.
+// (linear_gelu_backward, linear_swiglu_backward and linear_weight_grad, CPU and CUDA; the
+// tensor-parallel layers call the last). In bfloat16 on a CPU with bfloat16 dot-product
+// instructions (cpu_has_native_bf16) it gets a row-major [N, M] copy of dz^T; everywhere else it
+// reads the transposed view of dz, as eager autograd does.
 // - bfloat16 on CPU: ATen's oneDNN GEMM runs 2-2.5x slower from a transposed first operand on
 //   a CPU with AMX (M x K x N = 2048x1024x4096: dz.t() @ x 15.2 ms, a row-major dz^T 6.8 ms;
 //   4096x4096x1024: 24.7 vs 14.6 ms; the TP benchmark's dz [1024, 2048], x [1024, 1024], one
 //   thread: 5.9 vs 2.7 ms) and 4-5% slower on an AVX-512-BF16 CPU without AMX (2048x1024x4096:
 //   86.9 vs 83.3 ms, one thread). linear_gelu_backward's dgelu pass and linear_swiglu_backward's
-//   dswiglu pass write dz^T from tiles of rows still in L2; linear_weight_grad, handed a ready
-//   dz, copies it with transpose_2d. For dz [1024, 2048], one thread: on the AMX CPU ~0.7 ms more than writing dz alone, and 0.33 ms
-//   per [1024, 1024] for the copy; on the other, 0.86 and 0.94 ms.
+//   dswiglu pass write dz^T from blocks of rows still in cache; linear_weight_grad, handed a
+//   ready dz, copies it with transpose_2d. For the dgelu pass, dz [1024, 2048], one thread: on
+//   the AMX CPU ~0.7 ms more than writing dz alone, and 0.33 ms per [1024, 1024] for the copy;
+//   on the other, 0.86 and 0.94 ms. (The dswiglu pass: csrc/linear_swiglu.cpp.)
 // - float16 on CPU: the GEMM ran 2.1-2.7x slower from a row-major dz^T than from the transposed
 //   view on the AVX-512 CPU (256x256x512: 29.5 vs 14.1 ms; 512x512x1024: 306 vs 115 ms, one
 //   thread), and gained less than any copy costs on the AMX one (5.3 vs 5.9 ms): it keeps the view.

@@ -183,15 +183,23 @@ void swiglu_parallel(const at::Tensor& z, const at::Tensor& y) {
 // dswiglu_rows over all rows, in parallel over chunks of rows (parallel_layers/row_chunks.h);
 // each chunk sums its bias gradient into its own row of partials, added in chunk order, so
 // dbias does not depend on the thread count. Returns dbias [2n] in z's dtype when want_dbias.
-// With dz_t ([2n, rows]: Note [weight-gradient operand layout], csrc/linear_gelu.cpp) a chunk
-// also writes dz transposed, kTransposeRows rows at a time, right after computing them: the
-// block (32 rows of 2n: 176 KB at n = 1376 in bfloat16, 704 KB at n = 5632) is still in L2, and
-// each dz_t row receives a whole 64-byte line per block. This is linear_gelu's dgelu pass's
-// scheme; before it, weight_grad copied the finished dz with transpose_2d, a second pass over it.
+// With dz_t (a contiguous [2n, rows]: Note [weight-gradient operand layout],
+// csrc/linear_gelu.cpp) a chunk also writes dz transposed, kTransposeRows rows at a time, right
+// after computing them, so the block is read back from cache (32 rows of 2n in bfloat16: 172 KiB
+// at n = 1376, within L2; 704 KiB at n = 5632, which with its z and dy rows spills to L3 on a
+// 1 MiB L2), and each dz_t row receives 64 consecutive bytes per block. This is linear_gelu's
+// dgelu pass's scheme; before it, weight_grad copied the finished dz with transpose_2d, a second
+// pass over all of dz. Backward alone, bfloat16, on the 2-core Zen 4 EPYC: 1.01 / 1.02 / 1.045x
+// faster at 512x512x1376 / 512x1024x2816 / 1024x2048x5632 (bench_linear_swiglu's "backward
+// alone" times the split path). Unlike the dgelu pass, the block is not padded: where 2n * 2
+// bytes is a multiple of 4 KiB (n a multiple of 1024) the 8 rows an 8 x 8 block reads share an
+// L1 set; no benchmarked shape is such.
 at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
                             bool want_dbias) {
   constexpr int64_t kTransposeRows = 32;
   const int64_t rows = z.size(0), n = z.size(1) / 2;
+  TORCH_INTERNAL_ASSERT(!dz_t.defined() || (dz_t.is_contiguous() && dz_t.size(0) == 2 * n && dz_t.size(1) == rows),
+                        "dswiglu: dz_t must be a contiguous [2n, rows]");
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), rows_per_task(2 * n));
   const auto acc_type = at::toOpMathType(z.scalar_type());
   const at::Tensor partials = want_dbias ? at::zeros({chunks.num_chunks(), 2 * n}, z.options().dtype(acc_type))
