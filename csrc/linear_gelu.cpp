@@ -57,9 +57,10 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
       return {y->view(out_shape), at::empty({0}, x.options())};
     }
   }
-  if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {
-    // Note [float32 GEMMs through oneDNN] (csrc/gemm.cpp): one GEMM, bias included, then the
-    // epilogue over all of it - into y, or in place when the pre-activation is not kept.
+  if (M > 0 && N > 0 && K > 0 && onednn_forward_gemm(x2)) {
+    // Notes [float32 GEMMs through oneDNN], [bfloat16 forward GEMM through oneDNN] (csrc/gemm.cpp):
+    // one GEMM, bias included, then the epilogue over all of it - into y, or in place when the
+    // pre-activation is not kept (bfloat16 inference went through oneDNN's GeLU above).
     const at::Tensor acc = onednn_linear(x2, weight.contiguous(), bias);
     const at::Tensor y = save_preact ? at::empty({M, N}, x.options()) : acc;
     at::parallel_for(0, M, rows_per_task(N), [&](int64_t begin, int64_t end) {
@@ -203,7 +204,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   const at::Tensor x2 = x.reshape({M, K});
-  if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {  // Note [float32 GEMMs through oneDNN]
+  // Notes [float32 GEMMs through oneDNN], [bfloat16 forward GEMM through oneDNN] (csrc/gemm.cpp)
+  if (M > 0 && N > 0 && K > 0 && onednn_forward_gemm(x2)) {
     return onednn_linear(x2, weight.contiguous(), bias).view(shape);
   }
   at::Tensor y = at::empty({M, N}, x.options());

@@ -285,10 +285,11 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
     if (auto y = onednn_swiglu_inference(x2, weight, bias)) return {y->view(out_shape), at::empty({0}, x.options())};
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M > 0 && N > 0 && K > 0 && onednn_fp32_gemm(x2)) {
-    // Note [float32 GEMMs through oneDNN]: one packed GEMM, bias included, into a new z; the
-    // epilogue then reads it whole. Inference took the post-op path above unless ATen lacks the
-    // binary op; then z is scratch.
+  if (M > 0 && N > 0 && K > 0 && onednn_forward_gemm(x2)) {
+    // Notes [float32 GEMMs through oneDNN], [bfloat16 forward GEMM through oneDNN]: one packed
+    // GEMM, bias included, into a new z; the epilogue then reads it whole (for M up to 1024 the
+    // ATen path below is one panel as well). Inference took the post-op path above unless ATen
+    // lacks the binary op; then z is scratch.
     const at::Tensor z = onednn_linear(x2, weight.contiguous(), bias);
     swiglu_parallel(z, y);
     return {y.view(out_shape), save_preact ? z.view(pre_shape) : at::empty({0}, x.options())};

@@ -658,6 +658,32 @@ def test_linear_forward_matches_float64_and_the_gemm_rules(x_shape, n, dtype, de
         torch.library.opcheck(torch.ops.parallel_layers.linear_forward.default, (cast(x), cast(w), cast(bias)))
 
 
+@pytest.mark.skipif(BF16_GEMMS_WIDEN, reason="this CPU's oneDNN has no bfloat16 (its GEMMs widen instead)")
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_forward_gemms_through_onednn_linear(bias):
+    """Note [bfloat16 forward GEMM through oneDNN]: where ATen's oneDNN supports bfloat16, the
+    forward GEMMs - linear_forward, and linear_gelu's and linear_swiglu's forwards that keep the
+    pre-activation - are one oneDNN linear each (the bias in its epilogue, not copied into the
+    output first as ATen's addmm does), and give F.linear's bits."""
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(3, 37, 40, generator=g).to(torch.bfloat16)
+    w = (torch.randn(112, 40, generator=g) / 40 ** 0.5).to(torch.bfloat16)
+    b = torch.randn(112, generator=g).to(torch.bfloat16) if bias else None
+    onednn = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    assert torch.equal(onednn, F.linear(x, w, b))
+    calls = {
+        "linear_forward": lambda: linear_forward(x, w, b),
+        "linear_gelu": lambda: torch.ops.parallel_layers.linear_gelu(x, w, b, "tanh", True)[1],
+        "linear_swiglu": lambda: torch.ops.parallel_layers.linear_swiglu(x, w, b, True)[1],
+    }
+    for name, call in calls.items():
+        assert torch.equal(call(), onednn), name
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            call()
+        names = [e.name for e in prof.events()]
+        assert names.count("mkldnn::_linear_pointwise") == 1 and "aten::addmm" not in names, (name, names)
+
+
 @pytest.mark.parametrize("args, message", [
     (lambda: (torch.randn(3, 4), torch.randn(5, 2), None),
      r"x has 4 features in its last dim \(shape \[3, 4\]\) but weight expects in_features = 2"),

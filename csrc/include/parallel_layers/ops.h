@@ -55,6 +55,10 @@ void gemm_out(const at::Tensor& out, const std::optional<at::Tensor>& bias, cons
 // "add") with `other` [M, N] to x2 @ weight^T + bias in the GEMM's epilogue (Note [SwiGLU
 // inference through oneDNN post-ops]); has_onednn_linear(_binary) say whether ATen has them.
 bool onednn_fp32_gemm(const at::Tensor& a);
+// Note [bfloat16 forward GEMM through oneDNN]: whether a forward GEMM x2 @ weight^T + bias with
+// first operand `a` goes through onednn_linear: float32 by the rule above, and bfloat16 where
+// ATen's oneDNN supports it.
+bool onednn_forward_gemm(const at::Tensor& a);
 bool has_onednn_linear();
 bool has_onednn_linear_binary();
 at::Tensor onednn_linear(const at::Tensor& x2, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
