@@ -193,7 +193,7 @@ void swiglu_parallel(const at::Tensor& z, const at::Tensor& y) {
 // faster at 512x512x1376 / 512x1024x2816 / 1024x2048x5632 (bench_linear_swiglu's "backward
 // alone" times the split path). Unlike the dgelu pass, the block is not padded: where 2n * 2
 // bytes is a multiple of 4 KiB (n a multiple of 1024) the 8 rows an 8 x 8 block reads share an
-// L1 set; no benchmarked shape is such.
+// L1 set. At 512x1024x4096, such a shape, the fused pass was still 1.06x faster than the copy.
 at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz, const at::Tensor& dz_t,
                             bool want_dbias) {
   constexpr int64_t kTransposeRows = 32;

@@ -28,8 +28,9 @@ struct NoAutocastInside {
 
 // The weight gradient of a linear layer, dweight = dz^T @ x2 (dz [M, N]: the gradient of its
 // pre-activation; x2 [M, K]: its input), shared by both backends' linear_gelu_backward,
-// linear_swiglu_backward and linear_weight_grad. weight_grad_wants_dz_t is the rule of Note [weight-gradient operand
-// layout] (csrc/linear_gelu.cpp): whether the GEMM gets dz^T as a row-major [N, M] copy.
+// linear_swiglu_backward and linear_weight_grad. weight_grad_wants_dz_t is the rule of Note
+// [weight-gradient operand layout] (csrc/linear_gelu.cpp): whether the GEMM gets dz^T as a
+// row-major [N, M] copy.
 // weight_grad follows it: from dz_t when the op's pass (dgelu, dswiglu) has written it, else
 // from dz, copied to dz^T first when the rule asks for it (dz_t undefined).
 bool weight_grad_wants_dz_t(const at::Tensor& dz);
