@@ -260,8 +260,8 @@ std::vector<std::pair<int64_t, int64_t>> forward_gemm_columns(at::ScalarType dty
 // error there (1.9e-5 / 2.6e-7). Training keeps the packed GEMM and our epilogue: backward needs z.
 std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias) {
-  const bool bf16 = x2.scalar_type() == at::kBFloat16 && onednn_supports_bf16();
-  if (!has_onednn_linear() || !has_onednn_linear_binary() || !(bf16 || onednn_fp32_gemm(x2))) return std::nullopt;
+  // bfloat16 where ATen's oneDNN supports it, float32 under Note [float32 GEMMs through oneDNN].
+  if (!onednn_forward_gemm(x2) || !has_onednn_linear_binary()) return std::nullopt;
   const int64_t n = weight.size(0) / 2;
   const at::Tensor xc = x2.contiguous(), w = weight.contiguous();
   const auto half = [&](int64_t i) { return bias ? std::optional(bias->slice(0, i * n, (i + 1) * n)) : std::nullopt; };
