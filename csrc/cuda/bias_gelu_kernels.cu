@@ -7,23 +7,27 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "parallel_layers/cuda/kernels.h"
+#include "parallel_layers/grid_stride.h"
 
 namespace parallel_layers::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per element, grid-stride; column = flat index mod n. bias and z may be null
-// (GeLU only, for linear_gelu's fallback, whose GEMM has already added the bias).
+// One thread per element, grid-stride; the bias column kept by RowColCursor rather than a
+// division per element. bias and z may be null (GeLU only, for linear_gelu's fallback, whose
+// GEMM has already added the bias).
 template <GeluApprox kApprox, typename scalar_t>
 __global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ bias,
                                          scalar_t* __restrict__ y, scalar_t* __restrict__ z, int64_t numel,
                                          int64_t n) {
   using M = opmath_t<scalar_t>;
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  RowColCursor at(start, stride, n);
+  for (int64_t i = start; i < numel; i += stride, at.advance()) {
     const M xi = static_cast<M>(x[i]);
-    const M pre = bias ? xi + static_cast<M>(bias[i % n]) : xi;  // keeps -0.0 without a bias
+    const M pre = bias ? xi + static_cast<M>(bias[at.col]) : xi;  // keeps -0.0 without a bias
     if (z) z[i] = static_cast<scalar_t>(pre);
     y[i] = static_cast<scalar_t>(gelu_forward<kApprox>(pre));
   }

@@ -33,13 +33,18 @@ std::tuple<at::Tensor, at::Tensor> dswiglu(const at::Tensor& dy, const at::Tenso
   at::Tensor dz = at::empty({rows, 2 * n}, z.options());
   // Up to 256 chunks of >= 16 rows, as bias_gelu_backward: enough blocks for narrow n, a small
   // partials buffer for wide n.
+  // The partial sums only when the bias gradient is asked for; the kernel skips them when null.
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, /*min_rows=*/16);
-  at::Tensor partials = at::empty({chunks.num_chunks(), 2 * n}, z.options().dtype(at::toOpMathType(z.scalar_type())));
-  if (rows == 0 || n == 0) partials.zero_();  // the kernel writes every partial of a non-empty z
+  at::Tensor partials;
+  if (need_dbias) {
+    partials = at::empty({chunks.num_chunks(), 2 * n}, z.options().dtype(at::toOpMathType(z.scalar_type())));
+    if (rows == 0 || n == 0) partials.zero_();  // the kernel writes every partial of a non-empty z
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "swiglu_backward_cuda", [&] {
     launch_swiglu_backward<scalar_t>(dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(),
-                                     dz.mutable_data_ptr<scalar_t>(), partials.mutable_data_ptr<opmath_t<scalar_t>>(),
-                                     chunks, n, at::cuda::getCurrentCUDAStream());
+                                     dz.mutable_data_ptr<scalar_t>(),
+                                     need_dbias ? partials.mutable_data_ptr<opmath_t<scalar_t>>() : nullptr, chunks,
+                                     n, at::cuda::getCurrentCUDAStream());
   });
   return {dz, need_dbias ? partials.sum(0).to(z.scalar_type()) : at::Tensor()};
 }

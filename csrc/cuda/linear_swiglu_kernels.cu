@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "parallel_layers/cuda/kernels.h"
+#include "parallel_layers/grid_stride.h"
 #include "parallel_layers/swiglu.h"
 
 namespace parallel_layers::cuda {
@@ -14,23 +15,26 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per output element, grid-stride; math in opmath (float for 16-bit), rounded once.
+// One thread per output element, grid-stride, (row, col) by RowColCursor rather than a division
+// per element; math in opmath (float for 16-bit), rounded once.
 template <typename scalar_t>
 __global__ void swiglu_forward_kernel(const scalar_t* __restrict__ z, scalar_t* __restrict__ y, int64_t numel,
                                       int64_t n) {
   using M = opmath_t<scalar_t>;
   const PackedGateUp pk{n};
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
-    const int64_t row = i / n, col = i - row * n;
-    y[pk.out(row, col)] =
-        static_cast<scalar_t>(swiglu_forward(static_cast<M>(z[pk.gate(row, col)]), static_cast<M>(z[pk.up(row, col)])));
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  RowColCursor at(start, stride, n);
+  for (int64_t i = start; i < numel; i += stride, at.advance()) {
+    y[i] = static_cast<scalar_t>(
+        swiglu_forward(static_cast<M>(z[pk.gate(at.row, at.col)]), static_cast<M>(z[pk.up(at.row, at.col)])));
   }
 }
 
 // Thread = one output column, blockIdx.y = one chunk of rows: consecutive threads read
 // consecutive columns (coalesced); each writes its chunk's sums of the rounded d_gate and d_up
-// to partials[chunk, col] and partials[chunk, n + col] - the packed layout again.
+// to partials[chunk, col] and partials[chunk, n + col] - the packed layout again - unless
+// partials is null (no bias gradient asked for).
 template <typename scalar_t>
 __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
                                        scalar_t* __restrict__ dz, opmath_t<scalar_t>* __restrict__ partials,
@@ -50,8 +54,10 @@ __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const sc
     acc_g += static_cast<M>(dg);  // the rounded values, as the CPU op sums
     acc_u += static_cast<M>(du);
   }
-  partials[pk.gate(chunk, col)] = acc_g;
-  partials[pk.up(chunk, col)] = acc_u;
+  if (partials) {
+    partials[pk.gate(chunk, col)] = acc_g;
+    partials[pk.up(chunk, col)] = acc_u;
+  }
 }
 
 }  // namespace

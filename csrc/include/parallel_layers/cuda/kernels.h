@@ -47,7 +47,7 @@ void launch_bias_gelu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* part
 
 // SwiGLU (csrc/cuda/linear_swiglu_kernels.cu) over the packed pre-activation z [rows, 2n]
 // (parallel_layers/swiglu.h): y [rows, n] = silu(gate) * up; backward dz [rows, 2n] =
-// d_gate | d_up and each chunk's column sums into partials[chunk, 2n].
+// d_gate | d_up and each chunk's column sums into partials[chunk, 2n] (null: no sums).
 template <typename T>
 void launch_swiglu_forward(const T* z, T* y, int64_t rows, int64_t n, int sms, cudaStream_t stream);
 template <typename T>
