@@ -3,7 +3,11 @@
 // Shapes: x [M, K] (leading dims flattened), weight [N, K], bias [N], y and z [M, N].
 //
 // Fast path: one cuBLASLt matmul with the GELU(_AUX)(_BIAS) epilogue, which adds the bias,
-// writes the pre-activation ("aux", only when it is kept) and applies GeLU inside the GEMM.
+// writes the pre-activation ("aux", only when it is kept) and applies GeLU inside the GEMM -
+// its own tanh GeLU, to the float32 accumulator plus bias rather than to the pre-activation
+// rounded to a 16-bit dtype, so in float16 / bfloat16 y can differ in the last bit from the
+// fallback's and the CPU op's gelu(round(z)); both round y once and are held to twice eager's
+// error in tests/ops/test_linear_gelu.py.
 // cuBLASLt's GeLU is the tanh approximation, and its aux buffer needs a leading dimension
 // that is a multiple of 8, so the fast path is taken only for approximate == "tanh",
 // float32/float16/bfloat16, N % 8 == 0, K % 8 == 0, K > 0 and 16-byte aligned pointers, and only if
@@ -11,7 +15,18 @@
 // shapes - including the out_features == 1 case reported to fault inside cuBLASLt elsewhere)
 // takes the fallback: ATen's addmm (bias inside the GEMM), then our GeLU kernel
 // (csrc/cuda/bias_gelu_kernels.cu). Every cuBLASLt status is checked; a heuristic that finds nothing,
-// or a matmul that reports the configuration unsupported, falls back.
+// or a matmul that reports the configuration unsupported, falls back; any other failure throws.
+//
+// Note [cuBLASLt under torch.backends.cuda.matmul]: the fast path follows the settings that
+// ATen's own cuBLASLt calls follow, so that the op rounds as F.linear would under them:
+// - float32 with allow_tf32: the TF32 compute type.
+// - float16 / bfloat16 with allow_{fp16,bf16}_reduced_precision_reduction = False (or its
+//   split-K flag off): the REDUCTION_SCHEME_MASK preference leaves out split-K reductions in the
+//   output type (or all split-K). cuBLASLt's default allows every scheme, which is PyTorch's
+//   default setting too.
+// - float16 with allow_fp16_accumulation (full float16 accumulation, which it does not
+//   express): the fallback, whose addmm honours it. (torch 2.14 refuses fp32_precision = "bf16"
+//   for CUDA matmuls, so float32 has only the TF32 choice.)
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -36,12 +51,15 @@ namespace {
                 " failed: ", cublasLtGetStatusString(pl_status), " (", static_cast<int>(pl_status), ")"); \
   } while (0)
 
-// Owners of cuBLASLt descriptors, destroyed on every exit path.
+// Owners of cuBLASLt descriptors, destroyed on every exit path; not copyable (a copy would
+// destroy the descriptor twice).
 struct MatmulDesc {
   cublasLtMatmulDesc_t desc = nullptr;
   MatmulDesc(cublasComputeType_t compute, cudaDataType_t scale) {
     PL_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&desc, compute, scale));
   }
+  MatmulDesc(const MatmulDesc&) = delete;
+  MatmulDesc& operator=(const MatmulDesc&) = delete;
   ~MatmulDesc() { if (desc) cublasLtMatmulDescDestroy(desc); }
   template <typename T>
   void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
@@ -54,12 +72,16 @@ struct Layout {
   Layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
     PL_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc, type, rows, cols, ld));
   }
+  Layout(const Layout&) = delete;
+  Layout& operator=(const Layout&) = delete;
   ~Layout() { if (desc) cublasLtMatrixLayoutDestroy(desc); }
 };
 
 struct Preference {
   cublasLtMatmulPreference_t desc = nullptr;
   Preference() { PL_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&desc)); }
+  Preference(const Preference&) = delete;
+  Preference& operator=(const Preference&) = delete;
   ~Preference() { if (desc) cublasLtMatmulPreferenceDestroy(desc); }
   template <typename T>
   void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
@@ -91,13 +113,33 @@ cudaDataType_t cuda_type(at::ScalarType t) {
   }
 }
 
-// Which inputs the cuBLASLt epilogue can take (see the file comment).
+// Which inputs the cuBLASLt epilogue can take (see the file comment), under which
+// torch.backends.cuda.matmul settings (Note [cuBLASLt under torch.backends.cuda.matmul]).
 bool lt_supported(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   GeluApprox approx, int64_t K, int64_t N) {
   const auto t = x2.scalar_type();
+  const at::Context& ctx = at::globalContext();
+  const bool settings_expressed = !(t == at::kHalf && ctx.allowFP16AccumulationCuBLAS());
   return approx == GeluApprox::kTanh && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) &&
-         K > 0 && N % 8 == 0 && K % 8 == 0 && aligned16(x2.const_data_ptr()) && aligned16(w.const_data_ptr()) &&
-         (!bias || aligned16(bias->const_data_ptr()));
+         settings_expressed && K > 0 && N % 8 == 0 && K % 8 == 0 && aligned16(x2.const_data_ptr()) &&
+         aligned16(w.const_data_ptr()) && (!bias || aligned16(bias->const_data_ptr()));
+}
+
+// The split-K reduction schemes cuBLASLt may pick for a 16-bit output, from ATen's
+// allow_{fp16,bf16}_reduced_precision_reduction setting (Note [cuBLASLt under
+// torch.backends.cuda.matmul]); float32 outputs reduce in float32 whatever the scheme.
+uint32_t reduction_scheme_mask(at::ScalarType t) {
+  if (t != at::kHalf && t != at::kBFloat16) return CUBLASLT_REDUCTION_SCHEME_MASK;
+  const at::Context& ctx = at::globalContext();
+  switch (t == at::kHalf ? ctx.allowFP16ReductionCuBLAS() : ctx.allowBF16ReductionCuBLAS()) {
+    case at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK:
+      return CUBLASLT_REDUCTION_SCHEME_MASK;
+    case at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK:
+      return CUBLASLT_REDUCTION_SCHEME_MASK & ~static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE);
+    case at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK:
+      return CUBLASLT_REDUCTION_SCHEME_NONE;
+  }
+  TORCH_CHECK(false, "parallel_layers::linear_gelu: unknown cuBLAS reduction option");
 }
 
 // y = gelu(x2 @ w^T + bias) (and z = the pre-activation if defined) with one cuBLASLt call.
@@ -125,6 +167,7 @@ bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::option
   const uint64_t workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
   Preference pref;
   pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
+  pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_scheme_mask(x2.scalar_type()));
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(w.const_data_ptr()));
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(x2.const_data_ptr()));
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(y.const_data_ptr()));
@@ -132,9 +175,13 @@ bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::option
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle, op.desc, a.desc, b.desc, d.desc, d.desc,
-                                                           pref.desc, 1, &heuristic, &found);
-  if (hs != CUBLAS_STATUS_SUCCESS || found == 0) return false;  // unsupported: caller falls back
+  const cublasStatus_t heuristic_status = cublasLtMatmulAlgoGetHeuristic(
+      handle, op.desc, a.desc, b.desc, d.desc, d.desc, pref.desc, 1, &heuristic, &found);
+  // No algorithm for this problem: the caller falls back. Any other failure is a mistake in
+  // our descriptors and throws.
+  if (heuristic_status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
+  PL_CUBLASLT_CHECK(heuristic_status);
+  if (found == 0 || heuristic.state != CUBLAS_STATUS_SUCCESS) return false;
 
   const float alpha = 1.0f, beta = 0.0f;
   const cublasStatus_t status =
@@ -161,12 +208,12 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  const at::Tensor x2 = x.reshape({M, K}).contiguous();
-  const at::Tensor w = weight.contiguous();
-  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   if (M == 0 || N == 0) {
     return {at::empty(out_shape, x.options()), at::empty(save_preact ? out_shape : std::vector<int64_t>{0}, x.options())};
   }
+  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
 
   if (lt_supported(x2, w, b, approx, K, N)) {
     at::Tensor y = at::empty({M, N}, x.options());

@@ -506,6 +506,48 @@ def test_cuda_lt_and_fallback_paths_match_reference(device):
         assert max_abs_error(pre, pre_ref) <= 2 * max_abs_error(F.linear(x, w, b), pre_ref) + 1e-12, case
 
 
+@pytest.mark.parametrize("device", devices())
+def test_cuda_lt_path_follows_matmul_settings(device):
+    """Note [cuBLASLt under torch.backends.cuda.matmul]: with reduced-precision split-K
+    reductions turned off (and split-K too) the fast path still runs, within twice eager's error
+    under the same setting; float16 accumulation, which it does not express, takes the addmm
+    fallback."""
+    if device == "cpu":
+        pytest.skip("exercises the CUDA cuBLASLt epilogue")
+    from parallel_layers import _C
+    matmul = torch.backends.cuda.matmul
+    saved = {name: getattr(matmul, name) for name in
+             ("allow_fp16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction_split_k",
+              "allow_bf16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction_split_k",
+              "allow_fp16_accumulation")}
+
+    def path_and_check(dtype):
+        x, w, b = _inputs((300, 2048), 64, dtype, "cuda")  # long K: where split-K would be picked
+        calls = _C._cuda_lt_matmul_calls()
+        y, pre = torch.ops.parallel_layers.linear_gelu(x, w, b, "tanh", True)
+        took = "lt" if _C._cuda_lt_matmul_calls() > calls else "fallback"
+        y_ref, pre_ref = _reference(x, w, b, "tanh")
+        eager = F.gelu(F.linear(x, w, b), approximate="tanh")
+        assert max_abs_error(y, y_ref) <= 2 * max_abs_error(eager, y_ref) + 1e-12, (dtype, took)
+        assert max_abs_error(pre, pre_ref) <= 2 * max_abs_error(F.linear(x, w, b), pre_ref) + 1e-12, (dtype, took)
+        return took
+
+    try:
+        for setting in (True, False, (False, False)):
+            matmul.allow_fp16_reduced_precision_reduction = setting
+            matmul.allow_bf16_reduced_precision_reduction = setting
+            for dtype in (torch.float16, torch.bfloat16):
+                assert path_and_check(dtype) == "lt", (setting, dtype)
+        matmul.allow_fp16_accumulation = True
+        assert path_and_check(torch.float16) == "fallback"
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction = (saved["allow_fp16_reduced_precision_reduction"],
+                                                         saved["allow_fp16_reduced_precision_reduction_split_k"])
+        matmul.allow_bf16_reduced_precision_reduction = (saved["allow_bf16_reduced_precision_reduction"],
+                                                         saved["allow_bf16_reduced_precision_reduction_split_k"])
+        matmul.allow_fp16_accumulation = saved["allow_fp16_accumulation"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
