@@ -11,7 +11,8 @@
 // cache. Without a kept pre-activation the panel is scratch
 // (Note [backward scratch on CPU]), so inference allocates only y - or, where oneDNN computes
 // the dtype's GEMM, inference is two oneDNN GEMMs with fused epilogues (Note [SwiGLU inference
-// through oneDNN post-ops]). Where float32 GEMMs go
+// through oneDNN post-ops]), or in float32 with enough rows SwiGLU blocks from oneDNN's brgemm
+// microkernel (Note [float32 SwiGLU inference through brgemm]). Where float32 GEMMs go
 // through oneDNN (Note [float32 GEMMs through oneDNN], csrc/gemm.cpp) the GEMM is one packed
 // oneDNN call writing all of z, then the same epilogue. Backward: one pass over z and grad_y
 // writes d_gate | d_up (the gradient of the packed pre-activation) and sums the bias gradient,
@@ -31,6 +32,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include "parallel_layers/checks.h"
@@ -77,6 +79,12 @@ PL_ALWAYS_INLINE void backward_loop(const S* dy, const S* g, const S* u, S* dg, 
 }
 
 PL_SIMD_CLONES void forward_f32(const float* g, const float* u, float* y, int64_t n) { forward_loop(g, u, y, n); }
+// y = silu(g + bg) * (u + bu): a GEMM accumulator's row plus the bias, as F.linear rounds it.
+PL_SIMD_CLONES void forward_bias_f32(const float* g, const float* u, const float* bg, const float* bu, float* y,
+                                     int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = swiglu_forward(g[i] + bg[i], u[i] + bu[i]);
+}
 PL_SIMD_CLONES void forward_bf16(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n) {
   forward_loop(g, u, y, n);
 }
@@ -258,6 +266,8 @@ std::vector<std::pair<int64_t, int64_t>> forward_gemm_columns(at::ScalarType dty
 // up times s; the float64 error (max / mean) at 512x512x1376 was 0.099 / 0.0012 against our
 // training path's 0.112 / 0.0015 and eager's 0.115 / 0.0017. In float32 both paths had the same
 // error there (1.9e-5 / 2.6e-7). Training keeps the packed GEMM and our epilogue: backward needs z.
+// Float32 inference of at least kBrgemmMinRows rows takes Note [float32 SwiGLU inference through
+// brgemm] instead: sessions 15-16 measured this path at 1.05-1.08x the bare GEMM at 512x512x1376.
 std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias) {
   // bfloat16 where ATen's oneDNN supports it, float32 under Note [float32 GEMMs through oneDNN].
@@ -269,7 +279,92 @@ std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at
   return onednn_linear_binary(xc, gate, w.slice(0, n, 2 * n), half(1), "mul");
 }
 
+// Note [float32 SwiGLU inference through brgemm]: in float32 where the oneDNN GEMM rule holds
+// (Note [float32 GEMMs through oneDNN], csrc/gemm.cpp), inference computes the SwiGLU from each
+// block of the GEMM while it is still in L1, with oneDNN's batch-reduce GEMM microkernel
+// (ATen's at::native::cpublas::brgemm; ATen's own GEMM where oneDNN's ukernel is missing):
+// - A block is kBrgemmCols output columns: the matching gate rows and up rows of the weight,
+//   transposed into this thread's scratch as two [K, kBrgemmCols] panels (transpose_tile),
+//   once per block.
+// - For every kBrgemmRows rows of x, the gate and up accumulators [rows, kBrgemmCols] come from
+//   brgemm (K in steps of kBrgemmDepth, so that both panels' slices stay in L2 for large K),
+//   and forward_bias_f32 turns them into y: silu(gate + bg) * (up + bu).
+// - Work items are (column block, chunk of rows), enough chunks that every thread has one.
+// The two post-op GEMMs this replaces (Note [SwiGLU inference through oneDNN post-ops]) pay for
+// splitting the packed GEMM in two and for the swish and mul post-ops: 1.05-1.08x oneDNN's bare
+// packed GEMM at 512x512x1376 in sessions 15-16. Measured on the 2-core Zen 4 EPYC, both threads,
+// against that bare GEMM (probe medians of 20, K x 2N weights 512x2752 / 1024x5632 / 2048x11264
+// / 4096x2752 with 512 / 512 / 1024 / 512 rows): this path 1.01-1.045 / 1.006 / 0.983 / 1.012,
+// the post-op path 1.07 / 1.026 / 0.999 / -; 1.004 against 1.048 at 2048x512x1376. Packing
+// costs a pass over the weight whatever M is, so with few rows the post-op path wins (16 rows:
+// 1.26 against 1.20 at 512x2752, 1.22 against 1.05 at 1024x5632); they crossed at 192-256 rows
+// on both weights, so this path takes M >= kBrgemmMinRows. y rounds
+// once from the float32 accumulator plus bias, as the training path's epilogue does from z;
+// the summation order over K is brgemm's, so the bits can differ from oneDNN's matmul in the
+// last place (they matched at K = 512). Training keeps the packed oneDNN GEMM and our epilogue:
+// writing z from here measured no faster.
+constexpr int64_t kBrgemmCols = 64, kBrgemmRows = 128, kBrgemmDepth = 1024, kBrgemmMinRows = 256;
+
+at::Tensor brgemm_swiglu_inference(const at::Tensor& x2, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias) {
+  const at::Tensor xc = x2.contiguous(), w = weight.contiguous();
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0) / 2;
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  const float* bp = bias ? b.const_data_ptr<float>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  const auto ceil_div = [](int64_t a, int64_t d) { return (a + d - 1) / d; };
+  const int64_t col_blocks = ceil_div(N, kBrgemmCols);
+  const int64_t row_chunks =
+      std::clamp<int64_t>(ceil_div(at::get_num_threads(), col_blocks), 1, ceil_div(M, kBrgemmRows));
+  const int64_t chunk_rows = ceil_div(M, row_chunks);
+  at::parallel_for(0, col_blocks * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    const Scratch panels(0, {2, K, kBrgemmCols}, xc.options()), acc(1, {2, kBrgemmRows, kBrgemmCols}, xc.options());
+    float* gate_panel = panels.tensor().mutable_data_ptr<float>();
+    float* up_panel = gate_panel + K * kBrgemmCols;
+    float* gate_acc = acc.tensor().mutable_data_ptr<float>();
+    float* up_acc = gate_acc + kBrgemmRows * kBrgemmCols;
+    int64_t packed = -1;  // the column block the panels hold
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t block = item / row_chunks, chunk = item % row_chunks;
+      const int64_t c0 = block * kBrgemmCols, nc = std::min(kBrgemmCols, N - c0);
+      if (block != packed) {  // panel[k, c] = weight[c0 + c, k], for gate and for up
+        transpose_tile(wp + c0 * K, K, nc, K, gate_panel, kBrgemmCols);
+        transpose_tile(wp + (N + c0) * K, K, nc, K, up_panel, kBrgemmCols);
+        packed = block;
+      }
+      const int64_t chunk_end = std::min(M, (chunk + 1) * chunk_rows);
+      for (int64_t r0 = chunk * chunk_rows; r0 < chunk_end; r0 += kBrgemmRows) {
+        const int64_t nr = std::min(kBrgemmRows, chunk_end - r0);
+        for (int64_t k0 = 0; k0 < K; k0 += kBrgemmDepth) {
+          const int64_t nk = std::min(kBrgemmDepth, K - k0);
+          const float* a = xp + r0 * K + k0;
+          at::native::cpublas::brgemm(nr, nc, nk, K, kBrgemmCols, kBrgemmCols, /*add_C=*/k0 > 0, a,
+                                      gate_panel + k0 * kBrgemmCols, gate_acc);
+          at::native::cpublas::brgemm(nr, nc, nk, K, kBrgemmCols, kBrgemmCols, /*add_C=*/k0 > 0, a,
+                                      up_panel + k0 * kBrgemmCols, up_acc);
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          const float* g = gate_acc + r * kBrgemmCols;
+          const float* u = up_acc + r * kBrgemmCols;
+          float* yr = yp + (r0 + r) * N + c0;
+          if (bp) {
+            forward_bias_f32(g, u, bp + c0, bp + N + c0, yr, nc);
+          } else {
+            forward_f32(g, u, yr, nc);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
+
+int64_t brgemm_swiglu_min_rows() { return kBrgemmMinRows; }
 
 std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
                                                  const std::optional<at::Tensor>& bias, bool save_preact) {
@@ -282,6 +377,10 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
   out_shape.back() = N;
   pre_shape.back() = N2;
   if (!save_preact && M > 0 && N > 0 && K > 0) {
+    // Note [float32 SwiGLU inference through brgemm]
+    if (x.scalar_type() == at::kFloat && M >= kBrgemmMinRows && onednn_forward_gemm(x2)) {
+      return {brgemm_swiglu_inference(x2, weight, bias).view(out_shape), at::empty({0}, x.options())};
+    }
     if (auto y = onednn_swiglu_inference(x2, weight, bias)) return {y->view(out_shape), at::empty({0}, x.options())};
   }
   at::Tensor y = at::empty({M, N}, x.options());

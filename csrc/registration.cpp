@@ -144,6 +144,9 @@ PYBIND11_MODULE(_C, m) {
         "setting; PARALLEL_LAYERS_CPU_GEMM sets the first one.");
   m.def("_fp32_cpu_gemm", &parallel_layers::fp32_cpu_gemm,
         "'aten' or 'onednn': the library the fused ops' float32 CPU GEMMs use under the current setting.");
+  m.def("_brgemm_swiglu_min_rows", &parallel_layers::cpu::brgemm_swiglu_min_rows,
+        "The fewest rows for which linear_swiglu's float32 CPU inference runs on oneDNN's brgemm where "
+        "float32 GEMMs go through oneDNN (Note [float32 SwiGLU inference through brgemm]; for tests).");
 #if PL_WITH_CUDA
   m.def("_cuda_lt_matmul_calls", &parallel_layers::cuda::lt_matmul_calls,
         "How many linear_gelu calls in this process ran on the cuBLASLt epilogue path (for tests).");

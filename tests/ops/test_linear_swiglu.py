@@ -53,11 +53,23 @@ def onednn_swiglu(x, w, b=None):
     return torch.ops.mkldnn._linear_pointwise.binary(x2, s, w[n:], bu, "mul").view(*x.shape[:-1], n)
 
 
+BRGEMM_MIN_ROWS = parallel_layers._C._brgemm_swiglu_min_rows()
+
+
+def inference_through_brgemm(x, w) -> bool:
+    """Whether the op's inference on these CPU operands is Note [float32 SwiGLU inference through
+    brgemm]: float32 under the oneDNN GEMM rule, at least BRGEMM_MIN_ROWS rows."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.numel() > 0 and w.numel() > 0 and x.dtype == torch.float32 and rows >= BRGEMM_MIN_ROWS
+            and parallel_layers._C._fp32_cpu_gemm() == "onednn")
+
+
 def inference_through_onednn(x, w) -> bool:
     """Whether the op's inference on these CPU operands is onednn_swiglu, under the current rule."""
     nonempty = x.numel() > 0 and w.numel() > 0
-    return nonempty and ((x.dtype == torch.bfloat16 and ONEDNN_BF16) or
-                         (x.dtype == torch.float32 and parallel_layers._C._fp32_cpu_gemm() == "onednn"))
+    return nonempty and not inference_through_brgemm(x, w) and (
+        (x.dtype == torch.bfloat16 and ONEDNN_BF16) or
+        (x.dtype == torch.float32 and parallel_layers._C._fp32_cpu_gemm() == "onednn"))
 
 
 def _rel_error(actual, reference):
@@ -89,12 +101,14 @@ def _check_forward_float32(x_shape, n, bias, device):
     assert _rel_error(y, y_ref) < F32_RTOL
     assert _rel_error(pre, pre_ref) < F32_RTOL
     # Without save_preact nothing else is written. y is the same bits (one GEMM, one epilogue),
-    # except where inference is oneDNN's two GEMMs with fused epilogues: then their bits, as
-    # close to float64.
+    # except where inference is oneDNN's two GEMMs with fused epilogues (then their bits) or
+    # oneDNN's brgemm blocks (its own summation order), as close to float64.
     y2, none = torch.ops.parallel_layers.linear_swiglu(x, w, b, False)
     assert none.numel() == 0
     if device == "cpu" and inference_through_onednn(x, w):
         assert torch.equal(y2, onednn_swiglu(x, w, b))
+        assert _rel_error(y2, y_ref) < F32_RTOL
+    elif device == "cpu" and inference_through_brgemm(x, w):
         assert _rel_error(y2, y_ref) < F32_RTOL
     else:
         assert torch.equal(y2, y)
@@ -455,6 +469,44 @@ def test_inference_through_onednn_post_ops(dtype, gemm):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 torch.ops.parallel_layers.linear_swiglu(x, w, bias, False)
             assert [e.name for e in prof.events()].count("mkldnn::_linear_pointwise") == 2
+
+
+# (x shape, n): 64-column blocks with a tail of 6 and K in two 1024-deep steps with a tail of 6
+# (and not a multiple of 4, the weight packing's block); one block of 37 columns, so with two or
+# more threads the rows split into chunks; 3-D x; exactly BRGEMM_MIN_ROWS rows.
+BRGEMM_CASES = [((300, 2054), 70), ((520, 40), 37), ((2, 150, 24), 130), ((BRGEMM_MIN_ROWS, 33), 64)]
+
+
+@pytest.mark.parametrize("x_shape, n", BRGEMM_CASES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_float32_inference_through_brgemm(x_shape, n, threads):
+    """Note [float32 SwiGLU inference through brgemm]: float32 inference of at least
+    BRGEMM_MIN_ROWS rows under the oneDNN GEMM rule computes y block by block from oneDNN's
+    brgemm - no ATen GEMM op runs - within float32 rounding of float64, with and without a bias,
+    for every thread count; with fewer rows, the post-op path's bits."""
+    x, w, b = _inputs(x_shape, n, torch.float32, "cpu")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with cpu_gemm("onednn"):
+            for bias in (b, None):
+                y_ref = eager_separate(x.double(), w.double(), None if bias is None else bias.double())
+                assert inference_through_brgemm(x, w)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    y, none = torch.ops.parallel_layers.linear_swiglu(x, w, bias, False)
+                assert none.numel() == 0 and y.shape == y_ref.shape
+                assert _rel_error(y, y_ref) < F32_RTOL, (threads, bias is None)
+                gemm_ops = {"aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise"}
+                assert not gemm_ops & {e.name for e in prof.events()}
+                # The training path's y, from its own GEMM: the same values to float32 rounding.
+                y_train, _ = torch.ops.parallel_layers.linear_swiglu(x, w, bias, True)
+                assert _rel_error(y, y_train.double()) < F32_RTOL
+            fewer = x.reshape(-1, x.shape[-1])[:BRGEMM_MIN_ROWS - 1]
+            assert not inference_through_brgemm(fewer, w) and inference_through_onednn(fewer, w)
+            assert torch.equal(torch.ops.parallel_layers.linear_swiglu(fewer, w, b, False)[0],
+                               onednn_swiglu(fewer, w, b))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

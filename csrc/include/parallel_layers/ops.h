@@ -91,6 +91,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward(const at::Te
                                                                     const at::Tensor& preact,
                                                                     std::string_view approximate,
                                                                     std::array<bool, 3> output_mask);
+// The fewest rows (x's leading dims flattened) for which float32 inference takes Note [float32
+// SwiGLU inference through brgemm] (csrc/linear_swiglu.cpp).
+int64_t brgemm_swiglu_min_rows();
 // x [..., k], weight [2n, k] (gate rows on up rows), bias [2n] -> (silu(gate) * up [..., n], the
 // pre-activation x @ weight^T + bias [..., 2n] if save_preact else an empty [0]).
 std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::Tensor& weight,
