@@ -258,8 +258,9 @@ std::vector<std::pair<int64_t, int64_t>> forward_gemm_columns(at::ScalarType dty
 // weights are row slices of the packed weight, so nothing is copied. On this project's 2-core
 // Zen 4 EPYC (both threads, medians of 20-30 calls, two or three runs; 512x512x1376 /
 // 512x1024x2816 / 1024x2048x5632):
-// - float32, against the bare packed oneDNN GEMM: 0.99-1.04 / 1.04 / 0.97-0.99x; the packed GEMM
-//   with our epilogue took 1.13-1.32 / 1.03 / 1.01-1.02x.
+// - float32, against the bare packed oneDNN GEMM: 0.99-1.04 / 1.04 / 0.97-0.99x when first
+//   measured (1.05-1.08 at the smallest shape in later benchmark runs); the packed GEMM with our
+//   epilogue took 1.13-1.32 / 1.03 / 1.01-1.02x.
 // - bfloat16: 3.58-4.19 / 15.2-15.9 ms; the packed GEMM with our epilogue 3.68-4.43 / 15.8-16.6,
 //   eager 3.69-3.99 / 15.8-16.2.
 // Rounding: in bfloat16 s is rounded once from the unrounded gate and y once from the unrounded
@@ -289,7 +290,7 @@ std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at
 // - For every kBrgemmRows rows of x, the gate and up accumulators [rows, kBrgemmCols] come from
 //   brgemm (K in steps of kBrgemmDepth, so that both panels' slices stay in L2 for large K),
 //   and forward_bias_f32 turns them into y: silu(gate + bg) * (up + bu).
-// - Work items are (column block, chunk of rows), enough chunks that every thread has one.
+// - Work items are (column block, chunk of rows), about four per thread.
 // The two post-op GEMMs this replaces (Note [SwiGLU inference through oneDNN post-ops]) pay for
 // splitting the packed GEMM in two and for the swish and mul post-ops: 1.05-1.08x oneDNN's bare
 // packed GEMM at 512x512x1376 in sessions 15-16. Measured on the 2-core Zen 4 EPYC, both threads,
@@ -315,11 +316,14 @@ at::Tensor brgemm_swiglu_inference(const at::Tensor& x2, const at::Tensor& weigh
   const float* wp = w.const_data_ptr<float>();
   const float* bp = bias ? b.const_data_ptr<float>() : nullptr;
   float* yp = y.mutable_data_ptr<float>();
+  // Items are (column block, chunk of rows), column block major, about 4 per thread: rows are
+  // split only when the column blocks are too few to share out evenly, since every thread that
+  // takes a block packs its panels again. Chunks are whole kBrgemmRows blocks but the last.
   const auto ceil_div = [](int64_t a, int64_t d) { return (a + d - 1) / d; };
   const int64_t col_blocks = ceil_div(N, kBrgemmCols);
-  const int64_t row_chunks =
-      std::clamp<int64_t>(ceil_div(at::get_num_threads(), col_blocks), 1, ceil_div(M, kBrgemmRows));
-  const int64_t chunk_rows = ceil_div(M, row_chunks);
+  RowChunks chunks = make_row_chunks(M, ceil_div(4 * at::get_num_threads(), col_blocks), kBrgemmRows);
+  chunks.rows_per_chunk = ceil_div(chunks.rows_per_chunk, kBrgemmRows) * kBrgemmRows;
+  const int64_t row_chunks = chunks.num_chunks();
   at::parallel_for(0, col_blocks * row_chunks, 1, [&](int64_t begin, int64_t end) {
     const Scratch panels(0, {2, K, kBrgemmCols}, xc.options()), acc(1, {2, kBrgemmRows, kBrgemmCols}, xc.options());
     float* gate_panel = panels.tensor().mutable_data_ptr<float>();
@@ -335,9 +339,8 @@ at::Tensor brgemm_swiglu_inference(const at::Tensor& x2, const at::Tensor& weigh
         transpose_tile(wp + (N + c0) * K, K, nc, K, up_panel, kBrgemmCols);
         packed = block;
       }
-      const int64_t chunk_end = std::min(M, (chunk + 1) * chunk_rows);
-      for (int64_t r0 = chunk * chunk_rows; r0 < chunk_end; r0 += kBrgemmRows) {
-        const int64_t nr = std::min(kBrgemmRows, chunk_end - r0);
+      for (int64_t r0 = chunks.begin(chunk); r0 < chunks.end(chunk); r0 += kBrgemmRows) {
+        const int64_t nr = std::min(kBrgemmRows, chunks.end(chunk) - r0);
         for (int64_t k0 = 0; k0 < K; k0 += kBrgemmDepth) {
           const int64_t nk = std::min(kBrgemmDepth, K - k0);
           const float* a = xp + r0 * K + k0;

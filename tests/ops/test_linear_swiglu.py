@@ -483,11 +483,13 @@ def test_float32_inference_through_brgemm(x_shape, n, threads):
     """Note [float32 SwiGLU inference through brgemm]: float32 inference of at least
     BRGEMM_MIN_ROWS rows under the oneDNN GEMM rule computes y block by block from oneDNN's
     brgemm - no ATen GEMM op runs - within float32 rounding of float64, with and without a bias,
-    for every thread count; with fewer rows, the post-op path's bits."""
+    for every thread count; with fewer rows, the post-op path's bits. (The profile shows no ATen
+    GEMM op; brgemm's own fallback, ATen's gemm without oneDNN's ukernel, is no op either.)"""
     x, w, b = _inputs(x_shape, n, torch.float32, "cpu")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        assert torch.get_num_threads() == threads  # more than one row chunk needs threads > 1
         with cpu_gemm("onednn"):
             for bias in (b, None):
                 y_ref = eager_separate(x.double(), w.double(), None if bias is None else bias.double())

@@ -32,7 +32,9 @@ inline int64_t rows_per_task(int64_t n) { return std::max<int64_t>(1, 65536 / st
 // pages - mmap above its 32 MiB threshold, or a heap it has trimmed since the last call - so
 // every call paid ~0.3 ms per MB of page faults on this scratch alone: at 2048x1024x4096
 // float32, 32 MiB of dz, ~10 ms of a ~180 ms training step. So the ops keep their scratch per
-// thread (the thread that runs the op) and reuse it for every call that fits. What it holds is
+// thread and reuse it for every call that fits: the thread that runs the op, or, for
+// linear_swiglu's float32 brgemm inference (Note [float32 SwiGLU inference through brgemm]),
+// each worker thread of its parallel loop, for its weight panels and accumulators. What it holds is
 // bounded: at most kMaxScratchBytes per buffer, two buffers per thread, shared by the ops;
 // larger requests get a plain allocation and leave the kept one alone. Outputs are never taken
 // from it, and a slot already in use (a nested call on the same thread, which nothing does
@@ -48,7 +50,8 @@ class Scratch {
  public:
   // A [shape] tensor of options' dtype: a view of this thread's slot when it is free and the
   // request fits the cap, else a fresh allocation. The slot is freed when this object dies.
-  // Slot 0 holds dz (or a forward's GEMM panel), slot 1 dz^T.
+  // Slot 0 holds dz (or a forward's GEMM panel, or brgemm weight panels), slot 1 dz^T (or
+  // brgemm accumulators).
   Scratch(int slot, at::IntArrayRef shape, const at::TensorOptions& options) {
     const auto dtype = options.dtype().toScalarType();
     int64_t numel = 1;
