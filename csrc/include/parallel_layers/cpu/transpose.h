@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
+#include <utility>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -48,37 +50,48 @@ inline void transpose_4x4_u32(const uint32_t* src, int64_t ld_src, uint32_t* dst
 }
 #endif
 
+#if defined(__SSE2__)
+// The whole B x B blocks of a tile, each through `block` on U-typed elements (T's bits), source
+// rows outer or columns outer; returns the rows and columns they covered.
+template <int64_t B, typename U, typename T, typename Block>
+inline std::pair<int64_t, int64_t> transpose_blocks(const T* src, int64_t ld_src, int64_t nt, int64_t nc, T* dst,
+                                                    int64_t ld_dst, bool rows_outer, Block block) {
+  static_assert(sizeof(U) == sizeof(T));
+  const int64_t nt_done = nt - nt % B, nc_done = nc - nc % B;
+  const auto* s = reinterpret_cast<const U*>(src);
+  auto* d = reinterpret_cast<U*>(dst);
+  const auto one = [&](int64_t t0, int64_t c0) { block(s + t0 * ld_src + c0, ld_src, d + c0 * ld_dst + t0, ld_dst); };
+  for (int64_t i = 0; i < (rows_outer ? nt_done : nc_done); i += B) {
+    for (int64_t j = 0; j < (rows_outer ? nc_done : nt_done); j += B) {
+      if (rows_outer) {
+        one(i, j);
+      } else {
+        one(j, i);
+      }
+    }
+  }
+  return {nt_done, nc_done};
+}
+#endif
+
 // dst[c * ld_dst + t] = src[t * ld_src + c] for t < nt, c < nc. 16-bit types go in 8 x 8
 // register blocks (SSE2): element-wise, the transposed write of 1024 x 2048 bfloat16 took
-// ~2.4 ms on one thread, as much as the dgelu math itself. 32-bit types go in 4 x 4 blocks
-// (float32 weight packing for the brgemm SwiGLU inference, csrc/linear_swiglu.cpp); the tails
-// and other types go element by element.
+// ~2.4 ms on one thread, as much as the dgelu math itself. 32-bit types go in 4 x 4 blocks,
+// source rows outer (4 rows read front to back): packing 64 float32 weight rows of 512-1024
+// for the brgemm SwiGLU inference (csrc/linear_swiglu.cpp) took half the time that way than
+// columns outer. The tails and other types go element by element.
 template <typename T>
 inline void transpose_tile(const T* src, int64_t ld_src, int64_t nt, int64_t nc, T* dst, int64_t ld_dst) {
   int64_t nt_done = 0, nc_done = 0;
 #if defined(__SSE2__)
   if constexpr (sizeof(T) == 2) {
-    nt_done = nt - nt % 8;
-    nc_done = nc - nc % 8;
-    const auto* s = reinterpret_cast<const uint16_t*>(src);
-    auto* d = reinterpret_cast<uint16_t*>(dst);
-    for (int64_t c0 = 0; c0 < nc_done; c0 += 8) {
-      for (int64_t t0 = 0; t0 < nt_done; t0 += 8) {
-        transpose_8x8_u16(s + t0 * ld_src + c0, ld_src, d + c0 * ld_dst + t0, ld_dst);
-      }
-    }
+    std::tie(nt_done, nc_done) =
+        transpose_blocks<8, uint16_t>(src, ld_src, nt, nc, dst, ld_dst, /*rows_outer=*/false,
+                                      [](auto... args) { transpose_8x8_u16(args...); });
   } else if constexpr (sizeof(T) == 4) {
-    // Source rows outer: 4 rows read front to back. Packing 64 weight rows of 512-1024 floats
-    // (csrc/linear_swiglu.cpp) took half the time this way than columns outer.
-    nt_done = nt - nt % 4;
-    nc_done = nc - nc % 4;
-    const auto* s = reinterpret_cast<const uint32_t*>(src);
-    auto* d = reinterpret_cast<uint32_t*>(dst);
-    for (int64_t t0 = 0; t0 < nt_done; t0 += 4) {
-      for (int64_t c0 = 0; c0 < nc_done; c0 += 4) {
-        transpose_4x4_u32(s + t0 * ld_src + c0, ld_src, d + c0 * ld_dst + t0, ld_dst);
-      }
-    }
+    std::tie(nt_done, nc_done) =
+        transpose_blocks<4, uint32_t>(src, ld_src, nt, nc, dst, ld_dst, /*rows_outer=*/true,
+                                      [](auto... args) { transpose_4x4_u32(args...); });
   }
 #endif
   for (int64_t c = 0; c < nc; ++c) {  // what the blocks left: the tail rows, then the tail columns
