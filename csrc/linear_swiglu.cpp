@@ -23,6 +23,7 @@
 // values and rounded once (eager rounds silu(g) to the dtype, then the product); d_gate and d_up
 // are each rounded once from dy, g, u.
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -304,7 +305,14 @@ std::optional<at::Tensor> onednn_swiglu_inference(const at::Tensor& x2, const at
 // the summation order over K is brgemm's, so the bits can differ from oneDNN's matmul in the
 // last place (they matched at K = 512). Training keeps the packed oneDNN GEMM and our epilogue:
 // writing z from here measured no faster.
-constexpr int64_t kBrgemmCols = 64, kBrgemmRows = 128, kBrgemmDepth = 1024, kBrgemmMinRows = 256;
+// (ATen declares CPUBLAS_BRGEMM_F32F32F32 where it has the float32 brgemm: torch 2.13 and 2.14
+// do; without it the post-op path serves every row count.)
+constexpr int64_t kBrgemmCols = 64, kBrgemmRows = 128, kBrgemmDepth = 1024;
+#if defined(CPUBLAS_BRGEMM_F32F32F32)
+constexpr int64_t kBrgemmMinRows = 256;
+#else
+constexpr int64_t kBrgemmMinRows = std::numeric_limits<int64_t>::max();
+#endif
 
 at::Tensor brgemm_swiglu_inference(const at::Tensor& x2, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias) {
@@ -342,12 +350,16 @@ at::Tensor brgemm_swiglu_inference(const at::Tensor& x2, const at::Tensor& weigh
       for (int64_t r0 = chunks.begin(chunk); r0 < chunks.end(chunk); r0 += kBrgemmRows) {
         const int64_t nr = std::min(kBrgemmRows, chunks.end(chunk) - r0);
         for (int64_t k0 = 0; k0 < K; k0 += kBrgemmDepth) {
+#if defined(CPUBLAS_BRGEMM_F32F32F32)
           const int64_t nk = std::min(kBrgemmDepth, K - k0);
           const float* a = xp + r0 * K + k0;
           at::native::cpublas::brgemm(nr, nc, nk, K, kBrgemmCols, kBrgemmCols, /*add_C=*/k0 > 0, a,
                                       gate_panel + k0 * kBrgemmCols, gate_acc);
           at::native::cpublas::brgemm(nr, nc, nk, K, kBrgemmCols, kBrgemmCols, /*add_C=*/k0 > 0, a,
                                       up_panel + k0 * kBrgemmCols, up_acc);
+#else
+          TORCH_INTERNAL_ASSERT(false, "linear_swiglu: the brgemm path runs only where ATen has the float32 brgemm");
+#endif
         }
         for (int64_t r = 0; r < nr; ++r) {
           const float* g = gate_acc + r * kBrgemmCols;

@@ -146,7 +146,8 @@ PYBIND11_MODULE(_C, m) {
         "'aten' or 'onednn': the library the fused ops' float32 CPU GEMMs use under the current setting.");
   m.def("_brgemm_swiglu_min_rows", &parallel_layers::cpu::brgemm_swiglu_min_rows,
         "The fewest rows for which linear_swiglu's float32 CPU inference runs on oneDNN's brgemm where "
-        "float32 GEMMs go through oneDNN (Note [float32 SwiGLU inference through brgemm]; for tests).");
+        "float32 GEMMs go through oneDNN (Note [float32 SwiGLU inference through brgemm]; for tests); "
+        "the largest int64 where this torch's ATen has no float32 brgemm.");
 #if PL_WITH_CUDA
   m.def("_cuda_lt_matmul_calls", &parallel_layers::cuda::lt_matmul_calls,
         "How many linear_gelu calls in this process ran on the cuBLASLt epilogue path (for tests).");
