@@ -103,6 +103,19 @@ def _extension(toolkit, archs):
         extra_link_args=link)
 
 
+def _build_ext_class(cpp_extension):
+    """torch's ninja BuildExtension, then build_env.check_shared_libstdcxx on the result."""
+    base = cpp_extension.BuildExtension.with_options(use_ninja=True)
+
+    class BuildExtension(base):
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+            build_env.check_shared_libstdcxx(Path(self.get_ext_fullpath(ext.name)), cxx)
+
+    return BuildExtension
+
+
 def main():
     toolkit, archs = _cuda_plan()
     from torch.utils import cpp_extension  # after _cuda_plan: it fixes CUDA_HOME on import
@@ -113,7 +126,7 @@ def main():
         description="Tensor, pipeline and sharded data parallelism for PyTorch, with fused C++/CUDA kernels",
         packages=find_packages(include=["parallel_layers", "parallel_layers.*"]),
         ext_modules=[_extension(toolkit, archs)],
-        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": _build_ext_class(cpp_extension)},
         python_requires=">=3.10",
         install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
     )

@@ -57,3 +57,30 @@ def test_toolkit_behind_a_wrapper_script(monkeypatch, tmp_path):
     monkeypatch.setattr(build_env, "STANDARD_TOOLKIT_DIRS", ())
     found = build_env.find_cuda_toolkit()
     assert found is not None and found.root == real.root
+
+
+def test_extension_with_the_shared_libstdcxx_passes():
+    """Note [one libstdc++]: the extension this checkout built needs libstdc++.so.6."""
+    import shutil
+    built = sorted((Path(__file__).resolve().parent.parent / "parallel_layers").glob("_C*.so"))
+    if not built or shutil.which("readelf") is None:
+        pytest.skip("no built extension here, or no readelf")
+    build_env.check_shared_libstdcxx(built[0], "c++")
+
+
+def test_statically_linked_libstdcxx_is_refused(monkeypatch, tmp_path):
+    """A library whose NEEDED list has no libstdc++ (a compiler wrapper with -static-libstdc++)
+    is removed and the build fails, naming the compiler and the fix."""
+    import types
+    lib = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+    lib.write_bytes(b"")
+    readelf_out = (" 0x0000000000000001 (NEEDED)             Shared library: [libc10.so]\n"
+                   " 0x0000000000000001 (NEEDED)             Shared library: [libgcc_s.so.1]\n")
+    monkeypatch.setattr(build_env.shutil, "which", lambda name: "/usr/bin/readelf")
+    monkeypatch.setattr(build_env.subprocess, "run",
+                        lambda *a, **k: types.SimpleNamespace(stdout=readelf_out, returncode=0))
+    with pytest.raises(RuntimeError, match=r"linked without the shared libstdc\+\+ \(it needs libc10.so, "
+                                           r"libgcc_s.so.1\): the C\+\+ compiler '/opt/gcc/bin/g\+\+' links "
+                                           r"libstdc\+\+ statically.*CXX=/usr/bin/g\+\+"):
+        build_env.check_shared_libstdcxx(lib, "/opt/gcc/bin/g++")
+    assert not lib.exists()

@@ -137,6 +137,31 @@ def cuda_plan(torch_cuda_version: str | None, torch_version: str, env=os.environ
     return toolkit, archs
 
 
+def check_shared_libstdcxx(extension: Path, cxx: str) -> None:
+    """Refuse an extension linked without the shared libstdc++ (Note [one libstdc++]).
+
+    Note [one libstdc++]: torch's libraries use the shared libstdc++.so.6. A C++ compiler that
+    links libstdc++ statically (a wrapper passing -static-libstdc++; one GPU image here had one
+    as its default CXX) gives the extension its own copy of the C++ runtime, and two copies of
+    the iostream and locale state in one process crash: every error message that formats a
+    value (TORCH_CHECK(..., x.sizes())) segfaulted in std::ostream instead of raising, while
+    the kernels themselves ran. readelf's list of the extension's NEEDED libraries shows it;
+    where readelf is missing the check is skipped.
+    """
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return
+    out = subprocess.run([readelf, "-d", str(extension)], capture_output=True, text=True, timeout=60).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+    if needed and not any(lib.startswith("libstdc++.so") for lib in needed):
+        extension.unlink()
+        raise RuntimeError(
+            f"{extension.name} was linked without the shared libstdc++ (it needs {', '.join(needed)}): the C++ "
+            f"compiler {cxx!r} links libstdc++ statically, and a second C++ runtime next to torch's crashes "
+            "the first time an error message is formatted (Note [one libstdc++], tools/build_env.py). Build with "
+            "a compiler that links it dynamically, e.g. CXX=/usr/bin/g++.")
+
+
 def cmake_args() -> list[str]:
     """Hints the CMake build needs to find Torch (and CUDA, for a CUDA torch) on this machine."""
     import torch  # noqa: PLC0415 - only this entry point needs torch
