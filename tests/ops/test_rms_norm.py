@@ -399,9 +399,10 @@ def test_cuda_matches_cpu(device):
         dy = torch.randn(x.shape).to(torch.promote_types(dtype, w_dtype))
         cpu = torch.ops.parallel_layers.rms_norm_add(x, res, w, EPS)
         gpu = torch.ops.parallel_layers.rms_norm_add(x.cuda(), res.cuda(), w.cuda(), EPS)
-        # rsqrtf and the sums' order differ by an ulp or two of float32, which can move a 16-bit h
-        # to its neighbour: one ulp of the dtype.
-        tol = dict(rtol=2 * torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+        # rsqrtf (2 ulps) and the sums' order move float32 results by a few ulps (2.7 seen on an
+        # H200), and can move a 16-bit result to its neighbour: one ulp of the dtype.
+        ulps = 8 if dtype == torch.float32 else 2
+        tol = dict(rtol=ulps * torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
         for c, g in zip(cpu, gpu):
             torch.testing.assert_close(g.cpu(), c, **tol)
         cpu_b = rms_norm_backward(dy, cpu[1], w, cpu[2], res)
