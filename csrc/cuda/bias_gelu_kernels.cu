@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "parallel_layers/cuda/kernels.h"
+#include "parallel_layers/cuda/vec.h"
 #include "parallel_layers/grid_stride.h"
 
 namespace parallel_layers::cuda {
@@ -14,22 +15,31 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per element, grid-stride; the bias column kept by RowColCursor rather than a
-// division per element. bias and z may be null (GeLU only, for linear_gelu's fallback, whose
-// GEMM has already added the bias).
-template <GeluApprox kApprox, typename scalar_t>
+// One thread per unit of V elements (parallel_layers/cuda/vec.h), grid-stride; the bias's unit
+// kept by RowColCursor rather than a division per unit. bias and z may be null (GeLU only, for
+// linear_gelu's fallback, whose GEMM has already added the bias).
+template <GeluApprox kApprox, int V, typename scalar_t>
 __global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ bias,
-                                         scalar_t* __restrict__ y, scalar_t* __restrict__ z, int64_t numel,
-                                         int64_t n) {
+                                         scalar_t* __restrict__ y, scalar_t* __restrict__ z, int64_t units,
+                                         int64_t n_units) {
   using M = opmath_t<scalar_t>;
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  RowColCursor at(start, stride, n);
-  for (int64_t i = start; i < numel; i += stride, at.advance()) {
-    const M xi = static_cast<M>(x[i]);
-    const M pre = bias ? xi + static_cast<M>(bias[at.col]) : xi;  // keeps -0.0 without a bias
-    if (z) z[i] = static_cast<scalar_t>(pre);
-    y[i] = static_cast<scalar_t>(gelu_forward<kApprox>(pre));
+  RowColCursor at(start, stride, n_units);
+  for (int64_t i = start; i < units; i += stride, at.advance()) {
+    const Vec<scalar_t, V> xv = load_unit<V>(x, i);
+    Vec<scalar_t, V> bv{};
+    if (bias) bv = load_unit<V>(bias, at.col);
+    Vec<scalar_t, V> yv, zv;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const M xi = static_cast<M>(xv.v[k]);
+      const M pre = bias ? xi + static_cast<M>(bv.v[k]) : xi;  // keeps -0.0 without a bias
+      zv.v[k] = static_cast<scalar_t>(pre);
+      yv.v[k] = static_cast<scalar_t>(gelu_forward<kApprox>(pre));
+    }
+    if (z) store_unit<V>(z, i, zv);
+    store_unit<V>(y, i, yv);
   }
 }
 
@@ -60,11 +70,18 @@ template <typename T>
 void launch_bias_gelu_forward(const T* x, const T* bias, T* y, T* z, int64_t numel, int64_t n, GeluApprox approx,
                               int sms, cudaStream_t stream) {
   if (numel == 0) return;
-  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
-  dispatch_gelu_approx(approx, [&](auto a) {
-    bias_gelu_forward_kernel<decltype(a)::value, T>
-        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, bias, y, z, numel, n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Without a bias the columns do not matter: one row of numel elements.
+  const int64_t cols = bias ? n : numel;
+  const bool vectorizable = cols % kVecElems<T> == 0 && aligned16(x) && aligned16(y) && (!z || aligned16(z)) &&
+                            (!bias || aligned16(bias));
+  dispatch_vec<T>(vectorizable, [&]<int V>() {
+    const int64_t units = numel / V;
+    const int64_t blocks = std::min<int64_t>((units + kThreads - 1) / kThreads, int64_t{sms} * 8);
+    dispatch_gelu_approx(approx, [&](auto a) {
+      bias_gelu_forward_kernel<decltype(a)::value, V, T>
+          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, bias, y, z, units, cols / V);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "parallel_layers/cuda/kernels.h"
+#include "parallel_layers/cuda/vec.h"
 #include "parallel_layers/grid_stride.h"
 #include "parallel_layers/swiglu.h"
 
@@ -15,19 +16,26 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per output element, grid-stride, (row, col) by RowColCursor rather than a division
-// per element; math in opmath (float for 16-bit), rounded once.
-template <typename scalar_t>
-__global__ void swiglu_forward_kernel(const scalar_t* __restrict__ z, scalar_t* __restrict__ y, int64_t numel,
-                                      int64_t n) {
+// One thread per unit of V output elements (parallel_layers/cuda/vec.h), grid-stride, (row,
+// unit) by RowColCursor rather than a division per unit; PackedGateUp in units (n_units = n / V).
+// Math in opmath (float for 16-bit), rounded once.
+template <int V, typename scalar_t>
+__global__ void swiglu_forward_kernel(const scalar_t* __restrict__ z, scalar_t* __restrict__ y, int64_t units,
+                                      int64_t n_units) {
   using M = opmath_t<scalar_t>;
-  const PackedGateUp pk{n};
+  const PackedGateUp pk{n_units};
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  RowColCursor at(start, stride, n);
-  for (int64_t i = start; i < numel; i += stride, at.advance()) {
-    y[i] = static_cast<scalar_t>(
-        swiglu_forward(static_cast<M>(z[pk.gate(at.row, at.col)]), static_cast<M>(z[pk.up(at.row, at.col)])));
+  RowColCursor at(start, stride, n_units);
+  for (int64_t i = start; i < units; i += stride, at.advance()) {
+    const Vec<scalar_t, V> g = load_unit<V>(z, pk.gate(at.row, at.col));
+    const Vec<scalar_t, V> u = load_unit<V>(z, pk.up(at.row, at.col));
+    Vec<scalar_t, V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      out.v[k] = static_cast<scalar_t>(swiglu_forward(static_cast<M>(g.v[k]), static_cast<M>(u.v[k])));
+    }
+    store_unit<V>(y, i, out);
   }
 }
 
@@ -64,11 +72,13 @@ __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const sc
 
 template <typename T>
 void launch_swiglu_forward(const T* z, T* y, int64_t rows, int64_t n, int sms, cudaStream_t stream) {
-  const int64_t numel = rows * n;
-  if (numel == 0) return;
-  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, int64_t{sms} * 8);
-  swiglu_forward_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(z, y, numel, n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (rows == 0 || n == 0) return;
+  dispatch_vec<T>(n % kVecElems<T> == 0 && aligned16(z) && aligned16(y), [&]<int V>() {
+    const int64_t units = rows * (n / V);
+    const int64_t blocks = std::min<int64_t>((units + kThreads - 1) / kThreads, int64_t{sms} * 8);
+    swiglu_forward_kernel<V, T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(z, y, units, n / V);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 template <typename T>
