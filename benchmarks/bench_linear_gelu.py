@@ -11,10 +11,13 @@ F.linear alone is the practical limit of the forward: the same GEMM with no GeLU
 eager / GEMM alone (printed as "max") is the most any fusion can gain over eager there. For
 forward + backward it is no bound: on CPU in bfloat16 our weight-gradient GEMM reads a
 row-major dz^T, which oneDNN runs faster than F.linear's backward does its transposed view.
-GeLU is the tanh approximation (cuBLASLt's); oneDNN's fused op computes exact-erf GeLU, so it
+GeLU is the tanh approximation; oneDNN's fused op computes exact-erf GeLU, so it
 is compared with ours at approximate="none". On CPU, bfloat16 forward without autograd is
 oneDNN's fused op inside ours (Note [bfloat16 inference through oneDNN] in
-csrc/linear_gelu.cpp): there "ours" and "oneDNN" are the same kernel. Prints a table of
+csrc/linear_gelu.cpp): there "ours" and "oneDNN" are the same kernel. On CUDA, "ours" is the
+default path (ATen's GEMM, then our GeLU kernel) and "ours, cuBLASLt" the opt-in cuBLASLt GELU
+epilogue (Note [linear_gelu's CUDA forward path], csrc/cuda/linear_gelu.cpp; 16-bit only), timed
+in the same run so that the default stays the faster one. Prints a table of
 ratios and writes benchmarks/results/bench_linear_gelu.json and .png.
 """
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine, time_interleaved, write_json  # noqa: E402
 
 import parallel_layers  # noqa: E402
+from parallel_layers import _C  # noqa: E402
 from parallel_layers.ops import linear_gelu  # noqa: E402
 
 SHAPES = [(2048, 1024, 4096), (512, 4096, 4096), (4096, 4096, 1024)]
@@ -70,6 +74,9 @@ def bench_case(m, k, n, dtype, device, reps):
     if device == "cpu" and onednn_available(x, w, b):
         fwd["ours_erf"] = lambda: linear_gelu(x, w, b, "none")
         fwd["onednn_erf"] = lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none")
+    lt = device == "cuda" and dtype in (torch.float16, torch.bfloat16) and hasattr(_C, "_set_cuda_gelu_path")
+    if lt:
+        fwd["ours_cublaslt"] = _on_cublaslt(fwd["ours"])
     with torch.no_grad():
         t_fwd = time_interleaved(fwd, reps, sync=sync)
 
@@ -81,13 +88,27 @@ def bench_case(m, k, n, dtype, device, reps):
             torch.autograd.grad(out, (xg, wg, bg), dy)
         return run
 
-    t_train = time_interleaved({
+    train = {
         "ours": fwd_bwd(linear_gelu),
         "eager": fwd_bwd(eager),
         "compile": fwd_bwd(compiled),
         "gemm_alone": fwd_bwd(F.linear),
-    }, reps, sync=sync)
+    }
+    if lt:
+        train["ours_cublaslt"] = _on_cublaslt(train["ours"])
+    t_train = time_interleaved(train, reps, sync=sync)
     return t_fwd, t_train
+
+
+def _on_cublaslt(fn):
+    """fn with linear_gelu's CUDA forward on the cuBLASLt epilogue (the setting restored after)."""
+    def run():
+        previous = _C._set_cuda_gelu_path("cublaslt")
+        try:
+            return fn()
+        finally:
+            _C._set_cuda_gelu_path(previous)
+    return run
 
 
 def ratios(t_fwd, t_train) -> dict:
@@ -105,6 +126,9 @@ def ratios(t_fwd, t_train) -> dict:
     }
     if "onednn_erf" in t_fwd:
         r["fwd_onednn_over_ours_erf"] = t_fwd["onednn_erf"] / t_fwd["ours_erf"]
+    if "ours_cublaslt" in t_fwd:
+        r["fwd_cublaslt_over_ours"] = t_fwd["ours_cublaslt"] / t_fwd["ours"]
+        r["train_cublaslt_over_ours"] = t_train["ours_cublaslt"] / t_train["ours"]
     return r
 
 
@@ -170,6 +194,10 @@ def main(argv=None):
             if "fwd_onednn_over_ours_erf" in r:
                 print(f"{'':>32}erf GeLU: ours {ms(t_fwd['ours_erf'])} ms, oneDNN fused {onednn} ms "
                       f"-> oneDNN / ours = {r['fwd_onednn_over_ours_erf']:.2f}", flush=True)
+            if "fwd_cublaslt_over_ours" in r:
+                print(f"{'':>32}cuBLASLt epilogue path: fwd {ms(t_fwd['ours_cublaslt'])} ms, f+b "
+                      f"{ms(t_train['ours_cublaslt'])} ms -> cuBLASLt / ours = {r['fwd_cublaslt_over_ours']:.2f} "
+                      f"(fwd), {r['train_cublaslt_over_ours']:.2f} (f+b)", flush=True)
     payload = {"benchmark": "linear_gelu", "machine": machine(), "build": parallel_layers.build_info(),
                "reps": args.reps, "rows": rows}
     path = write_json(args.name, payload)

@@ -151,5 +151,9 @@ PYBIND11_MODULE(_C, m) {
 #if PL_WITH_CUDA
   m.def("_cuda_lt_matmul_calls", &parallel_layers::cuda::lt_matmul_calls,
         "How many linear_gelu calls in this process ran on the cuBLASLt epilogue path (for tests).");
+  m.def("_set_cuda_gelu_path", &parallel_layers::cuda::set_cuda_gelu_path, pybind11::arg("path"),
+        "linear_gelu's CUDA forward: 'kernel' (ATen's GEMM, then our GeLU kernel; the default) or 'cublaslt' "
+        "(cuBLASLt's GELU epilogue for 16-bit tanh GeLU where it applies; Note [linear_gelu's CUDA forward "
+        "path]). Returns the previous setting; PARALLEL_LAYERS_CUDA_GELU sets the first one.");
 #endif
 }

@@ -2,34 +2,41 @@
 //
 // Shapes: x [M, K] (leading dims flattened), weight [N, K], bias [N], y and z [M, N].
 //
-// Fast path: one cuBLASLt matmul with the GELU(_AUX)(_BIAS) epilogue, which adds the bias,
-// writes the pre-activation ("aux", only when it is kept) and applies GeLU inside the GEMM -
-// its own tanh GeLU, to the float32 accumulator plus bias rather than to the pre-activation
-// rounded to a 16-bit dtype, so in float16 / bfloat16 y can differ in the last bit from the
-// fallback's and the CPU op's gelu(round(z)); both round y once and are held to twice eager's
-// error in tests/ops/test_linear_gelu.py.
-// cuBLASLt's GeLU is the tanh approximation, and its aux buffer needs a leading dimension
-// that is a multiple of 8, so the fast path is taken only for approximate == "tanh",
-// float32/float16/bfloat16, N % 8 == 0, K % 8 == 0, K > 0 and 16-byte aligned pointers, and only if
-// cuBLASLt's heuristic returns an algorithm. Everything else (exact-erf GeLU, float64, odd
-// shapes - including the out_features == 1 case reported to fault inside cuBLASLt elsewhere)
-// takes the fallback: ATen's addmm (bias inside the GEMM), then our GeLU kernel
-// (csrc/cuda/bias_gelu_kernels.cu). Every cuBLASLt status is checked; a heuristic that finds nothing,
-// or a matmul that reports the configuration unsupported, falls back; any other failure throws.
+// Note [linear_gelu's CUDA forward path]: by default ATen's addmm (cuBLASLt with its bias
+// epilogue, bias inside the GEMM) and then our GeLU kernel over its output
+// (csrc/cuda/bias_gelu_kernels.cu, 16-byte vector accesses), so y = gelu(round(z)) exactly as
+// eager and the CPU op compute it. The alternative, one cuBLASLt matmul with the
+// GELU(_AUX)(_BIAS) epilogue, which adds the bias, writes the pre-activation ("aux", only when it
+// is kept) and applies GeLU inside the GEMM, is opt-in (_C._set_cuda_gelu_path("cublaslt") or
+// PARALLEL_LAYERS_CUDA_GELU=cublaslt), because on an H200 (cuBLAS 13, torch 2.11) it measured
+// slower than the GEMM followed by a separate GeLU pass at every benchmarked shape: forward 0.66-0.78x
+// of eager's speed in bfloat16 and 0.87-0.96x in float32 (benchmarks/bench_linear_gelu.py, 2048-4096 rows,
+// K and N 1024-4096), and in float32 its GeLU was 7x further from a float64 reference than eager's
+// (5.1e-6 vs 7.4e-7). It is taken only for float16 / bfloat16, where it applies its tanh GeLU to
+// the float32 accumulator plus bias rather than to the pre-activation rounded to 16 bits (y can
+// then differ from gelu(round(z)) in the last bit; tests hold it to twice eager's error).
+// cuBLASLt's GeLU is the tanh approximation and its aux buffer needs a leading dimension that is
+// a multiple of 8, so the epilogue also needs approximate == "tanh", N % 8 == 0, K % 8 == 0,
+// K > 0, 16-byte aligned pointers and an algorithm from cuBLASLt's heuristic; anything else
+// (exact-erf GeLU, float32/float64, odd shapes - including the out_features == 1 case reported
+// to fault inside cuBLASLt elsewhere) takes the default path. Every cuBLASLt status is checked;
+// a heuristic that finds nothing, or a matmul that reports the configuration unsupported, falls
+// back; any other failure throws.
 //
-// Note [cuBLASLt under torch.backends.cuda.matmul]: the fast path follows the settings that
+// Note [cuBLASLt under torch.backends.cuda.matmul]: the epilogue path follows the settings that
 // ATen's own cuBLASLt calls follow, so that the op rounds as F.linear would under them:
-// - float32 with allow_tf32: the TF32 compute type.
 // - float16 / bfloat16 with allow_{fp16,bf16}_reduced_precision_reduction = False (or its
 //   split-K flag off): the REDUCTION_SCHEME_MASK preference leaves out split-K reductions in the
 //   output type (or all split-K). cuBLASLt's default allows every scheme, which is PyTorch's
 //   default setting too.
 // - float16 with allow_fp16_accumulation (full float16 accumulation, which it does not
-//   express): the fallback, whose addmm honours it. (torch 2.14 refuses fp32_precision = "bf16"
-//   for CUDA matmuls, so float32 has only the TF32 choice.)
+//   express): the default path, whose addmm honours it.
+// (float32, which would need the TF32 setting, does not take the epilogue.)
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -104,9 +111,23 @@ uint32_t alignment(const void* p) {
 
 std::atomic<int64_t> g_lt_matmul_calls{0};
 
+// Note [linear_gelu's CUDA forward path]: true = the cuBLASLt epilogue where it applies.
+bool parse_gelu_path(std::string_view path, std::string_view source) {
+  TORCH_CHECK(path == "kernel" || path == "cublaslt", "parallel_layers: ", source, " must be 'kernel' (ATen's GEMM, "
+              "then our GeLU kernel) or 'cublaslt' (cuBLASLt's GELU epilogue where it applies); got '", path, "'");
+  return path == "cublaslt";
+}
+
+std::atomic<bool>& lt_epilogue_on() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("PARALLEL_LAYERS_CUDA_GELU");
+    return env != nullptr && parse_gelu_path(env, "PARALLEL_LAYERS_CUDA_GELU");
+  }()};
+  return on;
+}
+
 cudaDataType_t cuda_type(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return CUDA_R_32F;
     case at::kHalf: return CUDA_R_16F;
     case at::kBFloat16: return CUDA_R_16BF;
     default: TORCH_CHECK(false, "parallel_layers::linear_gelu: no cuBLASLt type for ", t);
@@ -120,7 +141,8 @@ bool lt_supported(const at::Tensor& x2, const at::Tensor& w, const std::optional
   const auto t = x2.scalar_type();
   const at::Context& ctx = at::globalContext();
   const bool settings_expressed = !(t == at::kHalf && ctx.allowFP16AccumulationCuBLAS());
-  return approx == GeluApprox::kTanh && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) &&
+  return lt_epilogue_on().load(std::memory_order_relaxed) && approx == GeluApprox::kTanh &&
+         (t == at::kHalf || t == at::kBFloat16) &&
          settings_expressed && K > 0 && N % 8 == 0 && K % 8 == 0 && aligned16(x2.const_data_ptr()) &&
          aligned16(w.const_data_ptr()) && (!bias || aligned16(bias->const_data_ptr()));
 }
@@ -147,8 +169,7 @@ uint32_t reduction_scheme_mask(at::ScalarType t) {
 bool lt_linear_gelu(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                     const at::Tensor& y, const at::Tensor& z, int64_t M, int64_t K, int64_t N) {
   const cudaDataType_t type = cuda_type(x2.scalar_type());
-  const bool tf32 = x2.scalar_type() == at::kFloat && at::globalContext().allowTF32CuBLAS();
-  MatmulDesc op(tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  MatmulDesc op(CUBLAS_COMPUTE_32F, CUDA_R_32F);  // 16-bit inputs only: float32 accumulation
   // Column-major view: D[N, M] = op(A)[N, K] * B[K, M], with A = weight read transposed.
   op.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
   op.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
@@ -222,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
       return {y.view(out_shape), save_preact ? z.view(out_shape) : at::empty({0}, x.options())};
     }
   }
-  // Fallback: ATen's GEMM with the bias folded in - addmm rounds acc + bias once to the
+  // The default path: ATen's GEMM with the bias folded in - addmm rounds acc + bias once to the
   // output dtype, as eager and the CPU op do (adding it afterwards rounded 16-bit
   // pre-activations twice) - then GeLU over it.
   const at::Tensor z = b ? at::addmm(*b, x2, w.t()) : at::mm(x2, w.t());
@@ -231,6 +252,11 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
 }
 
 int64_t lt_matmul_calls() { return g_lt_matmul_calls.load(std::memory_order_relaxed); }
+
+std::string set_cuda_gelu_path(std::string_view path) {
+  const bool on = parse_gelu_path(path, "the CUDA GeLU path");
+  return lt_epilogue_on().exchange(on) ? "cublaslt" : "kernel";
+}
 
 // Backward: our fused dgelu + bias-gradient kernel (csrc/cuda/bias_gelu_kernels.cu), then the two
 // GEMMs that are needed, the weight gradient's through the shared weight_grad (on CUDA it reads

@@ -1,6 +1,7 @@
 """linear_gelu against a float64 reference (forward and backward), 16-bit against eager,
 opcheck, gradcheck, torch.compile, and the inference path that keeps no pre-activation."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -477,39 +478,64 @@ def _offset_view(t, offset):
     return view
 
 
+@contextlib.contextmanager
+def cuda_gelu_path(path):
+    """linear_gelu's CUDA forward path (Note [linear_gelu's CUDA forward path]) for a block."""
+    from parallel_layers import _C
+    previous = _C._set_cuda_gelu_path(path)
+    try:
+        yield
+    finally:
+        _C._set_cuda_gelu_path(previous)
+
+
+def test_cuda_gelu_path_setting_names_the_valid_values():
+    from parallel_layers import _C
+    if not hasattr(_C, "_set_cuda_gelu_path"):
+        pytest.skip("this build has no CUDA kernels (the setting exists where they are compiled)")
+    with pytest.raises(RuntimeError, match=r"the CUDA GeLU path must be 'kernel' \(ATen's GEMM, then our GeLU "
+                                           r"kernel\) or 'cublaslt' .*; got 'lt'"):
+        _C._set_cuda_gelu_path("lt")
+    with cuda_gelu_path("cublaslt"):
+        assert _C._set_cuda_gelu_path("cublaslt") == "cublaslt"
+    assert _C._set_cuda_gelu_path("kernel") == "kernel"  # the default, restored
+
+
 @pytest.mark.parametrize("device", devices())
 def test_cuda_lt_and_fallback_paths_match_reference(device):
     if device == "cpu":
-        pytest.skip("exercises the CUDA cuBLASLt epilogue and its fallback")
+        pytest.skip("exercises the CUDA cuBLASLt epilogue and the default path")
     from parallel_layers import _C
-    # (dtype, approximate, N, x offset, weight offset in elements, path): tanh + 16-bit/float32
-    # + N, K % 8 == 0 + 16-byte aligned -> cuBLASLt GELU_AUX_BIAS, including 16-byte aligned
-    # views that are not 256-byte aligned (cuBLASLt's default assumption); exact erf, N = 1,
-    # float64 or a 2-byte aligned view -> the addmm + GeLU fallback.
+    # (dtype, approximate, N, x offset, weight offset in elements, path) with the cuBLASLt path
+    # asked for: tanh + 16-bit + N, K % 8 == 0 + 16-byte aligned -> cuBLASLt GELU_AUX_BIAS,
+    # including 16-byte aligned views that are not 256-byte aligned (cuBLASLt's default
+    # assumption); float32, exact erf, N = 1, float64 or a 2-byte aligned view -> addmm + our GeLU.
     cases = [(torch.bfloat16, "tanh", 64, 0, 0, "lt"), (torch.float16, "tanh", 64, 0, 0, "lt"),
-             (torch.float32, "tanh", 64, 0, 0, "lt"), (torch.bfloat16, "tanh", 64, 8, 8, "lt"),
-             (torch.float32, "tanh", 64, 4, 12, "lt"), (torch.bfloat16, "tanh", 64, 1, 0, "fallback"),
-             (torch.bfloat16, "none", 64, 0, 0, "fallback"), (torch.float32, "none", 64, 0, 0, "fallback"),
-             (torch.float32, "tanh", 1, 0, 0, "fallback"), (torch.float64, "tanh", 8, 0, 0, "fallback")]
-    for dtype, approximate, n, x_off, w_off, path in cases:
-        x, w, b = _inputs((33, 40), n, dtype, "cuda")
-        x, w = _offset_view(x, x_off), _offset_view(w, w_off)
-        calls = _C._cuda_lt_matmul_calls()
-        y, pre = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, True)
-        took = "lt" if _C._cuda_lt_matmul_calls() > calls else "fallback"
-        case = (dtype, approximate, n, x_off, w_off)
-        assert took == path, f"{case}: expected the {path} path, took {took}"
-        y_ref, pre_ref = _reference(x, w, b, approximate)
-        eager = F.gelu(F.linear(x, w, b), approximate=approximate)
-        # No worse than twice the eager CUDA result in the same dtype (TF32 settings alike).
-        assert max_abs_error(y, y_ref) <= 2 * max_abs_error(eager, y_ref) + 1e-12, case
-        assert max_abs_error(pre, pre_ref) <= 2 * max_abs_error(F.linear(x, w, b), pre_ref) + 1e-12, case
+             (torch.float32, "tanh", 64, 0, 0, "kernel"), (torch.bfloat16, "tanh", 64, 8, 8, "lt"),
+             (torch.float16, "tanh", 64, 4, 12, "kernel"), (torch.bfloat16, "tanh", 64, 1, 0, "kernel"),
+             (torch.bfloat16, "none", 64, 0, 0, "kernel"), (torch.float32, "none", 64, 0, 0, "kernel"),
+             (torch.bfloat16, "tanh", 1, 0, 0, "kernel"), (torch.float64, "tanh", 8, 0, 0, "kernel")]
+    for setting in ("cublaslt", "kernel"):
+        for dtype, approximate, n, x_off, w_off, path in cases:
+            x, w, b = _inputs((33, 40), n, dtype, "cuda")
+            x, w = _offset_view(x, x_off), _offset_view(w, w_off)
+            calls = _C._cuda_lt_matmul_calls()
+            with cuda_gelu_path(setting):
+                y, pre = torch.ops.parallel_layers.linear_gelu(x, w, b, approximate, True)
+            took = "lt" if _C._cuda_lt_matmul_calls() > calls else "kernel"
+            case = (setting, dtype, approximate, n, x_off, w_off)
+            assert took == (path if setting == "cublaslt" else "kernel"), f"{case}: took the {took} path"
+            y_ref, pre_ref = _reference(x, w, b, approximate)
+            eager = F.gelu(F.linear(x, w, b), approximate=approximate)
+            # No worse than twice the eager CUDA result in the same dtype (TF32 settings alike).
+            assert max_abs_error(y, y_ref) <= 2 * max_abs_error(eager, y_ref) + 1e-12, case
+            assert max_abs_error(pre, pre_ref) <= 2 * max_abs_error(F.linear(x, w, b), pre_ref) + 1e-12, case
 
 
 @pytest.mark.parametrize("device", devices())
 def test_cuda_lt_path_follows_matmul_settings(device):
-    """Note [cuBLASLt under torch.backends.cuda.matmul]: with reduced-precision split-K
-    reductions turned off (and split-K too) the fast path still runs, within twice eager's error
+    """Note [cuBLASLt under torch.backends.cuda.matmul]: with the cuBLASLt path asked for and
+    reduced-precision split-K reductions turned off (and split-K too) it still runs, within twice eager's error
     under the same setting; float16 accumulation, which it does not express, takes the addmm
     fallback."""
     if device == "cpu":
@@ -533,13 +559,14 @@ def test_cuda_lt_path_follows_matmul_settings(device):
         return took
 
     try:
-        for setting in (True, False, (False, False)):
-            matmul.allow_fp16_reduced_precision_reduction = setting
-            matmul.allow_bf16_reduced_precision_reduction = setting
-            for dtype in (torch.float16, torch.bfloat16):
-                assert path_and_check(dtype) == "lt", (setting, dtype)
-        matmul.allow_fp16_accumulation = True
-        assert path_and_check(torch.float16) == "fallback"
+        with cuda_gelu_path("cublaslt"):
+            for setting in (True, False, (False, False)):
+                matmul.allow_fp16_reduced_precision_reduction = setting
+                matmul.allow_bf16_reduced_precision_reduction = setting
+                for dtype in (torch.float16, torch.bfloat16):
+                    assert path_and_check(dtype) == "lt", (setting, dtype)
+            matmul.allow_fp16_accumulation = True
+            assert path_and_check(torch.float16) == "fallback"
     finally:
         matmul.allow_fp16_reduced_precision_reduction = (saved["allow_fp16_reduced_precision_reduction"],
                                                          saved["allow_fp16_reduced_precision_reduction_split_k"])

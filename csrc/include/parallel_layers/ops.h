@@ -149,6 +149,9 @@ at::Tensor transpose_2d(const at::Tensor& x);
 at::Tensor gelu_only(const at::Tensor& z, std::string_view approximate);
 // How many linear_gelu calls took the cuBLASLt epilogue path in this process (for tests).
 int64_t lt_matmul_calls();
+// linear_gelu's CUDA forward: "kernel" (default) or "cublaslt" (Note [linear_gelu's CUDA forward
+// path], csrc/cuda/linear_gelu.cpp); returns the previous setting.
+std::string set_cuda_gelu_path(std::string_view path);
 }  // namespace cuda
 
 }  // namespace parallel_layers
