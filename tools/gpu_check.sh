@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One run on a machine with an NVIDIA GPU: build the extension for that GPU against the torch
-# installed there, run every CUDA test, the kernels under compute-sanitizer, and the kernel
-# benchmarks on the GPU. Everything it prints goes to $OUT/log.txt, the benchmark results to
-# $OUT/*.json.
+# installed there, run every CUDA test, the kernels under compute-sanitizer, the kernel
+# benchmarks and a kernel profile on the GPU. Everything it prints goes to $OUT/log.txt, the
+# build log, test log and profile to $OUT/{build,pytest,profile}.txt, benchmark results to
+# $OUT/gpu_*.json (7 files: what the device tool brings back, at most 8).
 #
 #   OUT=/tmp/gpu tools/gpu_check.sh        (OUT defaults to build/gpu_check)
 #
@@ -22,13 +23,20 @@ python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, 
 step build
 arch=$(python3 -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
 export PARALLEL_LAYERS_CUDA_ARCHS=$arch MAX_JOBS=$(nproc)
-rm -rf build/temp.* parallel_layers/_C.*.so
-time python3 setup.py --quiet build_ext --inplace > "$out/build.txt" 2>&1 || { tail -60 "$out/build.txt"; exit 1; }
+build() { rm -rf build/temp.* parallel_layers/_C.*.so; python3 setup.py --quiet build_ext --inplace > "$out/build.txt" 2>&1; }
+# A default CXX that links libstdc++ statically is refused by the build (Note [one libstdc++],
+# tools/build_env.py); the image seen here had one, and the system g++ next to it.
+time build || { tail -5 "$out/build.txt"; echo "retrying with /usr/bin/g++"; CXX=/usr/bin/g++ CC=/usr/bin/gcc build; } \
+    || { tail -60 "$out/build.txt"; exit 1; }
 python3 -m parallel_layers.info
 
 step "CUDA tests"
-timeout 360 python3 -m pytest -p no:cacheprovider -q -o addopts="-ra" -m "not slow" -k cuda \
-    tests/ops tests/zero/test_zero.py --junitxml="$out/junit.xml" 2>&1 | tail -60
+# Eight worker processes (pytest-xdist, where installed): a crash takes down one worker, reported
+# with its test, not the whole run.
+xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
+timeout 360 python3 -m pytest -p no:cacheprovider -q -o addopts="-ra" -m "not slow" -k cuda $xdist \
+    tests/ops tests/zero/test_zero.py > "$out/pytest.txt" 2>&1
+echo "pytest exit: $?"; grep -v "^SKIPPED" "$out/pytest.txt" | tail -30
 
 step "compute-sanitizer memcheck"
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -36,10 +44,13 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool memcheck -
 echo "memcheck exit: $?"
 
 step benchmarks
-timeout 120 python3 benchmarks/bench_linear_gelu.py --device cuda --reps 10 --name gpu_linear_gelu 2>&1 | tail -30
+timeout 150 python3 benchmarks/bench_linear_gelu.py --device cuda --reps 10 --name gpu_linear_gelu 2>&1 | tail -30
 timeout 150 python3 benchmarks/bench_linear_swiglu.py --device cuda --reps 10 --name gpu_linear_swiglu \
     --shapes 512,512,1376 4096,4096,11008 8192,4096,14336 2>&1 | tail -30
 timeout 60 python3 benchmarks/bench_rms_norm.py --device cuda --name gpu_rms_norm 2>&1 | tail -20
-timeout 60 python3 benchmarks/bench_shard_copy.py --device cuda 2>&1 | tail -20
-cp benchmarks/results/gpu_*.json benchmarks/results/bench_shard_copy.json "$out"/ 2>/dev/null
+timeout 60 python3 benchmarks/bench_shard_copy.py --device cuda 2>&1 | tail -20  # writes bench_shard_copy.json
+cp benchmarks/results/gpu_*.json "$out"/ 2>/dev/null
+
+step "kernel profile"
+timeout 120 python3 tools/cuda_profile_ops.py > "$out/profile.txt" 2>&1; echo "profile exit: $?"
 step done
