@@ -58,24 +58,4 @@ def _bias_gelu_backward_fake(grad_out: Tensor, preact: Tensor, approximate: str)
     return preact.new_empty(preact.shape), preact.new_empty(preact.shape[-1:])
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    _, _, approximate = inputs
-    _, preact = output
-    ctx.save_for_backward(preact)
-    ctx.approximate = approximate
-    # Unused outputs (almost always the pre-activation) arrive as None, not as zeros to add.
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, grad_y: Tensor | None, grad_z: Tensor | None):
-    (preact,) = ctx.saved_tensors
-    grad_pre, grad_bias = None, None
-    if grad_y is not None:
-        grad_pre, grad_bias = bias_gelu_backward(grad_y, preact, ctx.approximate)
-    if grad_z is not None:  # the pre-activation itself was used downstream
-        grad_pre = grad_z if grad_pre is None else grad_pre + grad_z
-        grad_bias = grad_pre.sum(dim=tuple(range(grad_pre.dim() - 1)))
-    return grad_pre, (grad_bias if ctx.needs_input_grad[1] else None), None
-
-
-torch.library.register_autograd("parallel_layers::bias_gelu", _backward, setup_context=_setup_context)
+# Autograd: a C++ kernel at the Autograd key (csrc/autograd.cpp, Note [autograd in C++]).

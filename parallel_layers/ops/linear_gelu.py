@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parallel_layers.ops.bias_gelu import bias_gelu_backward, check_approximate
+from parallel_layers.ops.bias_gelu import check_approximate
 
 
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "tanh") -> Tensor:
@@ -99,14 +99,6 @@ def _linear_gelu_fake(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
     return x.new_empty(out_shape), x.new_empty(out_shape if save_preact else (0,))
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, approximate, _ = inputs
-    _, preact = output
-    ctx.save_for_backward(x, weight, bias, preact)
-    ctx.approximate = approximate
-    ctx.set_materialize_grads(False)
-
-
 @torch.library.register_fake("parallel_layers::linear_gelu_backward")
 def _linear_gelu_backward_fake(grad_y: Tensor, x: Tensor, weight: Tensor, preact: Tensor, approximate: str,
                                output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
@@ -147,38 +139,4 @@ def _linear_input_grad_fake(grad_out: Tensor, weight: Tensor) -> Tensor:
     return grad_out.new_empty((*grad_out.shape[:-1], weight.shape[1]))
 
 
-def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
-    x, weight, bias, preact = ctx.saved_tensors
-    n = weight.shape[0]
-    if preact.shape != (*x.shape[:-1], n):
-        # Called directly with save_preact=False under autograd: recompute what was not kept.
-        preact = torch.nn.functional.linear(x, weight, bias)
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    need_db = bias is not None and ctx.needs_input_grad[2]
-    if grad_preact is None or grad_preact.numel() == 0:
-        if grad_y is None:
-            return None, None, None, None, None
-        dx, dw, db = torch.ops.parallel_layers.linear_gelu_backward(
-            grad_y, x, weight, preact, ctx.approximate, [need_dx, need_dw, need_db])
-        return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None
-    # The pre-activation output was used itself (only by callers of the raw op): its
-    # gradient adds to dz, so dz is formed here and the GEMMs run on the sum.
-    dz = grad_preact
-    if grad_y is not None:
-        dz = dz + bias_gelu_backward(grad_y, preact, ctx.approximate)[0]
-    return (*linear_grads(dz, x, weight, need_dx, need_dw, need_db), None, None)
-
-
-def linear_grads(dz: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool,
-                 need_db: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(dx, dweight, dbias) of `x @ weight.T + bias` from the pre-activation's gradient dz, each
-    only when needed; the weight gradient by linear_weight_grad's rule. For the ops' backward
-    when the pre-activation output itself was used (linear_gelu, linear_swiglu)."""
-    dz2 = dz.reshape(-1, weight.shape[0])
-    dx = linear_input_grad(dz2, weight).view(x.shape) if need_dx else None
-    dw = linear_weight_grad(dz2, x.reshape(-1, x.shape[-1])) if need_dw else None
-    db = dz2.sum(0) if need_db else None
-    return dx, dw, db
-
-
-torch.library.register_autograd("parallel_layers::linear_gelu", _backward, setup_context=_setup_context)
+# Autograd: a C++ kernel at the Autograd key (csrc/autograd.cpp, Note [autograd in C++]).

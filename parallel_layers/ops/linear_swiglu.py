@@ -17,8 +17,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parallel_layers.ops.linear_gelu import linear_grads
-
 
 def linear_swiglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Return `F.silu(gate) * up` for `gate, up = F.linear(x, weight, bias).chunk(2, -1)`, fused."""
@@ -87,31 +85,4 @@ def _swiglu_backward_fake(grad_y: Tensor, preact: Tensor, need_dbias: bool) -> t
     return preact.new_empty(preact.shape), preact.new_empty((preact.shape[-1],) if need_dbias else (0,))
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, _ = inputs
-    _, preact = output
-    ctx.save_for_backward(x, weight, bias, preact)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, grad_y: Tensor | None, grad_preact: Tensor | None):
-    x, weight, bias, preact = ctx.saved_tensors
-    n2 = weight.shape[0]
-    if preact.shape != (*x.shape[:-1], n2):
-        # Called directly with save_preact=False under autograd: recompute what was not kept.
-        preact = torch.nn.functional.linear(x, weight, bias)
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    need_db = bias is not None and ctx.needs_input_grad[2]
-    if grad_preact is None or grad_preact.numel() == 0:
-        if grad_y is None:
-            return None, None, None, None
-        dx, dw, db = torch.ops.parallel_layers.linear_swiglu_backward(
-            grad_y, x, weight, preact, [need_dx, need_dw, need_db])
-        return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None
-    # The pre-activation output was used itself (only by callers of the raw op): its gradient
-    # adds to d_pre, so d_pre is formed here and the GEMMs run on the sum.
-    d_pre = grad_preact if grad_y is None else grad_preact + swiglu_backward(grad_y, preact, need_dbias=False)[0]
-    return (*linear_grads(d_pre, x, weight, need_dx, need_dw, need_db), None)
-
-
-torch.library.register_autograd("parallel_layers::linear_swiglu", _backward, setup_context=_setup_context)
+# Autograd: a C++ kernel at the Autograd key (csrc/autograd.cpp, Note [autograd in C++]).

@@ -136,36 +136,4 @@ def _rms_norm_backward_fake(grad_y: Tensor, x: Tensor, weight: Tensor, rstd: Ten
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, _ = inputs
-    _, rstd = output
-    ctx.save_for_backward(x, weight, rstd)
-    ctx.mark_non_differentiable(rstd)  # saved for backward, not a result to differentiate
-
-
-def _backward(ctx, grad_y: Tensor, grad_rstd: Tensor | None):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dweight = rms_norm_backward(grad_y, x, weight, rstd)
-    return (dx if ctx.needs_input_grad[0] else None), (dweight if ctx.needs_input_grad[1] else None), None
-
-
-def _setup_context_add(ctx, inputs, output) -> None:
-    _, _, weight, _ = inputs
-    _, s, rstd = output
-    ctx.save_for_backward(s, weight, rstd)
-    ctx.mark_non_differentiable(rstd)
-    # An unused output's gradient arrives as None, not as zeros to add.
-    ctx.set_materialize_grads(False)
-
-
-def _backward_add(ctx, grad_y: Tensor | None, grad_s: Tensor | None, grad_rstd: Tensor | None):
-    s, weight, rstd = ctx.saved_tensors
-    if grad_y is None:  # only the sum was used
-        ds = grad_s if grad_s is not None else torch.zeros_like(s)
-        return ds, ds, (torch.zeros_like(weight) if ctx.needs_input_grad[2] else None), None
-    ds, dweight = rms_norm_backward(grad_y, s, weight, rstd, grad_s)
-    return ds, ds, (dweight if ctx.needs_input_grad[2] else None), None
-
-
-torch.library.register_autograd("parallel_layers::rms_norm", _backward, setup_context=_setup_context)
-torch.library.register_autograd("parallel_layers::rms_norm_add", _backward_add, setup_context=_setup_context_add)
+# Autograd: a C++ kernel at the Autograd key (csrc/autograd.cpp, Note [autograd in C++]).

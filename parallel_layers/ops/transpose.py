@@ -24,8 +24,4 @@ def _transpose_2d_fake(x: Tensor) -> Tensor:
     return x.new_empty((x.shape[1], x.shape[0]))
 
 
-def _backward(ctx, grad: Tensor):
-    return transpose_2d(grad)
-
-
-torch.library.register_autograd("parallel_layers::transpose_2d", _backward)
+# Autograd: a C++ kernel at the Autograd key (csrc/autograd.cpp, Note [autograd in C++]).

@@ -1,0 +1,319 @@
+// Autograd kernels of the differentiable ops, in C++.
+//
+// Note [autograd in C++]: each op's backward is a torch::autograd::Function registered at the
+// Autograd dispatch key, as ATen's own ops have theirs, rather than torch.library's
+// register_autograd. That one runs a Python autograd.Function per call (plus argument
+// re-binding and checks of the backward's results), and on a GPU it was the larger part of a
+// fused op's cost at ordinary sizes: on an H200 a bfloat16 linear_gelu forward + backward at
+// 2048 x 1024 -> 4096 had ~0.12 ms of GPU work and took 0.72 ms of wall clock, eager's 0.42
+// (benchmarks/results/2026-11-26-h200.md). Here the forward re-dispatches below autograd to
+// the CPU / CUDA kernel and saves what backward needs; backward calls the backward ops through
+// the dispatcher, so CPU and CUDA, autocast's casts (applied before this kernel) and
+// torch.compile's tracing (the fake kernels in parallel_layers/ops) all see ordinary op calls.
+// The backward ops themselves are not differentiable (no double backward), as before.
+#include <array>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace parallel_layers {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+at::Tensor grad_if(AutogradContext* ctx, size_t input, const at::Tensor& grad) {
+  return ctx->needs_input_grad(input) ? grad : at::Tensor();
+}
+
+using OptTensor = std::optional<at::Tensor>;
+using Mask = std::array<bool, 3>;
+using Pair = std::tuple<at::Tensor, at::Tensor>;
+using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// The ops as the dispatcher has them (their schemas: csrc/registration.cpp).
+struct Ops {
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, std::string_view)> bias_gelu =
+      op<Pair(const at::Tensor&, const at::Tensor&, std::string_view)>("parallel_layers::bias_gelu");
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, std::string_view)> bias_gelu_backward =
+      op<Pair(const at::Tensor&, const at::Tensor&, std::string_view)>("parallel_layers::bias_gelu_backward");
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view, bool)>
+      linear_gelu = op<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view, bool)>(
+          "parallel_layers::linear_gelu");
+  c10::TypedOperatorHandle<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  std::string_view, Mask)>
+      linear_gelu_backward = op<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       std::string_view, Mask)>("parallel_layers::linear_gelu_backward");
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, bool)> linear_swiglu =
+      op<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, bool)>("parallel_layers::linear_swiglu");
+  c10::TypedOperatorHandle<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, Mask)>
+      linear_swiglu_backward =
+          op<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, Mask)>(
+              "parallel_layers::linear_swiglu_backward");
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, bool)> swiglu_backward =
+      op<Pair(const at::Tensor&, const at::Tensor&, bool)>("parallel_layers::swiglu_backward");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> linear_input_grad =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parallel_layers::linear_input_grad");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> linear_weight_grad =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parallel_layers::linear_weight_grad");
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, double)> rms_norm =
+      op<Pair(const at::Tensor&, const at::Tensor&, double)>("parallel_layers::rms_norm");
+  c10::TypedOperatorHandle<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)> rms_norm_add =
+      op<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("parallel_layers::rms_norm_add");
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const OptTensor&)>
+      rms_norm_backward = op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const OptTensor&)>("parallel_layers::rms_norm_backward");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> transpose_2d =
+      op<at::Tensor(const at::Tensor&)>("parallel_layers::transpose_2d");
+};
+
+const Ops& ops() {
+  static const Ops handles;
+  return handles;
+}
+
+// Sizes through sym_* throughout: under torch.compile with dynamic shapes they are symbolic.
+bool defined_nonempty(const at::Tensor& t) { return t.defined() && t.sym_numel() != 0; }
+
+// dz [..., n] summed over all leading dims -> [n].
+at::Tensor sum_rows(const at::Tensor& dz) { return dz.reshape_symint({-1, dz.sym_size(-1)}).sum(0); }
+
+// (dx, dweight, dbias) of x @ weight^T + bias from the pre-activation's gradient dz, each only
+// when asked, by the fused ops' GEMM rules (linear_input_grad / linear_weight_grad): the path of
+// a backward whose pre-activation output was itself used downstream.
+Triple linear_grads(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& weight, Mask mask) {
+  const at::Tensor dz2 = dz.reshape_symint({-1, weight.sym_size(0)});
+  at::Tensor dx = mask[0] ? ops().linear_input_grad.call(dz2, weight).view_symint(x.sym_sizes()) : at::Tensor();
+  at::Tensor dw =
+      mask[1] ? ops().linear_weight_grad.call(dz2, x.reshape_symint({-1, x.sym_size(-1)})) : at::Tensor();
+  at::Tensor db = mask[2] ? dz2.sum(0) : at::Tensor();
+  return {dx, dw, db};
+}
+
+// Whether t has the shape of x @ weight^T: [..., weight.size(0)] (a pre-activation that was kept).
+bool has_linear_output_shape(const at::Tensor& t, const at::Tensor& x, const at::Tensor& weight) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = weight.sym_size(0);
+  return t.sym_sizes() == c10::SymIntArrayRef(shape);
+}
+
+// Which of (x, weight, bias) of a linear op need gradients; bias is an input edge only when given.
+Mask linear_mask(AutogradContext* ctx, const at::Tensor& bias) {
+  return {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)};
+}
+
+// ---- bias_gelu(x, bias, approximate) -> (y, z): z, the pre-activation, is differentiable too.
+
+struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& bias,
+                               std::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, z] = ops().bias_gelu.call(x, bias, approximate);
+    ctx->save_for_backward({z});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    // Unused outputs (almost always z) arrive undefined, not as zeros to add.
+    ctx->set_materialize_grads(false);
+    return {y, z};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor& grad_y = grads[0];
+    const at::Tensor& grad_z = grads[1];
+    const at::Tensor z = ctx->get_saved_variables()[0];
+    at::Tensor dz, dbias;
+    if (grad_y.defined()) {
+      std::tie(dz, dbias) = ops().bias_gelu_backward.call(grad_y, z, ctx->saved_data["approximate"].toStringRef());
+    }
+    if (grad_z.defined()) {  // the pre-activation itself was used downstream
+      dz = dz.defined() ? dz + grad_z : grad_z;
+      dbias = sum_rows(dz);
+    }
+    return {dz, grad_if(ctx, 1, dbias), at::Tensor()};
+  }
+};
+
+// ---- linear_gelu(x, weight, bias?, approximate, save_preact) -> (y, preact)
+
+struct LinearGeluFunction : torch::autograd::Function<LinearGeluFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const OptTensor& bias, std::string_view approximate, bool save_preact) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, preact] = ops().linear_gelu.call(x, weight, bias, approximate, save_preact);
+    ctx->save_for_backward({x, weight, bias.value_or(at::Tensor()), preact});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    ctx->set_materialize_grads(false);
+    return {y, preact};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
+    at::Tensor preact = saved[3];
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    if (!has_linear_output_shape(preact, x, weight)) {
+      // Called directly with save_preact = false under autograd: recompute what was not kept.
+      preact = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+    }
+    const Mask mask = linear_mask(ctx, bias);
+    const at::Tensor &grad_y = grads[0], &grad_preact = grads[1];
+    at::Tensor dx, dw, db;
+    if (!defined_nonempty(grad_preact)) {
+      if (!grad_y.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      std::tie(dx, dw, db) = ops().linear_gelu_backward.call(grad_y, x, weight, preact, approximate, mask);
+    } else {
+      // The pre-activation output was used itself (only by callers of the raw op): its gradient
+      // adds to dz, so dz is formed here and the GEMMs run on the sum.
+      at::Tensor dz = grad_preact;
+      if (grad_y.defined()) dz = dz + std::get<0>(ops().bias_gelu_backward.call(grad_y, preact, approximate));
+      std::tie(dx, dw, db) = linear_grads(dz, x, weight, mask);
+    }
+    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(), mask[2] ? db : at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// ---- linear_swiglu(x, weight [2n, k], bias?, save_preact) -> (y, preact [.., 2n])
+
+struct LinearSwigluFunction : torch::autograd::Function<LinearSwigluFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const OptTensor& bias, bool save_preact) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, preact] = ops().linear_swiglu.call(x, weight, bias, save_preact);
+    ctx->save_for_backward({x, weight, bias.value_or(at::Tensor()), preact});
+    ctx->set_materialize_grads(false);
+    return {y, preact};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
+    at::Tensor preact = saved[3];
+    if (!has_linear_output_shape(preact, x, weight)) {
+      // Called directly with save_preact = false under autograd: recompute what was not kept.
+      preact = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+    }
+    const Mask mask = linear_mask(ctx, bias);
+    const at::Tensor &grad_y = grads[0], &grad_preact = grads[1];
+    at::Tensor dx, dw, db;
+    if (!defined_nonempty(grad_preact)) {
+      if (!grad_y.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      std::tie(dx, dw, db) = ops().linear_swiglu_backward.call(grad_y, x, weight, preact, mask);
+    } else {
+      // The pre-activation output was used itself: its gradient adds to d_pre (as linear_gelu's).
+      at::Tensor d_pre = grad_preact;
+      if (grad_y.defined()) d_pre = d_pre + std::get<0>(ops().swiglu_backward.call(grad_y, preact, false));
+      std::tie(dx, dw, db) = linear_grads(d_pre, x, weight, mask);
+    }
+    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(), mask[2] ? db : at::Tensor(), at::Tensor()};
+  }
+};
+
+// ---- rms_norm(x, weight, eps) -> (y, rstd); rstd is saved for backward, not differentiable.
+
+struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, rstd] = ops().rms_norm.call(x, weight, eps);
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->mark_non_differentiable({rstd});
+    return {y, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [dx, dweight] = ops().rms_norm_backward.call(grads[0], saved[0], saved[1], saved[2], std::nullopt);
+    return {grad_if(ctx, 0, dx), grad_if(ctx, 1, dweight), at::Tensor()};
+  }
+};
+
+// ---- rms_norm_add(x, residual, weight, eps) -> (y, sum, rstd): the norm of sum = x + residual.
+
+struct RmsNormAddFunction : torch::autograd::Function<RmsNormAddFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual,
+                               const at::Tensor& weight, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, sum, rstd] = ops().rms_norm_add.call(x, residual, weight, eps);
+    ctx->save_for_backward({sum, weight, rstd});
+    ctx->mark_non_differentiable({rstd});
+    // An unused output's gradient arrives undefined, not as zeros to add.
+    ctx->set_materialize_grads(false);
+    return {y, sum, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &sum = saved[0], &weight = saved[1], &rstd = saved[2];
+    const at::Tensor &grad_y = grads[0], &grad_sum = grads[1];
+    if (!grad_y.defined()) {  // only the sum was used
+      const at::Tensor ds = grad_sum.defined() ? grad_sum : at::zeros_like(sum);
+      return {ds, ds, ctx->needs_input_grad(2) ? at::zeros_like(weight) : at::Tensor(), at::Tensor()};
+    }
+    const OptTensor dsum = grad_sum.defined() ? OptTensor(grad_sum) : std::nullopt;
+    auto [ds, dweight] = ops().rms_norm_backward.call(grad_y, sum, weight, rstd, dsum);
+    return {ds, ds, grad_if(ctx, 2, dweight), at::Tensor()};
+  }
+};
+
+// ---- transpose_2d(x) -> x^T contiguous; its gradient is the transpose of the gradient.
+
+struct Transpose2dFunction : torch::autograd::Function<Transpose2dFunction> {
+  static variable_list forward(AutogradContext*, const at::Tensor& x) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return {ops().transpose_2d.call(x)};
+  }
+
+  static variable_list backward(AutogradContext*, variable_list grads) { return {ops().transpose_2d.call(grads[0])}; }
+};
+
+Pair bias_gelu_autograd(const at::Tensor& x, const at::Tensor& bias, std::string_view approximate) {
+  const variable_list out = BiasGeluFunction::apply(x, bias, approximate);
+  return {out[0], out[1]};
+}
+
+Pair linear_gelu_autograd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                          std::string_view approximate, bool save_preact) {
+  const variable_list out = LinearGeluFunction::apply(x, weight, bias, approximate, save_preact);
+  return {out[0], out[1]};
+}
+
+Pair linear_swiglu_autograd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, bool save_preact) {
+  const variable_list out = LinearSwigluFunction::apply(x, weight, bias, save_preact);
+  return {out[0], out[1]};
+}
+
+Pair rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const variable_list out = RmsNormFunction::apply(x, weight, eps);
+  return {out[0], out[1]};
+}
+
+Triple rms_norm_add_autograd(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const variable_list out = RmsNormAddFunction::apply(x, residual, weight, eps);
+  return {out[0], out[1], out[2]};
+}
+
+at::Tensor transpose_2d_autograd(const at::Tensor& x) { return Transpose2dFunction::apply(x)[0]; }
+
+}  // namespace
+}  // namespace parallel_layers
+
+TORCH_LIBRARY_IMPL(parallel_layers, Autograd, m) {
+  m.impl("bias_gelu", &parallel_layers::bias_gelu_autograd);
+  m.impl("linear_gelu", &parallel_layers::linear_gelu_autograd);
+  m.impl("linear_swiglu", &parallel_layers::linear_swiglu_autograd);
+  m.impl("rms_norm", &parallel_layers::rms_norm_autograd);
+  m.impl("rms_norm_add", &parallel_layers::rms_norm_add_autograd);
+  m.impl("transpose_2d", &parallel_layers::transpose_2d_autograd);
+}
