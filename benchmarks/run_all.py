@@ -30,6 +30,7 @@ SUITE = [
     ("bench_linear_gelu", [], ["--quick", "--reps", "3"]),
     ("bench_linear_swiglu", [], ["--quick", "--reps", "3"]),
     ("bench_rms_norm", [], ["--quick", "--reps", "3"]),
+    ("bench_op_overhead", [], ["--reps", "3", "--calls", "20"]),
     ("bench_shard_copy", [], ["--reps", "3", "--world", "2"]),
     ("bench_tp_mlp", [], ["--seq", "64", "--d-model", "256", "--hidden", "1024", "--reps", "3", "--trials", "1",
                           "--dtypes", "float32"]),
@@ -113,6 +114,17 @@ def section_rms_norm(d: dict) -> list[str]:
             ""] + _table(
         ["rows x hidden", "dtype", "HF/ours fwd", "HF/ours fwd +add", "ours/copy fwd", "HF/ours fwd+bwd",
          "HF/ours fwd+bwd +add"], rows) + [""]
+
+
+def section_op_overhead(d: dict) -> list[str]:
+    rows = [[r["op"], *(r["us_per_call"][f"{mode}_{who}"] for mode in ("nograd", "grad", "train")
+                        for who in ("ours", "eager")),
+             r["ratios"]["train_eager_over_ours"]] for r in d["rows"]]
+    return ["## Per-call host time of the fused ops (`bench_op_overhead`)", "",
+            f"Microseconds per call at x [4, 8] on {d['rows'][0]['device']} (the arithmetic is nothing: dispatch, "
+            "autograd, allocations and checks); eager / ours > 1: ours cheaper.", ""] + _table(
+        ["op", "fwd no-grad ours", "eager", "fwd grad ours", "eager", "fwd+bwd ours", "eager",
+         "eager/ours fwd+bwd"], rows) + [""]
 
 
 def section_shard_copy(d: dict) -> list[str]:
@@ -234,6 +246,7 @@ def write_report(out: Path, runs: list[dict]) -> Path:
         "bench_linear_gelu": lambda d: section_linear_gelu(d),
         "bench_linear_swiglu": lambda d: section_linear_swiglu(d),
         "bench_rms_norm": lambda d: section_rms_norm(d),
+        "bench_op_overhead": section_op_overhead,
         "bench_shard_copy": lambda d: section_shard_copy(d),
         "bench_tp_mlp": lambda d: section_ratio("Tensor-parallel MLP vs DTensor (tp=2)", d, [
             (f"{k}_{dtype}", f"{label}, {dtype}{_trials(d, k, dtype) if k == 'ours_over_dtensor' else ''}")

@@ -14,7 +14,8 @@ def test_run_all_quick_writes_the_report(tmp_path):
     reports = list(tmp_path.glob("*-*.md"))
     assert len(reports) == 1
     text = reports[0].read_text()
-    for section in ("Fused GEMM + bias + GeLU", "Fused linear + SwiGLU", "Fused RMSNorm", "Shard copy kernels",
+    for section in ("Fused GEMM + bias + GeLU", "Fused linear + SwiGLU", "Fused RMSNorm", "Per-call host time",
+                    "Shard copy kernels",
                     "Tensor-parallel MLP vs DTensor", "ZeRO-3 vs FSDP2 vs DDP", "DataParallel vs DDP",
                     "Pipeline schedules", "Weak scaling", "Hugging Face Llama step"):
         assert f"## {section}" in text
