@@ -115,6 +115,40 @@ Mask linear_mask(AutogradContext* ctx, const at::Tensor& bias) {
   return {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)};
 }
 
+// The backward of a linear op with an activation epilogue (linear_gelu, linear_swiglu), whose
+// forward saved (x, weight, bias or undefined, preact) and whose outputs are (y, preact).
+// fused(grad_y, x, weight, preact, mask) is its fused backward op; epilogue(grad_y, preact) the
+// activation's gradient alone (d_preact). Returns one gradient per forward input (num_inputs).
+template <typename Fused, typename Epilogue>
+variable_list linear_activation_backward(AutogradContext* ctx, const variable_list& grads, size_t num_inputs,
+                                         Fused fused, Epilogue epilogue) {
+  const variable_list saved = ctx->get_saved_variables();
+  const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
+  at::Tensor preact = saved[3];
+  if (!has_linear_output_shape(preact, x, weight)) {
+    // Called directly with save_preact = false under autograd: recompute what was not kept.
+    preact = at::linear(x, weight, bias.defined() ? OptTensor(bias) : std::nullopt);
+  }
+  const Mask mask = linear_mask(ctx, bias);
+  const at::Tensor &grad_y = grads[0], &grad_preact = grads[1];
+  variable_list out(num_inputs);
+  at::Tensor dx, dw, db;
+  if (!defined_nonempty(grad_preact)) {
+    if (!grad_y.defined()) return out;
+    std::tie(dx, dw, db) = fused(grad_y, x, weight, preact, mask);
+  } else {
+    // The pre-activation output was used itself (only by callers of the raw op): its gradient
+    // adds to d_preact, so d_preact is formed here and the GEMMs run on the sum.
+    at::Tensor d_preact = grad_preact;
+    if (grad_y.defined()) d_preact = d_preact + epilogue(grad_y, preact);
+    std::tie(dx, dw, db) = linear_grads(d_preact, x, weight, mask);
+  }
+  if (mask[0]) out[0] = dx;
+  if (mask[1]) out[1] = dw;
+  if (mask[2]) out[2] = db;
+  return out;
+}
+
 // ---- bias_gelu(x, bias, approximate) -> (y, z): z, the pre-activation, is differentiable too.
 
 struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
@@ -159,29 +193,15 @@ struct LinearGeluFunction : torch::autograd::Function<LinearGeluFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
-    at::Tensor preact = saved[3];
     const std::string approximate = ctx->saved_data["approximate"].toStringRef();
-    if (!has_linear_output_shape(preact, x, weight)) {
-      // Called directly with save_preact = false under autograd: recompute what was not kept.
-      preact = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
-    }
-    const Mask mask = linear_mask(ctx, bias);
-    const at::Tensor &grad_y = grads[0], &grad_preact = grads[1];
-    at::Tensor dx, dw, db;
-    if (!defined_nonempty(grad_preact)) {
-      if (!grad_y.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-      std::tie(dx, dw, db) = ops().linear_gelu_backward.call(grad_y, x, weight, preact, approximate, mask);
-    } else {
-      // The pre-activation output was used itself (only by callers of the raw op): its gradient
-      // adds to dz, so dz is formed here and the GEMMs run on the sum.
-      at::Tensor dz = grad_preact;
-      if (grad_y.defined()) dz = dz + std::get<0>(ops().bias_gelu_backward.call(grad_y, preact, approximate));
-      std::tie(dx, dw, db) = linear_grads(dz, x, weight, mask);
-    }
-    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(), mask[2] ? db : at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return linear_activation_backward(
+        ctx, grads, /*num_inputs=*/5,
+        [&](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& z, Mask mask) {
+          return ops().linear_gelu_backward.call(dy, x, w, z, approximate, mask);
+        },
+        [&](const at::Tensor& dy, const at::Tensor& z) {
+          return std::get<0>(ops().bias_gelu_backward.call(dy, z, approximate));
+        });
   }
 };
 
@@ -198,26 +218,12 @@ struct LinearSwigluFunction : torch::autograd::Function<LinearSwigluFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
-    at::Tensor preact = saved[3];
-    if (!has_linear_output_shape(preact, x, weight)) {
-      // Called directly with save_preact = false under autograd: recompute what was not kept.
-      preact = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
-    }
-    const Mask mask = linear_mask(ctx, bias);
-    const at::Tensor &grad_y = grads[0], &grad_preact = grads[1];
-    at::Tensor dx, dw, db;
-    if (!defined_nonempty(grad_preact)) {
-      if (!grad_y.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-      std::tie(dx, dw, db) = ops().linear_swiglu_backward.call(grad_y, x, weight, preact, mask);
-    } else {
-      // The pre-activation output was used itself: its gradient adds to d_pre (as linear_gelu's).
-      at::Tensor d_pre = grad_preact;
-      if (grad_y.defined()) d_pre = d_pre + std::get<0>(ops().swiglu_backward.call(grad_y, preact, false));
-      std::tie(dx, dw, db) = linear_grads(d_pre, x, weight, mask);
-    }
-    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(), mask[2] ? db : at::Tensor(), at::Tensor()};
+    return linear_activation_backward(
+        ctx, grads, /*num_inputs=*/4,
+        [](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& z, Mask mask) {
+          return ops().linear_swiglu_backward.call(dy, x, w, z, mask);
+        },
+        [](const at::Tensor& dy, const at::Tensor& z) { return std::get<0>(ops().swiglu_backward.call(dy, z, false)); });
   }
 };
 
