@@ -3,7 +3,7 @@
 # installed there, run every CUDA test, the kernels under compute-sanitizer, the kernel
 # benchmarks and a kernel profile on the GPU. Everything it prints goes to $OUT/log.txt, the
 # build log, test log and profile to $OUT/{build,pytest,profile}.txt, benchmark results to
-# $OUT/gpu_*.json (7 files: what the device tool brings back, at most 8).
+# $OUT/gpu_*.json (8 files: what the device tool brings back, at most 8).
 #
 #   OUT=/tmp/gpu tools/gpu_check.sh        (OUT defaults to build/gpu_check)
 #
@@ -49,6 +49,7 @@ timeout 150 python3 benchmarks/bench_linear_swiglu.py --device cuda --reps 10 --
     --shapes 512,512,1376 4096,4096,11008 8192,4096,14336 2>&1 | tail -30
 timeout 60 python3 benchmarks/bench_rms_norm.py --device cuda --name gpu_rms_norm 2>&1 | tail -20
 timeout 60 python3 benchmarks/bench_shard_copy.py --device cuda 2>&1 | tail -20  # writes bench_shard_copy.json
+timeout 120 python3 benchmarks/bench_op_overhead.py --device cuda --name gpu_op_overhead 2>&1 | tail -6
 cp benchmarks/results/gpu_*.json "$out"/ 2>/dev/null
 
 step "kernel profile"
