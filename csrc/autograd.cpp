@@ -29,11 +29,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 at::Tensor grad_if(AutogradContext* ctx, size_t input, const at::Tensor& grad) {
   return ctx->needs_input_grad(input) ? grad : at::Tensor();
 }
@@ -42,42 +37,35 @@ using OptTensor = std::optional<at::Tensor>;
 using Mask = std::array<bool, 3>;
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Ref = const at::Tensor&;  // in the signatures below
 
-// The ops as the dispatcher has them (their schemas: csrc/registration.cpp).
+// An op of this library as the dispatcher has it, by name and C++ signature.
+template <typename Signature>
+struct TypedOp;
+template <typename R, typename... Args>
+struct TypedOp<R(Args...)> {
+  c10::TypedOperatorHandle<R(Args...)> handle;
+  explicit TypedOp(const char* name)
+      : handle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<R(Args...)>()) {}
+  R call(Args... args) const { return handle.call(args...); }
+};
+
+// The ops the autograd kernels call (their schemas: csrc/registration.cpp).
 struct Ops {
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, std::string_view)> bias_gelu =
-      op<Pair(const at::Tensor&, const at::Tensor&, std::string_view)>("parallel_layers::bias_gelu");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, std::string_view)> bias_gelu_backward =
-      op<Pair(const at::Tensor&, const at::Tensor&, std::string_view)>("parallel_layers::bias_gelu_backward");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view, bool)>
-      linear_gelu = op<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view, bool)>(
-          "parallel_layers::linear_gelu");
-  c10::TypedOperatorHandle<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  std::string_view, Mask)>
-      linear_gelu_backward = op<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       std::string_view, Mask)>("parallel_layers::linear_gelu_backward");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, bool)> linear_swiglu =
-      op<Pair(const at::Tensor&, const at::Tensor&, const OptTensor&, bool)>("parallel_layers::linear_swiglu");
-  c10::TypedOperatorHandle<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, Mask)>
-      linear_swiglu_backward =
-          op<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, Mask)>(
-              "parallel_layers::linear_swiglu_backward");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, bool)> swiglu_backward =
-      op<Pair(const at::Tensor&, const at::Tensor&, bool)>("parallel_layers::swiglu_backward");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> linear_input_grad =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parallel_layers::linear_input_grad");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> linear_weight_grad =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parallel_layers::linear_weight_grad");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      op<Pair(const at::Tensor&, const at::Tensor&, double)>("parallel_layers::rms_norm");
-  c10::TypedOperatorHandle<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)> rms_norm_add =
-      op<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("parallel_layers::rms_norm_add");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptTensor&)>
-      rms_norm_backward = op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const OptTensor&)>("parallel_layers::rms_norm_backward");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> transpose_2d =
-      op<at::Tensor(const at::Tensor&)>("parallel_layers::transpose_2d");
+  TypedOp<Pair(Ref, Ref, std::string_view)> bias_gelu{"parallel_layers::bias_gelu"};
+  TypedOp<Pair(Ref, Ref, std::string_view)> bias_gelu_backward{"parallel_layers::bias_gelu_backward"};
+  TypedOp<Pair(Ref, Ref, const OptTensor&, std::string_view, bool)> linear_gelu{"parallel_layers::linear_gelu"};
+  TypedOp<Triple(Ref, Ref, Ref, Ref, std::string_view, Mask)> linear_gelu_backward{
+      "parallel_layers::linear_gelu_backward"};
+  TypedOp<Pair(Ref, Ref, const OptTensor&, bool)> linear_swiglu{"parallel_layers::linear_swiglu"};
+  TypedOp<Triple(Ref, Ref, Ref, Ref, Mask)> linear_swiglu_backward{"parallel_layers::linear_swiglu_backward"};
+  TypedOp<Pair(Ref, Ref, bool)> swiglu_backward{"parallel_layers::swiglu_backward"};
+  TypedOp<at::Tensor(Ref, Ref)> linear_input_grad{"parallel_layers::linear_input_grad"};
+  TypedOp<at::Tensor(Ref, Ref)> linear_weight_grad{"parallel_layers::linear_weight_grad"};
+  TypedOp<Pair(Ref, Ref, double)> rms_norm{"parallel_layers::rms_norm"};
+  TypedOp<Triple(Ref, Ref, Ref, double)> rms_norm_add{"parallel_layers::rms_norm_add"};
+  TypedOp<Pair(Ref, Ref, Ref, Ref, const OptTensor&)> rms_norm_backward{"parallel_layers::rms_norm_backward"};
+  TypedOp<at::Tensor(Ref)> transpose_2d{"parallel_layers::transpose_2d"};
 };
 
 const Ops& ops() {
@@ -223,7 +211,9 @@ struct LinearSwigluFunction : torch::autograd::Function<LinearSwigluFunction> {
         [](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& z, Mask mask) {
           return ops().linear_swiglu_backward.call(dy, x, w, z, mask);
         },
-        [](const at::Tensor& dy, const at::Tensor& z) { return std::get<0>(ops().swiglu_backward.call(dy, z, false)); });
+        [](const at::Tensor& dy, const at::Tensor& z) {
+          return std::get<0>(ops().swiglu_backward.call(dy, z, false));
+        });
   }
 };
 
