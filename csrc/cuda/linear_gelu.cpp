@@ -4,15 +4,17 @@
 //
 // Note [linear_gelu's CUDA forward path]: by default ATen's addmm (cuBLASLt with its bias
 // epilogue, bias inside the GEMM) and then our GeLU kernel over its output
-// (csrc/cuda/bias_gelu_kernels.cu, 16-byte vector accesses), so y = gelu(round(z)) exactly as
-// eager and the CPU op compute it. The alternative, one cuBLASLt matmul with the
+// (csrc/cuda/bias_gelu_kernels.cu, 16-byte vector accesses), so y = gelu(round(z)) in the order
+// eager and the CPU op round it. The alternative, one cuBLASLt matmul with the
 // GELU(_AUX)(_BIAS) epilogue, which adds the bias, writes the pre-activation ("aux", only when it
 // is kept) and applies GeLU inside the GEMM, is opt-in (_C._set_cuda_gelu_path("cublaslt") or
 // PARALLEL_LAYERS_CUDA_GELU=cublaslt), because on an H200 (cuBLAS 13, torch 2.11) it measured
 // slower than the GEMM followed by a separate GeLU pass at every benchmarked shape: forward 0.66-0.78x
 // of eager's speed in bfloat16 and 0.87-0.96x in float32 (benchmarks/bench_linear_gelu.py, 2048-4096 rows,
 // K and N 1024-4096), and in float32 its GeLU was 7x further from a float64 reference than eager's
-// (5.1e-6 vs 7.4e-7). It is taken only for float16 / bfloat16, where it applies its tanh GeLU to
+// (5.1e-6 vs 7.4e-7). (The default path was not faster than eager there either, 0.78-0.96x: our
+// GeLU kernel took 15.2 us where PyTorch's took 9.8, and these calls were host-bound;
+// benchmarks/results/2026-11-26-h200.md.) The epilogue is taken only for float16 / bfloat16, where it applies its tanh GeLU to
 // the float32 accumulator plus bias rather than to the pre-activation rounded to 16 bits (y can
 // then differ from gelu(round(z)) in the last bit; tests hold it to twice eager's error).
 // cuBLASLt's GeLU is the tanh approximation and its aux buffer needs a leading dimension that is
