@@ -65,9 +65,9 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out
   const at::Tensor z = preact.contiguous();
   at::Tensor dz = at::empty_like(z);
   const int64_t rows = n == 0 ? 0 : z.numel() / n;
-  // Up to 256 chunks of >= 16 rows: enough blocks to fill the GPU for narrow n, a small
-  // partials buffer for wide n.
-  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, /*min_rows=*/16);
+  // Up to 256 chunks of >= 32 rows (>= 4 per row lane of parallel_layers/cuda/column_sums.h):
+  // enough blocks to fill the GPU for narrow n, partial sums of at most 1 / 16 of dz's bytes.
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, /*min_rows=*/32);
   at::Tensor partials = at::empty({chunks.num_chunks(), n}, z.options().dtype(at::toOpMathType(z.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "bias_gelu_backward_cuda", [&] {
     launch_bias_gelu_backward<scalar_t>(dy.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(),

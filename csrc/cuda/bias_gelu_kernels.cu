@@ -1,11 +1,13 @@
 // Fused bias-add + GeLU kernels: the math of parallel_layers/gelu.h (as csrc/bias_gelu.cpp
-// runs it) and the row chunks of parallel_layers/row_chunks.h for the bias gradient. Launched
-// by csrc/cuda/bias_gelu.cpp and csrc/cuda/linear_gelu.cpp through
-// parallel_layers/cuda/kernels.h (Note [kernels apart from torch's headers]).
+// runs it) and the row chunks of parallel_layers/row_chunks.h for the bias gradient, summed in
+// the block shape of parallel_layers/cuda/column_sums.h. Launched by csrc/cuda/bias_gelu.cpp and
+// csrc/cuda/linear_gelu.cpp through parallel_layers/cuda/kernels.h (Note [kernels apart from
+// torch's headers]).
 #include <algorithm>
 
 #include <c10/cuda/CUDAException.h>
 
+#include "parallel_layers/cuda/column_sums.h"
 #include "parallel_layers/cuda/kernels.h"
 #include "parallel_layers/cuda/vec.h"
 #include "parallel_layers/grid_stride.h"
@@ -43,25 +45,38 @@ __global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x, const s
   }
 }
 
-// Thread = one column, blockIdx.y = one chunk of rows: consecutive threads read consecutive
-// columns (coalesced), and each writes its chunk's column sum to partials[chunk, col].
-template <GeluApprox kApprox, typename scalar_t>
-__global__ void bias_gelu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
-                                          scalar_t* __restrict__ dz, opmath_t<scalar_t>* __restrict__ partials,
-                                          RowChunks chunks, int64_t n) {
+// dz = dy * gelu'(z) and its column sums, in the block shape of parallel_layers/cuda/column_sums.h:
+// blockIdx.x = kUnitCols units of V columns, blockIdx.y = one chunk of rows; lane 0 writes the
+// chunk's sums of the rounded dz to partials[chunk, col].
+template <GeluApprox kApprox, int V, typename scalar_t>
+__global__ void __launch_bounds__(kUnitCols* kRowLanes)
+    bias_gelu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
+                              scalar_t* __restrict__ dz, opmath_t<scalar_t>* __restrict__ partials, RowChunks chunks,
+                              int64_t n_units) {
   using M = opmath_t<scalar_t>;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kUnitCols + threadIdx.x;
   const int64_t chunk = blockIdx.y;
-  if (col >= n) return;
-  M acc = 0;
-  for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
-    const int64_t i = r * n + col;
-    const M g = static_cast<M>(dy[i]) * gelu_derivative<kApprox>(static_cast<M>(z[i]));
-    const scalar_t g_rounded = static_cast<scalar_t>(g);
-    dz[i] = g_rounded;
-    acc += static_cast<M>(g_rounded);  // the rounded values, as the CPU op and eager sum
+  const bool active = unit < n_units;
+  M acc[1][V] = {};
+  if (active) {
+    for (int64_t r = chunks.begin(chunk) + threadIdx.y; r < chunks.end(chunk); r += kRowLanes) {
+      const int64_t i = r * n_units + unit;
+      const Vec<scalar_t, V> dyv = load_unit<V>(dy, i);
+      const Vec<scalar_t, V> zv = load_unit<V>(z, i);
+      Vec<scalar_t, V> dzv;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        dzv.v[k] = static_cast<scalar_t>(static_cast<M>(dyv.v[k]) * gelu_derivative<kApprox>(static_cast<M>(zv.v[k])));
+        acc[0][k] += static_cast<M>(dzv.v[k]);  // the rounded values, as the CPU op and eager sum
+      }
+      store_unit<V>(dz, i, dzv);
+    }
   }
-  partials[chunk * n + col] = acc;
+  sum_over_row_lanes(acc);  // every thread: it synchronises
+  if (active && threadIdx.y == 0) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) partials[chunk * n_units * V + unit * V + k] = acc[0][k];
+  }
 }
 
 }  // namespace
@@ -89,11 +104,17 @@ template <typename T>
 void launch_bias_gelu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* partials, RowChunks chunks, int64_t n,
                                GeluApprox approx, cudaStream_t stream) {
   if (chunks.rows == 0 || n == 0) return;
-  // gridDim.y is limited to 65535; the ops ask for at most 256 chunks.
-  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
-  dispatch_gelu_approx(approx, [&](auto a) {
-    bias_gelu_backward_kernel<decltype(a)::value, T><<<grid, kThreads, 0, stream>>>(dy, z, dz, partials, chunks, n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool vectorizable = n % kVecElems<T> == 0 && aligned16(dy) && aligned16(z) && aligned16(dz);
+  dispatch_vec<T>(vectorizable, [&]<int V>() {
+    const int64_t n_units = n / V;
+    // gridDim.y is limited to 65535; the ops ask for at most 256 chunks.
+    const dim3 grid(static_cast<unsigned>((n_units + kUnitCols - 1) / kUnitCols),
+                    static_cast<unsigned>(chunks.num_chunks()));
+    dispatch_gelu_approx(approx, [&](auto a) {
+      bias_gelu_backward_kernel<decltype(a)::value, V, T>
+          <<<grid, dim3(kUnitCols, kRowLanes), 0, stream>>>(dy, z, dz, partials, chunks, n_units);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 

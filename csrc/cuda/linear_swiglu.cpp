@@ -31,10 +31,9 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> dswiglu(const at::Tensor& dy, const at::Tensor& z, bool need_dbias) {
   const int64_t rows = z.size(0), n = z.size(1) / 2;
   at::Tensor dz = at::empty({rows, 2 * n}, z.options());
-  // Up to 256 chunks of >= 16 rows, as bias_gelu_backward: enough blocks for narrow n, a small
-  // partials buffer for wide n.
-  // The partial sums only when the bias gradient is asked for; the kernel skips them when null.
-  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, /*min_rows=*/16);
+  // Chunks as bias_gelu_backward's. The partial sums only when the bias gradient is asked for;
+  // the kernel skips them when null.
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, /*min_rows=*/32);
   at::Tensor partials;
   if (need_dbias) {
     partials = at::empty({chunks.num_chunks(), 2 * n}, z.options().dtype(at::toOpMathType(z.scalar_type())));

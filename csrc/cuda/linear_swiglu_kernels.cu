@@ -6,6 +6,7 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include "parallel_layers/cuda/column_sums.h"
 #include "parallel_layers/cuda/kernels.h"
 #include "parallel_layers/cuda/vec.h"
 #include "parallel_layers/grid_stride.h"
@@ -39,32 +40,49 @@ __global__ void swiglu_forward_kernel(const scalar_t* __restrict__ z, scalar_t* 
   }
 }
 
-// Thread = one output column, blockIdx.y = one chunk of rows: consecutive threads read
-// consecutive columns (coalesced); each writes its chunk's sums of the rounded d_gate and d_up
-// to partials[chunk, col] and partials[chunk, n + col] - the packed layout again - unless
-// partials is null (no bias gradient asked for).
-template <typename scalar_t>
-__global__ void swiglu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z,
-                                       scalar_t* __restrict__ dz, opmath_t<scalar_t>* __restrict__ partials,
-                                       RowChunks chunks, int64_t n) {
+// d_gate | d_up and their column sums, in the block shape of parallel_layers/cuda/column_sums.h:
+// blockIdx.x = kUnitCols units of V output columns, blockIdx.y = one chunk of rows; PackedGateUp
+// in units. Lane 0 writes the chunk's sums of the rounded d_gate and d_up to partials[chunk, col]
+// and partials[chunk, n + col] - the packed layout again - unless partials is null (no bias
+// gradient asked for).
+template <int V, typename scalar_t>
+__global__ void __launch_bounds__(kUnitCols* kRowLanes)
+    swiglu_backward_kernel(const scalar_t* __restrict__ dy, const scalar_t* __restrict__ z, scalar_t* __restrict__ dz,
+                           opmath_t<scalar_t>* __restrict__ partials, RowChunks chunks, int64_t n_units) {
   using M = opmath_t<scalar_t>;
-  const PackedGateUp pk{n};
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const PackedGateUp pk{n_units};
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kUnitCols + threadIdx.x;
   const int64_t chunk = blockIdx.y;
-  if (col >= n) return;
-  M acc_g = 0, acc_u = 0;
-  for (int64_t r = chunks.begin(chunk); r < chunks.end(chunk); ++r) {
-    const auto d = parallel_layers::swiglu_backward(
-        static_cast<M>(dy[pk.out(r, col)]), static_cast<M>(z[pk.gate(r, col)]), static_cast<M>(z[pk.up(r, col)]));
-    const scalar_t dg = static_cast<scalar_t>(d.gate), du = static_cast<scalar_t>(d.up);
-    dz[pk.gate(r, col)] = dg;
-    dz[pk.up(r, col)] = du;
-    acc_g += static_cast<M>(dg);  // the rounded values, as the CPU op sums
-    acc_u += static_cast<M>(du);
+  const bool active = unit < n_units;
+  M acc[2][V] = {};  // [gate, up][column of the unit]
+  if (active) {
+    for (int64_t r = chunks.begin(chunk) + threadIdx.y; r < chunks.end(chunk); r += kRowLanes) {
+      const Vec<scalar_t, V> dyv = load_unit<V>(dy, pk.out(r, unit));
+      const Vec<scalar_t, V> g = load_unit<V>(z, pk.gate(r, unit));
+      const Vec<scalar_t, V> u = load_unit<V>(z, pk.up(r, unit));
+      Vec<scalar_t, V> dg, du;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const auto d = parallel_layers::swiglu_backward(static_cast<M>(dyv.v[k]), static_cast<M>(g.v[k]),
+                                                        static_cast<M>(u.v[k]));
+        dg.v[k] = static_cast<scalar_t>(d.gate);
+        du.v[k] = static_cast<scalar_t>(d.up);
+        acc[0][k] += static_cast<M>(dg.v[k]);  // the rounded values, as the CPU op sums
+        acc[1][k] += static_cast<M>(du.v[k]);
+      }
+      store_unit<V>(dz, pk.gate(r, unit), dg);
+      store_unit<V>(dz, pk.up(r, unit), du);
+    }
   }
-  if (partials) {
-    partials[pk.gate(chunk, col)] = acc_g;
-    partials[pk.up(chunk, col)] = acc_u;
+  if (!partials) return;  // uniform over the grid, so no thread is left waiting in the sum
+  sum_over_row_lanes(acc);
+  if (active && threadIdx.y == 0) {
+    const PackedGateUp cols{n_units * V};
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      partials[cols.gate(chunk, unit * V + k)] = acc[0][k];
+      partials[cols.up(chunk, unit * V + k)] = acc[1][k];
+    }
   }
 }
 
@@ -85,9 +103,15 @@ template <typename T>
 void launch_swiglu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* partials, RowChunks chunks, int64_t n,
                             cudaStream_t stream) {
   if (chunks.rows == 0 || n == 0) return;
-  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(chunks.num_chunks()));
-  swiglu_backward_kernel<T><<<grid, kThreads, 0, stream>>>(dy, z, dz, partials, chunks, n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool vectorizable = n % kVecElems<T> == 0 && aligned16(dy) && aligned16(z) && aligned16(dz);
+  dispatch_vec<T>(vectorizable, [&]<int V>() {
+    const int64_t n_units = n / V;
+    // gridDim.y is limited to 65535; the ops ask for at most 256 chunks.
+    const dim3 grid(static_cast<unsigned>((n_units + kUnitCols - 1) / kUnitCols),
+                    static_cast<unsigned>(chunks.num_chunks()));
+    swiglu_backward_kernel<V, T><<<grid, dim3(kUnitCols, kRowLanes), 0, stream>>>(dy, z, dz, partials, chunks, n_units);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 #define PL_INSTANTIATE(T)                                                                              \

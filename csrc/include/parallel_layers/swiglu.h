@@ -34,7 +34,7 @@ struct PackedGateUp {
 template <typename T>
 PL_HOST_DEVICE T sigmoid_with_slope(T g, T* slope) {
   const T e = pl_math::exp_nonpositive(g < T(0) ? g : -g);
-  const T inv = T(1) / (T(1) + e);
+  const T inv = pl_math::recip_bounded(T(1) + e);
   *slope = e * inv * inv;
   return g < T(0) ? e * inv : inv;
 }
