@@ -1,10 +1,9 @@
 // Shard copy-in / copy-out on CUDA: the ops around the kernels of
 // csrc/cuda/shard_copy_kernels.cu (Note [kernels apart from torch's headers],
 // parallel_layers/cuda/kernels.h); csrc/shard_copy.cpp has the CPU twins and
-// parallel_layers/shard_layout.h the layout. One launch per call for all tensors.
-//
-// The per-tensor metadata (data pointer, numel, shard size, slot offset) goes to the device
-// once per call as one small int64 tensor, copied from pinned memory on the current stream.
+// parallel_layers/shard_layout.h the layout. One launch per group of up to ShardGroup::kMax
+// tensors, the group's table passed by value (Note [shard tables by value]).
+#include <algorithm>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -18,19 +17,25 @@
 namespace parallel_layers::cuda {
 namespace {
 
-ShardTable upload(const SlotLayout& l, at::TensorList tensors, const at::Device& device, at::Tensor& keep_alive) {
+// launch(group) for each group of up to kMax consecutive tensors that covers slot positions;
+// the groups tile the slot [0, S) in order. Groups of only empty shards are skipped.
+template <typename Launch>
+void for_each_group(const SlotLayout& l, at::TensorList tensors, Launch&& launch) {
   const int64_t count = static_cast<int64_t>(l.offset.size());
-  at::Tensor host = at::empty({4, count}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* h = host.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    h[i] = reinterpret_cast<int64_t>(tensors[i].data_ptr());
-    h[count + i] = l.numel[i];
-    h[2 * count + i] = l.shard[i];
-    h[3 * count + i] = l.offset[i];
+  for (int64_t first = 0; first < count; first += ShardGroup::kMax) {
+    ShardGroup g{};
+    g.count = std::min<int64_t>(ShardGroup::kMax, count - first);
+    g.base = l.offset[first];
+    g.size = (first + g.count < count ? l.offset[first + g.count] : l.total) - g.base;
+    g.total = l.total;
+    for (int64_t j = 0; j < g.count; ++j) {
+      g.ptr[j] = reinterpret_cast<int64_t>(tensors[first + j].data_ptr());
+      g.numel[j] = l.numel[first + j];
+      g.shard[j] = l.shard[first + j];
+      g.offset[j] = l.offset[first + j] - g.base;
+    }
+    if (g.size > 0) launch(g);
   }
-  keep_alive = host.to(device, /*non_blocking=*/true);
-  const int64_t* d = keep_alive.const_data_ptr<int64_t>();
-  return ShardTable{d, d + count, d + 2 * count, d + 3 * count, count, l.total};
 }
 
 int sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
@@ -50,13 +55,13 @@ void all_gather_copy_in(at::TensorList shards, const at::Tensor& out, int64_t ra
   check_on_device(shards, out, "shards");
   if (l.total == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
-  at::Tensor meta;
-  const ShardTable t = upload(l, shards, out.device(), meta);
   dispatch_pair(shards[0].scalar_type(), out.scalar_type(), [&](auto s, auto d) {
     using src_t = decltype(s);
     using dst_t = decltype(d);
-    launch_all_gather_copy_in<src_t, dst_t>(t, out.data_ptr<dst_t>() + rank * l.total, sms(),
-                                            at::cuda::getCurrentCUDAStream());
+    for_each_group(l, shards, [&](const ShardGroup& g) {
+      launch_all_gather_copy_in<src_t, dst_t>(g, out.data_ptr<dst_t>() + rank * l.total, sms(),
+                                              at::cuda::getCurrentCUDAStream());
+    });
   });
 }
 
@@ -66,13 +71,13 @@ void all_gather_copy_out(const at::Tensor& gathered, at::TensorList outs) {
   check_on_device(outs, gathered, "outs");
   if (l.total == 0 || outs.empty()) return;
   const c10::cuda::CUDAGuard guard(gathered.device());
-  at::Tensor meta;
-  const ShardTable t = upload(l, outs, gathered.device(), meta);
   dispatch_pair(gathered.scalar_type(), outs[0].scalar_type(), [&](auto s, auto d) {
     using src_t = decltype(s);
     using dst_t = decltype(d);
-    launch_all_gather_copy_out<src_t, dst_t>(t, gathered.data_ptr<src_t>(), world, sms(),
-                                             at::cuda::getCurrentCUDAStream());
+    for_each_group(l, outs, [&](const ShardGroup& g) {
+      launch_all_gather_copy_out<src_t, dst_t>(g, gathered.data_ptr<src_t>(), world, sms(),
+                                               at::cuda::getCurrentCUDAStream());
+    });
   });
 }
 
@@ -82,13 +87,13 @@ void reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out, double 
   check_on_device(grads, out, "grads");
   if (l.total == 0 || grads.empty()) return;
   const c10::cuda::CUDAGuard guard(out.device());
-  at::Tensor meta;
-  const ShardTable t = upload(l, grads, out.device(), meta);
   dispatch_pair(grads[0].scalar_type(), out.scalar_type(), [&](auto s, auto d) {
     using src_t = decltype(s);
     using dst_t = decltype(d);
-    launch_reduce_scatter_copy_in<src_t, dst_t>(t, out.data_ptr<dst_t>(), world, pre_scale, sms(),
-                                                at::cuda::getCurrentCUDAStream());
+    for_each_group(l, grads, [&](const ShardGroup& g) {
+      launch_reduce_scatter_copy_in<src_t, dst_t>(g, out.data_ptr<dst_t>(), world, pre_scale, sms(),
+                                                  at::cuda::getCurrentCUDAStream());
+    });
   });
 }
 
@@ -98,13 +103,13 @@ void reduce_scatter_copy_out(const at::Tensor& reduced, at::TensorList shard_gra
   check_on_device(shard_grads, reduced, "shard_grads");
   if (l.total == 0) return;
   const c10::cuda::CUDAGuard guard(reduced.device());
-  at::Tensor meta;
-  const ShardTable t = upload(l, shard_grads, reduced.device(), meta);
   dispatch_pair(reduced.scalar_type(), shard_grads[0].scalar_type(), [&](auto s, auto d) {
     using src_t = decltype(s);
     using dst_t = decltype(d);
-    launch_reduce_scatter_copy_out<src_t, dst_t>(t, reduced.data_ptr<src_t>(), post_scale, accumulate, sms(),
-                                                 at::cuda::getCurrentCUDAStream());
+    for_each_group(l, shard_grads, [&](const ShardGroup& g) {
+      launch_reduce_scatter_copy_out<src_t, dst_t>(g, reduced.data_ptr<src_t>(), post_scale, accumulate, sms(),
+                                                   at::cuda::getCurrentCUDAStream());
+    });
   });
 }
 

@@ -103,26 +103,44 @@ def test_reduce_scatter_copy_out_overwrites(device):
 shape_st = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
 
 
+def check_all_ops(fulls, world, rank, src, dst, device="cpu"):
+    """All four ops on `fulls` (tensors of dtype src) against the references, exactly."""
+    full_buf = ref_gather_buffer([t.cpu() for t in fulls], world, dst)
+    buf = all_gather_copy_in([ref_shards(t, world)[rank] for t in fulls], world, rank, dst)
+    torch.testing.assert_close(buf[rank].cpu(), full_buf[rank], rtol=0, atol=0)
+    outs = [torch.empty(t.shape, dtype=src, device=device) for t in fulls]
+    all_gather_copy_out(full_buf.to(device), outs)
+    for t, o in zip(fulls, outs):
+        torch.testing.assert_close(o, t.to(dst).to(src), rtol=0, atol=0)
+    rs = reduce_scatter_copy_in(fulls, world, dst, pre_scale=1.0)
+    torch.testing.assert_close(rs.cpu(), ref_reduce_scatter_in([t.cpu() for t in fulls], world, dst, 1.0),
+                               rtol=0, atol=0)
+    # Scatter then gather again: every element lands back where it came from.
+    shard_grads = [torch.empty(shard_numel(t.numel(), world), dtype=dst, device=device) for t in fulls]
+    reduce_scatter_copy_out(rs[rank], shard_grads)
+    for t, sg in zip(fulls, shard_grads):
+        torch.testing.assert_close(sg, ref_shards(t, world)[rank].to(dst), rtol=0, atol=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(shapes=st.lists(shape_st, min_size=1, max_size=6), world=st.integers(1, 8),
        src=st.sampled_from(DTYPES), dst=st.sampled_from(DTYPES), data=st.data())
 def test_property_all_ops_match_reference(shapes, world, src, dst, data):
     fulls = _tensors(shapes, src, "cpu", seed=data.draw(st.integers(0, 1000)))
-    rank = data.draw(st.integers(0, world - 1))
-    buf = all_gather_copy_in([ref_shards(t, world)[rank] for t in fulls], world, rank, dst)
-    torch.testing.assert_close(buf[rank], ref_gather_buffer(fulls, world, dst)[rank], rtol=0, atol=0)
-    full_buf = ref_gather_buffer(fulls, world, dst)
-    outs = [torch.empty(t.shape, dtype=src) for t in fulls]
-    all_gather_copy_out(full_buf, outs)
-    for t, o in zip(fulls, outs):
-        torch.testing.assert_close(o, t.to(dst).to(src), rtol=0, atol=0)
-    rs = reduce_scatter_copy_in(fulls, world, dst, pre_scale=1.0)
-    torch.testing.assert_close(rs, ref_reduce_scatter_in(fulls, world, dst, 1.0), rtol=0, atol=0)
-    # Scatter then gather again: every element lands back where it came from.
-    shard_grads = [torch.empty(shard_numel(t.numel(), world), dtype=dst) for t in fulls]
-    reduce_scatter_copy_out(rs[rank], shard_grads)
-    for t, sg in zip(fulls, shard_grads):
-        torch.testing.assert_close(sg, ref_shards(t, world)[rank].to(dst), rtol=0, atol=0)
+    check_all_ops(fulls, world, data.draw(st.integers(0, world - 1)), src, dst)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("world, rank", [(1, 0), (3, 2), (8, 5)])
+def test_many_tensors_span_launch_groups(world, rank, device):
+    # The CUDA ops launch once per group of 64 tensors (Note [shard tables by value]): 150
+    # tensors make three groups. Empty tensors start and end the first two groups and make a
+    # run inside the second; the third group is all empty (no launch).
+    shapes = [((i * 7) % 13 + 1, (i % 3) + 1) for i in range(150)]
+    for i in (0, 1, 62, 63, 64, 65, 127) + tuple(range(90, 100)) + tuple(range(128, 150)):
+        shapes[i] = (0,)
+    check_all_ops(_tensors(shapes, torch.float32, device, seed=3), world, rank, torch.float32, torch.bfloat16,
+                  device)
 
 
 # ---- opcheck and errors -----------------------------------------------------------------
