@@ -13,28 +13,31 @@
 
 #include "parallel_layers/cuda/kernels.h"
 #include "parallel_layers/shard_copy.h"
+#include "parallel_layers/shard_layout.h"
 
 namespace parallel_layers::cuda {
 namespace {
 
-// launch(group) for each group of up to kMax consecutive tensors that covers slot positions;
-// the groups tile the slot [0, S) in order. Groups of only empty shards are skipped.
+// launch(group) for each group of up to kMax consecutive tensors (tensor_group,
+// parallel_layers/shard_layout.h), skipping groups of only empty shards.
 template <typename Launch>
 void for_each_group(const SlotLayout& l, at::TensorList tensors, Launch&& launch) {
   const int64_t count = static_cast<int64_t>(l.offset.size());
-  for (int64_t first = 0; first < count; first += ShardGroup::kMax) {
+  for (int64_t gi = 0; gi < num_tensor_groups(count, ShardGroup::kMax); ++gi) {
+    const TensorGroup tg = tensor_group(l.offset.data(), count, l.total, ShardGroup::kMax, gi);
+    if (tg.size == 0) continue;
     ShardGroup g{};
-    g.count = std::min<int64_t>(ShardGroup::kMax, count - first);
-    g.base = l.offset[first];
-    g.size = (first + g.count < count ? l.offset[first + g.count] : l.total) - g.base;
+    g.count = tg.count;
+    g.base = tg.base;
+    g.size = tg.size;
     g.total = l.total;
-    for (int64_t j = 0; j < g.count; ++j) {
-      g.ptr[j] = reinterpret_cast<int64_t>(tensors[first + j].data_ptr());
-      g.numel[j] = l.numel[first + j];
-      g.shard[j] = l.shard[first + j];
-      g.offset[j] = l.offset[first + j] - g.base;
+    for (int64_t j = 0; j < tg.count; ++j) {
+      g.ptr[j] = reinterpret_cast<int64_t>(tensors[tg.first + j].data_ptr());
+      g.numel[j] = l.numel[tg.first + j];
+      g.shard[j] = l.shard[tg.first + j];
+      g.offset[j] = l.offset[tg.first + j] - tg.base;
     }
-    if (g.size > 0) launch(g);
+    launch(g);
   }
 }
 

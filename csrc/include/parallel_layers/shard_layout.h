@@ -43,4 +43,25 @@ PL_HOST_DEVICE int64_t element_of_slot(int64_t rank, int64_t shard, int64_t offs
   return rank * shard + (pos - offset);
 }
 
+// The CUDA ops launch once per group of at most `max_count` consecutive tensors, the group's
+// table passed by value (Note [shard tables by value], parallel_layers/cuda/kernels.h). Group
+// g holds tensors [first, first + count) and covers slot positions [base, base + size); a
+// kernel sees positions p = pos - base and offsets o_i - base, on which find_tensor and
+// element_of_slot give the same tensor and element as on the whole slot. The groups tile
+// [0, S) in order; a group of only empty shards has size 0.
+struct TensorGroup {
+  int64_t first, count, base, size;
+};
+
+inline int64_t num_tensor_groups(int64_t count, int64_t max_count) { return (count + max_count - 1) / max_count; }
+
+inline TensorGroup tensor_group(const int64_t* offsets, int64_t count, int64_t total, int64_t max_count, int64_t g) {
+  TensorGroup t;
+  t.first = g * max_count;
+  t.count = count - t.first < max_count ? count - t.first : max_count;
+  t.base = offsets[t.first];
+  t.size = (t.first + t.count < count ? offsets[t.first + t.count] : total) - t.base;
+  return t;
+}
+
 }  // namespace parallel_layers
