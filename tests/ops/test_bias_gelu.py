@@ -9,9 +9,10 @@ from parallel_layers.ops import bias_gelu, bias_gelu_backward
 from tests.ops.numerics import assert_within_rounding, devices, max_abs_error
 
 APPROX = ["none", "tanh"]
-# (shape of x); bias is [x.shape[-1]]. Degenerate sizes, odd sizes, 3-D, and one large
-# enough that the CPU kernels split rows over several threads and chunks.
-SHAPES = [(0, 5), (5, 0), (1, 1), (7, 13), (3, 4, 33), (1, 300), (300, 1), (257, 1031)]
+# (shape of x); bias is [x.shape[-1]]. Degenerate sizes, odd sizes, 3-D, one large enough
+# that the CPU kernels split rows over several threads and chunks, and 70 x 64: whole 16-byte
+# units for every dtype on CUDA, with three chunks (32, 32, 6 rows) in the bias sum.
+SHAPES = [(0, 5), (5, 0), (1, 1), (7, 13), (3, 4, 33), (1, 300), (300, 1), (257, 1031), (70, 64)]
 FLOAT_DTYPES = [torch.float32, torch.float64]
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 
@@ -70,8 +71,11 @@ def test_backward_matches_float64(shape, approximate, dtype, device):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("approximate", APPROX)
-def test_16bit_no_worse_than_eager(dtype, approximate, device):
-    x, b = _inputs((129, 257), dtype, device, requires_grad=True)
+# 517 x 264 on CUDA: 16-byte units (8 elements) in the forward and the backward, whose bias sum
+# runs 17 chunks of row lanes (parallel_layers/cuda/column_sums.h), the last of 5 rows.
+@pytest.mark.parametrize("shape", [(129, 257), (517, 264)])
+def test_16bit_no_worse_than_eager(shape, dtype, approximate, device):
+    x, b = _inputs(shape, dtype, device, requires_grad=True)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     y = bias_gelu(x, b, approximate)
     y.backward(dy)
