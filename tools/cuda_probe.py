@@ -6,8 +6,12 @@
 Without the caching allocator every tensor is its own cudaMalloc, so a read or write past a
 tensor's end is outside any allocation and memcheck reports it. The shapes are small (the tool
 slows kernels down ~100x) and odd: columns not a multiple of the vector width, rows not a
-multiple of the block, one row, one column. Values are not checked here (tests/ops does that);
-this only runs each kernel, forward and backward, in float32 and bfloat16.
+multiple of the block, one row, one column - and columns that are whole 16-byte units (264, for
+the vectorised kernels), with rows that leave a short last chunk of row lanes. Values are not
+checked here (tests/ops does that); this only runs each kernel, forward and backward, in
+float32 and bfloat16. tools/gpu_check.sh also runs it under racecheck and synccheck, for the
+backward kernels' shared-memory sums (parallel_layers/cuda/column_sums.h, the RMSNorm block
+reductions).
 """
 
 import sys
@@ -21,7 +25,7 @@ def _probe_dtype(dtype: torch.dtype, dev: str) -> None:
     def randn(*shape, grad=False):
         return torch.randn(*shape, device=dev, dtype=dtype, requires_grad=grad)
 
-    for rows, n in [(1, 1), (3, 5), (37, 130), (129, 1031)]:
+    for rows, n in [(1, 1), (3, 5), (37, 130), (129, 1031), (70, 264)]:
         x, b = randn(rows, n, grad=True), randn(n, grad=True)
         for approximate in ("none", "tanh"):
             ops.bias_gelu(x, b, approximate).sum().backward()
@@ -34,7 +38,7 @@ def _probe_dtype(dtype: torch.dtype, dev: str) -> None:
 
         ops.transpose_2d(x).sum().backward()
 
-    for m, k, n in [(1, 3, 5), (7, 17, 33), (65, 129, 257)]:
+    for m, k, n in [(1, 3, 5), (7, 17, 33), (65, 129, 257), (70, 64, 264)]:
         x = randn(m, k, grad=True)
         w, b = randn(n, k, grad=True), randn(n, grad=True)
         for approximate in ("none", "tanh"):
@@ -45,7 +49,8 @@ def _probe_dtype(dtype: torch.dtype, dev: str) -> None:
         ops.linear_swiglu(x, w2, None).sum().backward()
 
     world = 3
-    tensors = [randn(7, 5), randn(13), randn(1), randn(4, 4)]
+    # 70 tensors: two launches of the CUDA ops (Note [shard tables by value]); empty ones too.
+    tensors = [randn(7, 5), randn(13), randn(1), randn(4, 4)] + [randn(i % 9) for i in range(66)]
     shards = [randn(ops.shard_copy.shard_numel(t.numel(), world)) for t in tensors]
     for rank in range(world):
         buf = ops.shard_copy.all_gather_copy_in(shards, world, rank, dtype)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a machine with an NVIDIA GPU: build the extension for that GPU against the torch
-# installed there, run every CUDA test, the kernels under compute-sanitizer, the kernel
-# benchmarks and a kernel profile on the GPU. Everything it prints goes to $OUT/log.txt, the
+# installed there, run every CUDA test, the kernels under compute-sanitizer (memcheck,
+# racecheck, synccheck), the kernel benchmarks and a kernel profile on the GPU. Everything it prints goes to $OUT/log.txt, the
 # build log, test log and profile to $OUT/{build,pytest,profile}.txt, benchmark results to
 # $OUT/gpu_*.json (8 files: what the device tool brings back, at most 8).
 #
@@ -42,6 +42,12 @@ step "compute-sanitizer memcheck"
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
     --print-limit 20 python3 tools/cuda_probe.py 2>&1 | tail -40
 echo "memcheck exit: $?"
+# The backward kernels sum over row lanes / warps in shared memory: hazards and barrier misuse.
+for tool in racecheck synccheck; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+        python3 tools/cuda_probe.py 2>&1 | tail -15
+    echo "$tool exit: $?"
+done
 
 step benchmarks
 timeout 150 python3 benchmarks/bench_linear_gelu.py --device cuda --reps 10 --name gpu_linear_gelu 2>&1 | tail -30
