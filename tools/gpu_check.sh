@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One run on a machine with an NVIDIA GPU: build the extension for that GPU against the torch
 # installed there, run every CUDA test, the kernels under compute-sanitizer (memcheck,
-# racecheck, synccheck), the kernel benchmarks and a kernel profile on the GPU. Everything it prints goes to $OUT/log.txt, the
-# build log, test log and profile to $OUT/{build,pytest,profile}.txt, benchmark results to
-# $OUT/gpu_*.json (8 files: what the device tool brings back, at most 8).
+# racecheck, synccheck), the kernel benchmarks and a kernel profile on the GPU. Everything it
+# prints goes to $OUT/log.txt, the build log, test log and profile to
+# $OUT/{build,pytest,profile}.txt, benchmark results to $OUT/gpu_*.json (8 files: what the
+# device tool brings back, at most 8).
 #
 #   OUT=/tmp/gpu tools/gpu_check.sh        (OUT defaults to build/gpu_check)
 #
