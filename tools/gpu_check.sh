@@ -43,13 +43,6 @@ step "compute-sanitizer memcheck"
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
     --print-limit 20 python3 tools/cuda_probe.py 2>&1 | tail -40
 echo "memcheck exit: $?"
-# The backward kernels sum over row lanes / warps in shared memory: hazards and barrier misuse.
-# Only our kernels are instrumented (kns: kernel-name substring), to keep the run short.
-for tool in racecheck synccheck; do
-    timeout 150 compute-sanitizer --tool $tool --kernel-name kns=parallel_layers --error-exitcode 9 \
-        --print-limit 20 python3 tools/cuda_probe.py 2>&1 | tail -15
-    echo "$tool exit: $?"
-done
 
 step benchmarks
 timeout 150 python3 benchmarks/bench_linear_gelu.py --device cuda --reps 10 --name gpu_linear_gelu 2>&1 | tail -30
@@ -62,4 +55,15 @@ cp benchmarks/results/gpu_*.json "$out"/ 2>/dev/null
 
 step "kernel profile"
 timeout 120 python3 tools/cuda_profile_ops.py > "$out/profile.txt" 2>&1; echo "profile exit: $?"
+
+step "compute-sanitizer racecheck, synccheck"
+# Last, so that a slow sanitizer cannot starve the benchmarks of the device time a lease has.
+# The backward kernels sum over row lanes / warps in shared memory: hazards and barrier misuse.
+# Only our kernels are instrumented (kns: kernel-name substring), to keep the run short.
+for tool in racecheck synccheck; do
+    timeout 90 compute-sanitizer --tool $tool --kernel-name kns=parallel_layers --error-exitcode 9 \
+        --print-limit 20 python3 tools/cuda_probe.py 2>&1 | tail -15
+    echo "$tool exit: $?"
+done
+
 step done
