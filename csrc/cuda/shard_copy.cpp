@@ -3,7 +3,6 @@
 // parallel_layers/cuda/kernels.h); csrc/shard_copy.cpp has the CPU twins and
 // parallel_layers/shard_layout.h the layout. One launch per group of up to ShardGroup::kMax
 // tensors, the group's table passed by value (Note [shard tables by value]).
-#include <algorithm>
 #include <vector>
 
 #include <ATen/ATen.h>
