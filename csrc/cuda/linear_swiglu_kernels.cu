@@ -106,10 +106,8 @@ void launch_swiglu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* partial
   const bool vectorizable = n % kVecElems<T> == 0 && aligned16(dy) && aligned16(z) && aligned16(dz);
   dispatch_vec<T>(vectorizable, [&]<int V>() {
     const int64_t n_units = n / V;
-    // gridDim.y is limited to 65535; the ops ask for at most 256 chunks.
-    const dim3 grid(static_cast<unsigned>((n_units + kUnitCols - 1) / kUnitCols),
-                    static_cast<unsigned>(chunks.num_chunks()));
-    swiglu_backward_kernel<V, T><<<grid, dim3(kUnitCols, kRowLanes), 0, stream>>>(dy, z, dz, partials, chunks, n_units);
+    swiglu_backward_kernel<V, T><<<column_sums_grid(n_units, chunks), column_sums_block(), 0, stream>>>(
+        dy, z, dz, partials, chunks, n_units);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

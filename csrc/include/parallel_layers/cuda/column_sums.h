@@ -15,10 +15,21 @@
 
 #include <cstdint>
 
+#include "parallel_layers/row_chunks.h"
+
 namespace parallel_layers::cuda {
 
 constexpr int kUnitCols = 32;
 constexpr int kRowLanes = 8;
+
+// The launch shape over rows of n_units units: blocks of kUnitCols x kRowLanes threads,
+// gridDim.x over the units, gridDim.y = one chunk each (gridDim.y is limited to 65535; the ops
+// ask for at most 256 chunks).
+inline dim3 column_sums_block() { return dim3(kUnitCols, kRowLanes); }
+inline dim3 column_sums_grid(int64_t n_units, const RowChunks& chunks) {
+  return dim3(static_cast<unsigned>((n_units + kUnitCols - 1) / kUnitCols),
+              static_cast<unsigned>(chunks.num_chunks()));
+}
 
 // acc[a][k] summed over the block's row lanes, in lane order: afterwards the threads of lane 0
 // (threadIdx.y == 0) hold the block's totals, the other lanes' acc are unchanged. Every thread
