@@ -80,7 +80,8 @@ PL_HOST_DEVICE float exp_poly_nonpositive(float x_in) {
 // subroutine (for d near the ends of the exponent range). Each is a divergence region
 // (BSSY / BSYNC) per element, so the 8 elements of a 16-byte bfloat16 unit were computed one
 // after another instead of interleaved: the tanh GeLU forward kernel was 976 SASS instructions,
-// 36 divergence regions and 18 calls for 8 elements, and 1.5x PyTorch's GeLU kernel on an H200.
+// 36 divergence regions and 18 calls for 8 elements, and took 1.5x the time of PyTorch's GeLU
+// kernel on an H200 (this was the likely cause; not yet re-timed without the branches).
 // So the device code clamps the argument and computes expf unconditionally (a select, not a
 // branch; NaN still propagates because NaN < -80 is false), and takes reciprocals with
 // recip_bounded below.
