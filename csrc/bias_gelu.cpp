@@ -12,6 +12,7 @@
 
 #include "parallel_layers/checks.h"
 #include "parallel_layers/cpu/gelu_epilogue.h"
+#include "parallel_layers/cpu/linear_panels.h"
 #include "parallel_layers/ops.h"
 
 namespace parallel_layers::cpu {
@@ -32,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& x, const at::Tens
   at::Tensor y = at::empty_like(x2);
   at::Tensor z = at::empty_like(x2);
   at::parallel_for(0, x2.size(0), min_rows_per_task(n), [&](int64_t begin, int64_t end) {
-    gelu_epilogue(x2.slice(0, begin, end), b, z.slice(0, begin, end), y.slice(0, begin, end), approx);
+    gelu_epilogue(row_range(x2, begin, end), b, row_range(z, begin, end), row_range(y, begin, end), approx);
   });
   return {y.view(x.sizes()), z.view(x.sizes())};
 }

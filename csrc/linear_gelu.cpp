@@ -64,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
     const at::Tensor acc = onednn_linear(x2, weight.contiguous(), bias);
     const at::Tensor y = save_preact ? at::empty({M, N}, x.options()) : acc;
     at::parallel_for(0, M, rows_per_task(N), [&](int64_t begin, int64_t end) {
-      gelu_epilogue(acc.slice(0, begin, end), std::nullopt, at::Tensor(), y.slice(0, begin, end), approx);
+      gelu_epilogue(row_range(acc, begin, end), std::nullopt, at::Tensor(), row_range(y, begin, end), approx);
     });
     return {y.view(out_shape), save_preact ? acc.view(out_shape) : at::empty({0}, x.options())};
   }
@@ -80,9 +80,9 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu(const at::Tensor& x, const at::Te
       // output dtype); adding it in the epilogue instead saved ~4% in float32 but rounded
       // 16-bit outputs twice (up to 7x eager's error in bfloat16).
       // Note [bfloat16 GEMM without oneDNN]: gemm_out widens where ATen's bfloat16 GEMM is slow.
-      gemm_out(acc.slice(0, r0, r1), bias, x2.slice(0, r0, r1), wt);
+      gemm_out(row_range(acc, r0, r1), bias, row_range(x2, r0, r1), wt);
       at::parallel_for(r0, r1, rows_per_task(N), [&](int64_t begin, int64_t end) {
-        gelu_epilogue(acc.slice(0, begin, end), std::nullopt, at::Tensor(), y.slice(0, begin, end), approx);
+        gelu_epilogue(row_range(acc, begin, end), std::nullopt, at::Tensor(), row_range(y, begin, end), approx);
       });
     }
   }

@@ -211,8 +211,11 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
                         "dswiglu: dz_t must be a contiguous [2n, rows]");
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), rows_per_task(2 * n));
   const auto acc_type = at::toOpMathType(z.scalar_type());
-  const at::Tensor partials = want_dbias ? at::zeros({chunks.num_chunks(), 2 * n}, z.options().dtype(acc_type))
-                                         : at::Tensor();
+  // One chunk (small inputs): its partial is the bias gradient itself, with no sum to run.
+  const bool one_chunk = chunks.num_chunks() == 1;
+  const at::Tensor partials = !want_dbias ? at::Tensor()
+                              : one_chunk ? zeroed({2 * n}, z.options().dtype(acc_type))
+                                          : zeroed({chunks.num_chunks(), 2 * n}, z.options().dtype(acc_type));
   if (rows > 0 && n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "dswiglu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -233,7 +236,8 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
       });
     });
   }
-  return want_dbias ? partials.sum(0).to(z.scalar_type()) : at::Tensor();
+  if (!want_dbias) return at::Tensor();
+  return (one_chunk ? partials : partials.sum(0)).to(z.scalar_type());
 }
 
 // Note [split forward GEMM]: the forward's [gate | up] = x @ W^T + b as one GEMM over the packed
@@ -415,16 +419,16 @@ std::tuple<at::Tensor, at::Tensor> linear_swiglu(const at::Tensor& x, const at::
     if (!save_preact) scratch.emplace(0, at::IntArrayRef{panel, N2}, x.options());
     for (int64_t r0 = 0; r0 < M; r0 += panel) {
       const int64_t r1 = std::min(M, r0 + panel);
-      at::Tensor acc = save_preact ? z.slice(0, r0, r1) : scratch->tensor().slice(0, 0, r1 - r0);
+      at::Tensor acc = save_preact ? row_range(z, r0, r1) : row_range(scratch->tensor(), 0, r1 - r0);
       // The bias goes into the GEMM, rounded once with it, as F.linear rounds (see linear_gelu).
       // Note [split forward GEMM]: in float32 / float64 the gate and up halves are two GEMMs.
-      const at::Tensor xr = x2.slice(0, r0, r1);
+      const at::Tensor xr = row_range(x2, r0, r1);
       for (const auto& [c0, c1] : forward_gemm_columns(x.scalar_type(), N)) {
         // BLAS writes the strided half in place (ldc = 2N); Note [bfloat16 GEMM without oneDNN].
         gemm_out(acc.slice(1, c0, c1), bias ? std::optional(bias->slice(0, c0, c1)) : std::nullopt, xr,
                  wt.slice(1, c0, c1));
       }
-      swiglu_parallel(acc, y.slice(0, r0, r1));
+      swiglu_parallel(acc, row_range(y, r0, r1));
     }
   }
   return {y.view(out_shape), save_preact ? z.view(pre_shape) : z};
