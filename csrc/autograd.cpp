@@ -10,17 +10,21 @@
 // the CPU / CUDA kernel and saves what backward needs; backward calls the backward ops through
 // the dispatcher, so CPU and CUDA, autocast's casts (applied before this kernel) and
 // torch.compile's tracing (the fake kernels in parallel_layers/ops) all see ordinary op calls.
-// The backward ops themselves are not differentiable (no double backward), as before.
+// The backward ops themselves are not differentiable (no double backward): Note [ops without a
+// derivative] below.
 #include <array>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace parallel_layers {
@@ -66,6 +70,7 @@ struct Ops {
   TypedOp<Triple(Ref, Ref, Ref, double)> rms_norm_add{"parallel_layers::rms_norm_add"};
   TypedOp<Pair(Ref, Ref, Ref, Ref, const OptTensor&)> rms_norm_backward{"parallel_layers::rms_norm_backward"};
   TypedOp<at::Tensor(Ref)> transpose_2d{"parallel_layers::transpose_2d"};
+  TypedOp<at::Tensor(Ref, Ref, const OptTensor&)> linear_forward{"parallel_layers::linear_forward"};
 };
 
 const Ops& ops() {
@@ -274,6 +279,96 @@ struct Transpose2dFunction : torch::autograd::Function<Transpose2dFunction> {
   static variable_list backward(AutogradContext*, variable_list grads) { return {ops().transpose_2d.call(grads[0])}; }
 };
 
+// ---- Note [ops without a derivative]: the backward ops, and linear_forward (the forward GEMM of
+// the tensor-parallel layers, whose own autograd Functions give its gradients), are not
+// differentiable. With no kernel of theirs at the Autograd key the dispatcher's fallback ran them,
+// which (1) boxed every call's arguments into a stack and back, ~1.3 us of host time per call in
+// a small linear_gelu backward (perf), paid by every backward op of every layer on a GPU too, and
+// (2) when a graph was recorded through one - torch.autograd.grad(..., create_graph=True) through
+// a fused op, or a direct call on tensors that require grad - gave its outputs a node that only
+// warns when backpropagated through: the second-order gradient came back as None. Now each has a
+// typed kernel: the op below autograd and, only when a graph would be recorded (grad mode on and
+// an input that requires grad), an Error node on its outputs, so that backpropagating through
+// them raises, naming the op.
+
+bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
+template <typename T>
+bool requires_grad(const T&) { return false; }
+
+void collect_tensor(variable_list& out, const at::Tensor& t) { out.push_back(t); }
+void collect_tensor(variable_list& out, const OptTensor& t) { out.push_back(t.value_or(at::Tensor())); }
+template <typename T>
+void collect_tensor(variable_list&, const T&) {}
+
+void set_error_history(const at::Tensor& t, const c10::intrusive_ptr<torch::autograd::Node>& node) {
+  torch::autograd::set_history(t, node);
+}
+template <typename... Ts>
+void set_error_history(const std::tuple<Ts...>& outputs, const c10::intrusive_ptr<torch::autograd::Node>& node) {
+  std::apply([&](const auto&... t) { (torch::autograd::set_history(t, node), ...); }, outputs);
+}
+
+template <typename R, typename... Args>
+R without_derivative(const char* name, const TypedOp<R(Args...)>& op, std::type_identity_t<Args>... args) {
+  const bool record = torch::autograd::GradMode::is_enabled() && (requires_grad(args) || ...);
+  R out = [&] {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(args...);
+  }();
+  if (record) {
+    variable_list inputs;
+    (collect_tensor(inputs, args), ...);
+    auto node = c10::make_intrusive<torch::autograd::Error>(
+        std::string(name) +
+            " has no derivative: parallel_layers differentiates its fused ops to first order only (their "
+            "backward ops, and linear_forward, which the tensor-parallel layers differentiate themselves, are not "
+            "differentiable). Backpropagating through it needs a second-order gradient (create_graph=True through "
+            "a fused op) or comes from calling it directly on tensors that require grad; use the eager ops "
+            "(F.linear, F.gelu, F.silu, the model's own RMSNorm) where higher-order gradients are needed.",
+        torch::autograd::collect_next_edges(inputs));
+    set_error_history(out, node);
+  }
+  return out;
+}
+
+Triple linear_gelu_backward_autograd(Ref grad_y, Ref x, Ref weight, Ref preact, std::string_view approximate,
+                                     Mask mask) {
+  return without_derivative("parallel_layers::linear_gelu_backward", ops().linear_gelu_backward, grad_y, x, weight,
+                            preact, approximate, mask);
+}
+
+Triple linear_swiglu_backward_autograd(Ref grad_y, Ref x, Ref weight, Ref preact, Mask mask) {
+  return without_derivative("parallel_layers::linear_swiglu_backward", ops().linear_swiglu_backward, grad_y, x,
+                            weight, preact, mask);
+}
+
+Pair bias_gelu_backward_autograd(Ref grad_out, Ref preact, std::string_view approximate) {
+  return without_derivative("parallel_layers::bias_gelu_backward", ops().bias_gelu_backward, grad_out, preact,
+                            approximate);
+}
+
+Pair swiglu_backward_autograd(Ref grad_y, Ref preact, bool need_dbias) {
+  return without_derivative("parallel_layers::swiglu_backward", ops().swiglu_backward, grad_y, preact, need_dbias);
+}
+
+at::Tensor linear_input_grad_autograd(Ref grad_out, Ref weight) {
+  return without_derivative("parallel_layers::linear_input_grad", ops().linear_input_grad, grad_out, weight);
+}
+
+at::Tensor linear_weight_grad_autograd(Ref grad_out, Ref x) {
+  return without_derivative("parallel_layers::linear_weight_grad", ops().linear_weight_grad, grad_out, x);
+}
+
+at::Tensor linear_forward_autograd(Ref x, Ref weight, const OptTensor& bias) {
+  return without_derivative("parallel_layers::linear_forward", ops().linear_forward, x, weight, bias);
+}
+
+Pair rms_norm_backward_autograd(Ref grad_y, Ref x, Ref weight, Ref rstd, const OptTensor& grad_sum) {
+  return without_derivative("parallel_layers::rms_norm_backward", ops().rms_norm_backward, grad_y, x, weight, rstd,
+                            grad_sum);
+}
+
 Pair bias_gelu_autograd(const at::Tensor& x, const at::Tensor& bias, std::string_view approximate) {
   const variable_list out = BiasGeluFunction::apply(x, bias, approximate);
   return {out[0], out[1]};
@@ -312,4 +407,13 @@ TORCH_LIBRARY_IMPL(parallel_layers, Autograd, m) {
   m.impl("rms_norm", &parallel_layers::rms_norm_autograd);
   m.impl("rms_norm_add", &parallel_layers::rms_norm_add_autograd);
   m.impl("transpose_2d", &parallel_layers::transpose_2d_autograd);
+  // Note [ops without a derivative]
+  m.impl("bias_gelu_backward", &parallel_layers::bias_gelu_backward_autograd);
+  m.impl("linear_gelu_backward", &parallel_layers::linear_gelu_backward_autograd);
+  m.impl("linear_swiglu_backward", &parallel_layers::linear_swiglu_backward_autograd);
+  m.impl("swiglu_backward", &parallel_layers::swiglu_backward_autograd);
+  m.impl("linear_input_grad", &parallel_layers::linear_input_grad_autograd);
+  m.impl("linear_weight_grad", &parallel_layers::linear_weight_grad_autograd);
+  m.impl("linear_forward", &parallel_layers::linear_forward_autograd);
+  m.impl("rms_norm_backward", &parallel_layers::rms_norm_backward_autograd);
 }

@@ -1,6 +1,8 @@
 """Every branch of the autograd kernels (csrc/autograd.cpp, Note [autograd in C++]) against
 float64 finite differences: each output used alone and together (an unused output's gradient
-arrives undefined), the pre-activation recomputed when it was not kept, no bias, a 1-D input."""
+arrives undefined), the pre-activation recomputed when it was not kept, no bias, a 1-D input.
+And the ops without a derivative (Note [ops without a derivative]): a second-order gradient
+through a fused op raises, naming its backward op, instead of coming back as None."""
 
 import pytest
 import torch
@@ -52,3 +54,44 @@ def test_only_the_inputs_that_need_it_get_a_gradient():
     y, _ = P.linear_gelu(x, w, b, "tanh", True)
     y.sum().backward()
     assert w.grad is None and x.grad is not None
+
+
+# Each differentiable op with the backward op its backward calls (the one a double backward meets).
+SECOND_ORDER = {
+    "linear_gelu": (lambda x, w, b: P.linear_gelu(x, w, b, "tanh", True)[0], "linear_gelu_backward"),
+    "linear_swiglu": (lambda x, w, b: P.linear_swiglu(x, torch.cat([w, w.flip(0)]), torch.cat([b, b]), True)[0],
+                      "linear_swiglu_backward"),
+    "bias_gelu": (lambda x, w, b: P.bias_gelu(x, b.repeat(2)[:5], "tanh")[0], "bias_gelu_backward"),
+    "rms_norm": (lambda x, w, b: P.rms_norm(x, b.repeat(2)[:5], 1e-6)[0], "rms_norm_backward"),
+}
+
+
+@pytest.mark.parametrize("case", list(SECOND_ORDER))
+def test_second_order_gradient_raises_naming_the_backward_op(case):
+    fn, backward_op = SECOND_ORDER[case]
+    g = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_() for s in ((3, 5), (4, 5), (4,)))
+    first = torch.autograd.grad(fn(x, w, b).square().sum(), x)[0]
+    # create_graph=True still gives the same first-order gradient...
+    gx = torch.autograd.grad(fn(x, w, b).square().sum(), x, create_graph=True)[0]
+    assert torch.equal(gx, first) and gx.requires_grad
+    # ...and differentiating it again raises instead of returning None with a warning.
+    with pytest.raises(RuntimeError, match=f"parallel_layers::{backward_op} has no derivative"):
+        torch.autograd.grad(gx.sum(), x)
+
+
+def test_ops_without_a_derivative_record_no_graph_unless_asked():
+    """Called on tensors that require grad, linear_forward (whose gradients the tensor-parallel
+    layers compute) raises on backward; under no_grad, or on tensors that do not require grad,
+    nothing is recorded, and the values are the op's."""
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64)
+    y = P.linear_forward(x, w, None)
+    torch.testing.assert_close(y, x.detach() @ w.t())
+    with pytest.raises(RuntimeError, match="parallel_layers::linear_forward has no derivative"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert not P.linear_forward(x, w, None).requires_grad
+    dz = torch.randn(3, 4, dtype=torch.float64)
+    assert not P.linear_input_grad(dz, w).requires_grad
+    torch.testing.assert_close(P.linear_weight_grad(dz, x.detach()), dz.t() @ x.detach())
