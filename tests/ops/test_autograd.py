@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import parallel_layers.ops  # noqa: F401  (loads the ops and their fake kernels)
+from tests.ops.numerics import devices
 
 P = torch.ops.parallel_layers
 
@@ -66,11 +67,13 @@ SECOND_ORDER = {
 }
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("case", list(SECOND_ORDER))
-def test_second_order_gradient_raises_naming_the_backward_op(case):
+def test_second_order_gradient_raises_naming_the_backward_op(case, device):
     fn, backward_op = SECOND_ORDER[case]
     g = torch.Generator().manual_seed(1)
-    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_() for s in ((3, 5), (4, 5), (4,)))
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64).to(device).requires_grad_()
+               for s in ((3, 5), (4, 5), (4,)))
     first = torch.autograd.grad(fn(x, w, b).square().sum(), x)[0]
     # create_graph=True still gives the same first-order gradient...
     gx = torch.autograd.grad(fn(x, w, b).square().sum(), x, create_graph=True)[0]
@@ -80,18 +83,19 @@ def test_second_order_gradient_raises_naming_the_backward_op(case):
         torch.autograd.grad(gx.sum(), x)
 
 
-def test_ops_without_a_derivative_record_no_graph_unless_asked():
+@pytest.mark.parametrize("device", devices())
+def test_ops_without_a_derivative_record_no_graph_unless_asked(device):
     """Called on tensors that require grad, linear_forward (whose gradients the tensor-parallel
     layers compute) raises on backward; under no_grad, or on tensors that do not require grad,
     nothing is recorded, and the values are the op's."""
-    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(4, 5, dtype=torch.float64)
+    x = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, device=device)
     y = P.linear_forward(x, w, None)
     torch.testing.assert_close(y, x.detach() @ w.t())
     with pytest.raises(RuntimeError, match="parallel_layers::linear_forward has no derivative"):
         y.sum().backward()
     with torch.no_grad():
         assert not P.linear_forward(x, w, None).requires_grad
-    dz = torch.randn(3, 4, dtype=torch.float64)
+    dz = torch.randn(3, 4, dtype=torch.float64, device=device)
     assert not P.linear_input_grad(dz, w).requires_grad
     torch.testing.assert_close(P.linear_weight_grad(dz, x.detach()), dz.t() @ x.detach())
