@@ -245,22 +245,18 @@ at::Tensor dgelu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::T
   // Chunks of ~64K elements at least: enough work to amortise scheduling, small enough for L2.
   const int64_t min_rows = std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1));
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), min_rows);
-  // One chunk (small inputs): its partial is the bias gradient itself, with no sum to run.
-  const bool one_chunk = chunks.num_chunks() == 1;
-  const auto acc_options = z.options().dtype(at::toOpMathType(z.scalar_type()));
-  const at::Tensor partials = !want_dbias ? at::Tensor()
-                              : one_chunk ? zeroed({cols}, acc_options)
-                                          : zeroed({chunks.num_chunks(), cols}, acc_options);
+  const at::Tensor partials =
+      want_dbias ? bias_partials(chunks.num_chunks(), cols, z.options().dtype(at::toOpMathType(z.scalar_type())))
+                 : at::Tensor();
   at::parallel_for(0, chunks.num_chunks(), 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       const int64_t r0 = chunks.begin(c), r1 = chunks.end(c);
       dgelu_epilogue(row_range(dy, r0, r1), row_range(z, r0, r1), dz.defined() ? row_range(dz, r0, r1) : at::Tensor(),
                      dz_t.defined() ? dz_t.slice(1, r0, r1) : at::Tensor(),
-                     !want_dbias ? at::Tensor() : one_chunk ? partials : partials[c], approx);
+                     !want_dbias ? at::Tensor() : partials.dim() == 1 ? partials : partials[c], approx);
     }
   });
-  if (!want_dbias) return at::Tensor();
-  return (one_chunk ? partials : partials.sum(0)).to(z.scalar_type());
+  return want_dbias ? sum_bias_partials(partials, z.scalar_type()) : at::Tensor();
 }
 
 }  // namespace parallel_layers::cpu

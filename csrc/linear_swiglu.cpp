@@ -211,11 +211,8 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
                         "dswiglu: dz_t must be a contiguous [2n, rows]");
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), rows_per_task(2 * n));
   const auto acc_type = at::toOpMathType(z.scalar_type());
-  // One chunk (small inputs): its partial is the bias gradient itself, with no sum to run.
-  const bool one_chunk = chunks.num_chunks() == 1;
-  const at::Tensor partials = !want_dbias ? at::Tensor()
-                              : one_chunk ? zeroed({2 * n}, z.options().dtype(acc_type))
-                                          : zeroed({chunks.num_chunks(), 2 * n}, z.options().dtype(acc_type));
+  const at::Tensor partials =
+      want_dbias ? bias_partials(chunks.num_chunks(), 2 * n, z.options().dtype(acc_type)) : at::Tensor();
   if (rows > 0 && n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "dswiglu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -236,8 +233,7 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
       });
     });
   }
-  if (!want_dbias) return at::Tensor();
-  return (one_chunk ? partials : partials.sum(0)).to(z.scalar_type());
+  return want_dbias ? sum_bias_partials(partials, z.scalar_type()) : at::Tensor();
 }
 
 // Note [split forward GEMM]: the forward's [gate | up] = x @ W^T + b as one GEMM over the packed

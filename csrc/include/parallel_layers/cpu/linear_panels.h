@@ -43,6 +43,17 @@ inline at::Tensor zeroed(at::IntArrayRef shape, const at::TensorOptions& options
   return t;
 }
 
+// The bias gradient's per-chunk partial sums of a backward pass over chunks of rows
+// (parallel_layers/row_chunks.h), zeroed: [num_chunks, n], or [n] for one chunk, whose partial is
+// then the gradient itself (small inputs: no sum to run). sum_bias_partials adds them in chunk
+// order, rounded to dtype.
+inline at::Tensor bias_partials(int64_t num_chunks, int64_t n, const at::TensorOptions& acc_options) {
+  return num_chunks == 1 ? zeroed({n}, acc_options) : zeroed({num_chunks, n}, acc_options);
+}
+inline at::Tensor sum_bias_partials(const at::Tensor& partials, at::ScalarType dtype) {
+  return (partials.dim() == 1 ? partials : partials.sum(0)).to(dtype);
+}
+
 // Note [backward scratch on CPU]: dz (and dz^T) live only inside a fused backward
 // (linear_gelu_backward, linear_swiglu_backward), between its elementwise pass and the GEMMs;
 // linear_swiglu's forward without a kept pre-activation also takes its GEMM output panel from
