@@ -289,7 +289,15 @@ struct Transpose2dFunction : torch::autograd::Function<Transpose2dFunction> {
 // warns when backpropagated through: the second-order gradient came back as None. Now each has a
 // typed kernel: the op below autograd and, only when a graph would be recorded (grad mode on and
 // an input that requires grad), an Error node on its outputs, so that backpropagating through
-// them raises, naming the op.
+// them raises, naming the op. A dual tensor (forward-mode AD) among the inputs raises at once;
+// run below autograd, the op would hand back no tangent, i.e. a silent zero. Under torch.compile
+// a direct call on tensors that require grad fails when compiling, since AOTAutograd traces the
+// backward ahead of time - as for ATen ops whose derivative is not implemented.
+
+bool has_forward_grad(const at::Tensor& t) { return torch::autograd::isFwGradDefined(t); }
+bool has_forward_grad(const OptTensor& t) { return torch::autograd::isFwGradDefined(t); }
+template <typename T>
+bool has_forward_grad(const T&) { return false; }
 
 bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
@@ -311,6 +319,10 @@ void set_error_history(const std::tuple<Ts...>& outputs, const c10::intrusive_pt
 
 template <typename R, typename... Args>
 R without_derivative(const char* name, const TypedOp<R(Args...)>& op, std::type_identity_t<Args>... args) {
+  // Forward-mode AD (dual tensors, torch.func.jvp) would otherwise get no tangent: a silent zero.
+  TORCH_CHECK_NOT_IMPLEMENTED(!(has_forward_grad(args) || ...), name,
+                              " has no forward-mode derivative (dual tensors, torch.func.jvp): the fused ops and "
+                              "their backward ops support reverse mode only");
   const bool record = torch::autograd::GradMode::is_enabled() && (requires_grad(args) || ...);
   R out = [&] {
     at::AutoDispatchBelowADInplaceOrView below;

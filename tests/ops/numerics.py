@@ -64,7 +64,8 @@ def conversions_inside(fn) -> int:
 # input-gradient GEMMs run through oneDNN on AMD CPUs with AVX-512 ("auto"), else through ATen.
 def _cpu_is_amd_with_avx512() -> bool:
     try:
-        text = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
     except OSError:
         return False
     return "AuthenticAMD" in text and "avx512f" in text.split()

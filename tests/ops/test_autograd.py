@@ -99,3 +99,22 @@ def test_ops_without_a_derivative_record_no_graph_unless_asked(device):
     dz = torch.randn(3, 4, dtype=torch.float64, device=device)
     assert not P.linear_input_grad(dz, w).requires_grad
     torch.testing.assert_close(P.linear_weight_grad(dz, x.detach()), dz.t() @ x.detach())
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # torch's forward_ad import
+@pytest.mark.parametrize("device", devices())
+def test_forward_mode_ad_raises_instead_of_a_zero_tangent(device):
+    """Run below autograd, an op without a derivative would give a dual tensor no tangent."""
+    import torch.autograd.forward_ad as fwAD
+    x = torch.randn(3, 5, dtype=torch.float64, device=device)
+    w = torch.randn(4, 5, dtype=torch.float64, device=device)
+    dz = torch.randn(3, 4, dtype=torch.float64, device=device)
+    calls = {"linear_forward": lambda d: P.linear_forward(d, w, None),
+             "linear_input_grad": lambda d: P.linear_input_grad(dz, d),
+             "linear_weight_grad": lambda d: P.linear_weight_grad(dz, d)}
+    for name, call in calls.items():
+        primal = w if name == "linear_input_grad" else x
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(primal, torch.ones_like(primal))
+            with pytest.raises(NotImplementedError, match=f"parallel_layers::{name} has no forward-mode derivative"):
+                call(dual)
