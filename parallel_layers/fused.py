@@ -13,6 +13,9 @@ What is swapped (Note [fused modules]):
     Mistral, Qwen2, Qwen3, including Qwen3's per-head q_norm / k_norm) - becomes
     `FusedRMSNorm` (parallel_layers/ops/rms_norm.py) over the same weight Parameter: one pass
     forward, one backward, HF's roundings (docs/kernels.md, the RMSNorm contract).
+  - a decoder layer of the Llama form whose post-attention norm became a FusedRMSNorm: its
+    attention's residual add and that norm run as one `rms_norm_add` (Note [fused residual
+    add]); the layer keeps its class, its children and their names.
 
 Note [fused modules]: a module is recognised by what its forward computes, read from its
 source, not by its class name: a family that writes the same expression is fused, one that
@@ -22,11 +25,37 @@ linear layers (both projections column-parallel, or both plain) and before the s
 parallel hooks, which then land on the fused module under the same name (the final norm's
 gather); the gradient sums of the norms' weights under sequence parallelism are hooks on the
 weight Parameters, which the fused norms share.
+
+Note [fused residual add]: Hugging Face's Llama decoder layer (Mistral's, Qwen2's and Qwen3's
+are the same code in transformers 5.23) computes
+
+    residual = x;  h = input_layernorm(x);  h = self_attn(h, ...)
+    h = residual + h;  residual = h;  h = post_attention_layernorm(h)     # <- fused here
+    return residual + mlp(h)
+
+The marked line reads and writes the residual stream twice, forward and backward (there the
+stream's gradient from the final add and the norm's input gradient are added by autograd);
+`rms_norm_add` computes the sum and its norm in one pass and adds the two gradients inside the
+norm's backward pass. Same bits: the sum is rounded to the stream's dtype before the norm, as the
+module's `residual + h` is, and IEEE addition is commutative. The layer is recognised by its
+forward's tokens (comments and layout ignored; signature, annotations and every statement
+included) against a digest of that forward (`_LLAMA_DECODER_FORWARD`): any other form - another
+family's, a later transformers that changes one token - keeps its own forward, so the swap can
+only run the computation it replaces. The layer gets an instance `forward` (nn.Module's call runs
+it between the layer's hooks, as activation checkpointing's does) and keeps its class, its
+children's names and its state dict. Under autocast the attention output is 16-bit and the stream
+float32; `residual + h` promotes, which the fused op does not, so that call runs the three
+statements as written. The last add (layer i's output) and layer i+1's input norm stay apart: they
+sit on either side of the model's loop over layers, which is the model's forward, not the layer's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import io
+import tokenize
+import types
 
 import torch.nn as nn
 
@@ -41,11 +70,52 @@ _RMS_NORM_FORWARD = ("input_dtype=hidden_states.dtypehidden_states=hidden_states
                      "returnself.weight*hidden_states.to(input_dtype)")
 
 
+# sha256 of `_forward_tokens` of LlamaDecoderLayer.forward in transformers 5.23 (Note [fused
+# residual add]; tests/test_fused.py checks it against the installed transformers)
+_LLAMA_DECODER_FORWARD = "0fa2ba0188f9280a5e1a608c163f37acb1da11d9f466178b986bec6b9723f64b"
+_LAYOUT_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                  tokenize.ENDMARKER}
+
+
 def _forward_source(module: nn.Module) -> str:
     try:
         return "".join(inspect.getsource(type(module).forward).split())
     except (OSError, TypeError):  # built without source (e.g. a C extension or a REPL class)
         return ""
+
+
+def _forward_tokens(cls: type) -> str:
+    """The tokens of `cls.forward`'s source, comments and layout dropped ("" if none)."""
+    try:
+        source = inspect.getsource(cls.forward)
+        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+        return " ".join(t.string for t in tokens if t.type not in _LAYOUT_TOKENS)
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):
+        return ""
+
+
+def _is_llama_decoder_layer(module: nn.Module) -> bool:
+    return (isinstance(getattr(module, "post_attention_layernorm", None), FusedRMSNorm)
+            and "forward" not in vars(module)  # an instance forward already (ours, or checkpointing's)
+            and hashlib.sha256(_forward_tokens(type(module)).encode()).hexdigest() == _LLAMA_DECODER_FORWARD)
+
+
+def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                           use_cache=False, position_embeddings=None, **kwargs):
+    """A Llama-form decoder layer's forward with its middle residual add and post-attention
+    norm as one `rms_norm_add` (Note [fused residual add]); bound to the layer by `fuse`."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                      position_ids=position_ids, past_key_values=past_key_values,
+                                      use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    if hidden_states.dtype == residual.dtype:
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    else:  # autocast: a 16-bit attention output onto a float32 stream, which the add promotes
+        residual = residual + hidden_states
+        hidden_states = self.post_attention_layernorm(residual)
+    hidden_states = self.mlp(hidden_states)
+    return residual + hidden_states
 
 
 def _is_silu(module: nn.Module) -> bool:
@@ -75,7 +145,8 @@ def _swiglu_parts(module: nn.Module):
 
 def fuse(model: nn.Module) -> list[str]:
     """Swap every recognised module of `model` for its fused counterpart, in place (Note [fused
-    modules]); returns the names swapped."""
+    modules]), and give the recognised decoder layers the fused residual add (Note [fused
+    residual add]); returns the names of the modules swapped and of the layers changed."""
     swapped = []
     for name, module in list(model.named_modules()):
         if not name:
@@ -90,6 +161,10 @@ def fuse(model: nn.Module) -> list[str]:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, fused)
         swapped.append(name)
+    for name, module in model.named_modules():  # after the norms: a layer's norm is fused first
+        if _is_llama_decoder_layer(module):
+            module.forward = types.MethodType(_decoder_layer_forward, module)
+            swapped.append(name)
     return swapped
 
 

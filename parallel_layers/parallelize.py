@@ -142,8 +142,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     split_points are those of PipelineStages / PipelineParallel. sequence_parallel: with a
     tp_plan on a Hugging Face decoder, its activations between the TP regions are split on the
     sequence (tensor_parallel/hf_sequence_parallel.py); not with a pipeline. fused_kernels: a
-    Hugging Face decoder's SwiGLU MLPs run as one GEMM with the activation fused, over the same
-    parameters (parallel_layers/fused.py); False keeps the model's own modules.
+    Hugging Face decoder's SwiGLU MLPs run as one GEMM with the activation fused, its RMSNorms as
+    one pass, its attention residual add inside the next norm, over the same parameters
+    (parallel_layers/fused.py); False keeps the model's own modules and forwards.
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "

@@ -1,13 +1,17 @@
 """parallel_layers.fused: a Hugging Face decoder's SwiGLU MLPs swapped for SwiGLUMLP (one GEMM on
-the packed [gate; up] weight, activation fused) and its RMSNorms for FusedRMSNorm, over the
-same parameters, against the plain transformers model from the same directory. Tensor-parallel, sequence-parallel, ZeRO and
+the packed [gate; up] weight, activation fused), its RMSNorms for FusedRMSNorm, over the
+same parameters, and its layers' residual add fused into the post-attention norm, against the
+plain transformers model from the same directory. Tensor-parallel, sequence-parallel, ZeRO and
 pipelined runs of the fused model are the parity tests of those features (parallelize fuses by
 default: tests/tensor_parallel/test_parallelize.py, test_sequence_parallel_hf.py,
 tests/hf/test_pretrained.py, ...)."""
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_layers import fused, meta
 from parallel_layers.ops import FusedRMSNorm
@@ -48,13 +52,18 @@ def test_fused_model_trains_as_the_plain_one(tmp_path, family):
     norms = {n: m.weight for n, m in model.named_modules() if n.endswith("norm")}
     names = fused.fuse(model)
     mlps = [f"model.layers.{i}.mlp" for i in range(2)]
-    assert sorted(names) == sorted(mlps + list(norms)) and len(norms) == 5  # 2 per layer, the final one
+    layers = [f"model.layers.{i}" for i in range(2)]  # the residual add fused (an instance forward)
+    assert sorted(names) == sorted(mlps + list(norms) + layers) and len(norms) == 5  # 2 per layer, the final one
+    assert all("forward" in vars(model.get_submodule(n)) for n in layers)
     assert all(isinstance(model.get_submodule(n), SwiGLUMLP) and _packed(model.get_submodule(n)) for n in mlps)
     for name, weight in norms.items():  # the same Parameter object: optimizer, hooks, names unchanged
         assert isinstance(model.get_submodule(name), FusedRMSNorm) and model.get_submodule(name).weight is weight
     assert model.state_dict().keys() == plain.state_dict().keys()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
+    with _OpCounter() as ops:
+        logits = model(ids).logits
+    assert ops.count("rms_norm_add") == 2 and ops.count("rms_norm") == 3  # one add per layer; input + final
+    torch.testing.assert_close(logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
     # one packed GEMM vs two, the norm's sum of squares in float64 vs a float32 cascade: ~1e-7
     # relative in the gradients; AdamW divides by sqrt(v), so where a gradient is near zero a
     # weight moves by up to lr * (its relative change): the issue's 1e-4 bound
@@ -62,6 +71,79 @@ def test_fused_model_trains_as_the_plain_one(tmp_path, family):
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
     assert all(_packed(model.get_submodule(n)) for n in mlps)  # the optimizer updated the views in place
+
+
+class _OpCounter(TorchDispatchMode):
+    """Which parallel_layers ops a forward runs (below autograd: the ops themselves)."""
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "parallel_layers":
+            self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name):
+        return self.ops.count(name)
+
+
+def test_fused_residual_add(tmp_path):
+    """The fused layer's forward against the model's own, in each dtype and under autocast (where
+    the attention output is bfloat16 and the stream float32: the model's three statements run);
+    and only the layers whose forward is token for token Llama's are changed."""
+    from transformers.models import llama, mistral, qwen2, qwen3
+
+    families = [llama.modeling_llama.LlamaDecoderLayer, mistral.modeling_mistral.MistralDecoderLayer,
+                qwen2.modeling_qwen2.Qwen2DecoderLayer, qwen3.modeling_qwen3.Qwen3DecoderLayer]
+    for cls in families:  # the digest is that of the installed transformers' forward of each family
+        tokens = fused._forward_tokens(cls)
+        assert hashlib.sha256(tokens.encode()).hexdigest() == fused._LLAMA_DECODER_FORWARD, cls.__name__
+    save_tiny_llama(tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+        fused.fuse(model)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        # the fused layers against the same modules with the layers' own forward: the same bits
+        # forward (the sum rounded once to the dtype, then the same norm); in backward the fused op
+        # adds the stream's gradient to the norm's input gradient before rounding, autograd after
+        # (two roundings): within a few units of the dtype's precision of each gradient's scale
+        unfused = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+        fused.fuse(unfused)
+        for layer in unfused.model.layers:
+            del layer.forward
+        out, ref = model(ids).logits, unfused(ids).logits
+        assert torch.equal(out, ref)
+        out.float().square().sum().backward()
+        ref.float().square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), unfused.parameters()):
+            scale = q.grad.abs().max().item()
+            assert (p.grad - q.grad).abs().max().item() <= 4 * torch.finfo(dtype).eps * scale, n
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, **tol)
+    model, unfused = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path) for _ in range(2))
+    fused.fuse(model)
+    fused.fuse(unfused)
+    for layer in unfused.model.layers:
+        del layer.forward
+    with torch.autocast("cpu", dtype=torch.bfloat16), _OpCounter() as ops:
+        out = model(ids).logits
+    assert ops.count("rms_norm_add") == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(out, unfused(ids).logits)
+
+    class Layer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+        def forward(self, hidden_states, *args, **kwargs):  # another computation: not changed
+            return super().forward(hidden_states * 2, *args, **kwargs)
+
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    model.model.layers[0] = Layer(config, 0)
+    names = fused.fuse(model)
+    assert "model.layers.1" in names and "model.layers.0" not in names and "forward" not in vars(model.model.layers[0])
+    assert fused.fuse(model) == []  # twice: nothing left to change
 
 
 def test_packing_survives_a_move_and_a_meta_build(tmp_path):

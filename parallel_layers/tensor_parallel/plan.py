@@ -48,7 +48,8 @@ read one input (attention's q, k and v) all-reduces their input gradients once, 
 
 fused_kernels=True (the default): after the conversion, a Hugging Face decoder's SwiGLU MLPs
 (gate_proj and up_proj column-parallel, down_proj row-parallel) become SwiGLUMLP, one packed
-column-parallel GEMM with the activation fused, over the same parameters (parallel_layers/fused.py).
+column-parallel GEMM with the activation fused, over the same parameters; its RMSNorms and its
+attention residual adds are fused too (parallel_layers/fused.py).
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     plan=None: the model's published plan (Note [published plans]). sequence_parallel=True:
     a Hugging Face decoder's activations between the regions split on the sequence (Note [hf
     sequence parallel boundaries]). fused_kernels=True: then a Hugging Face decoder's SwiGLU
-    MLPs run as one packed column-parallel GEMM with the activation fused (parallel_layers/fused.py)."""
+    MLPs run as one packed column-parallel GEMM with the activation fused, and its RMSNorms and
+    attention residual adds as fused ops (parallel_layers/fused.py)."""
     for flag, value in (("sequence_parallel", sequence_parallel), ("fused_kernels", fused_kernels)):
         if not isinstance(value, bool):
             raise TypeError(f"parallelize: {flag} must be True or False, got {value!r}")

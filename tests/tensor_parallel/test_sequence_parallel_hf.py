@@ -48,10 +48,11 @@ def _module_scales(ref, grads):
 
 
 def _norm_inputs(model, layout_names, store):
-    """Record the input of every norm of the decoder layers and of the final norm (first call only)."""
+    """Record the input of every norm of the decoder layers and of the final norm (first call only):
+    for a fused post-attention norm called as norm(h, residual), the sum it normalises."""
     def record(name):
         def hook(module, args):  # returns None: the input is left as it is
-            store.setdefault(name, args[0].detach())
+            store.setdefault(name, (args[0] + args[1] if len(args) == 2 else args[0]).detach())
         return hook
 
     for name, module in model.named_modules():
