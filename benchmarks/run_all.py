@@ -40,6 +40,8 @@ SUITE = [
     ("bench_scaling", [], ["--worlds", "1", "2", "--reps", "2", "--d-model", "64", "--layers", "2"]),
     ("bench_hf", [], ["--hidden", "128", "--layers", "2", "--vocab", "512", "--seq", "64", "--reps", "2",
                       "--trials", "1", "--dtypes", "float32"]),
+    ("bench_fused_hf", [], ["--hidden", "128", "--layers", "2", "--vocab", "512", "--seq", "64", "--reps", "2",
+                            "--dtypes", "float32"]),
 ]
 
 
@@ -125,6 +127,16 @@ def section_op_overhead(d: dict) -> list[str]:
             "autograd, allocations and checks); eager / ours > 1: ours cheaper.", ""] + _table(
         ["op", "fwd no-grad ours", "eager", "fwd grad ours", "eager", "fwd+bwd ours", "eager",
          "eager/ours fwd+bwd"], rows) + [""]
+
+
+def section_fused_hf(d: dict) -> list[str]:
+    rows = [[r["hidden"], r["dtype"], r["ms"]["plain"], r["ms"]["fused"], r["ms"]["fused_no_add"],
+             r["ratios"]["plain_over_fused"], r["ratios"]["no_add_over_fused"]] for r in d["rows"]]
+    return ["## Fused kernels in a Hugging Face Llama step, one device (`bench_fused_hf`)", "",
+            f"Milliseconds per training step on {d['rows'][0]['device']}: the model as transformers builds it, "
+            "after `fused.fuse`, and fused but with the residual add apart; ratios > 1: the fused model faster.",
+            ""] + _table(["hidden", "dtype", "plain ms", "fused ms", "fused, add apart ms", "plain/fused",
+                          "add apart/fused"], rows) + [""]
 
 
 def section_shard_copy(d: dict) -> list[str]:
@@ -262,6 +274,7 @@ def write_report(out: Path, runs: list[dict]) -> Path:
         "bench_pipeline": lambda d: section_pipeline(d, out),
         "bench_scaling": lambda d: section_scaling(d, out),
         "bench_hf": section_hf,
+        "bench_fused_hf": section_fused_hf,
     }
     for r in runs:
         d = _load(out, r["name"]) if r["ok"] else None

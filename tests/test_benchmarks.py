@@ -17,7 +17,7 @@ def test_run_all_quick_writes_the_report(tmp_path):
     for section in ("Fused GEMM + bias + GeLU", "Fused linear + SwiGLU", "Fused RMSNorm", "Per-call host time",
                     "Shard copy kernels",
                     "Tensor-parallel MLP vs DTensor", "ZeRO-3 vs FSDP2 vs DDP", "DataParallel vs DDP",
-                    "Pipeline schedules", "Weak scaling", "Hugging Face Llama step"):
+                    "Pipeline schedules", "Weak scaling", "Hugging Face Llama step", "Fused kernels in a Hugging Face Llama step"):
         assert f"## {section}" in text
     assert "FAILED" not in text
     for png in ("bench_linear_gelu.png", "bench_linear_swiglu.png", "bench_pipeline.png", "bench_scaling.png",

@@ -3,8 +3,8 @@
 # installed there, run every CUDA test, the kernels under compute-sanitizer (memcheck,
 # racecheck, synccheck), the kernel benchmarks and a kernel profile on the GPU. Everything it
 # prints goes to $OUT/log.txt, the build log, test log and profile to
-# $OUT/{build,pytest,profile}.txt, benchmark results to $OUT/gpu_*.json (8 files: what the
-# device tool brings back, at most 8).
+# $OUT/{build,pytest,profile}.txt, benchmark results (gpu_*.json, bench_shard_copy.json) in one
+# $OUT/gpu_results.tar (5 files: the device tool brings back at most 8).
 #
 #   OUT=/tmp/gpu tools/gpu_check.sh        (OUT defaults to build/gpu_check)
 #
@@ -51,7 +51,9 @@ timeout 150 python3 benchmarks/bench_linear_swiglu.py --device cuda --reps 10 --
 timeout 60 python3 benchmarks/bench_rms_norm.py --device cuda --name gpu_rms_norm 2>&1 | tail -20
 timeout 60 python3 benchmarks/bench_shard_copy.py --device cuda 2>&1 | tail -20  # writes bench_shard_copy.json
 timeout 120 python3 benchmarks/bench_op_overhead.py --device cuda --name gpu_op_overhead 2>&1 | tail -6
-cp benchmarks/results/gpu_*.json "$out"/ 2>/dev/null
+timeout 120 python3 benchmarks/bench_fused_hf.py --device cuda --hidden 1024 2048 --seq 1024 --reps 10 \
+    --name gpu_fused_hf 2>&1 | grep -v "^Loading\|^Writing" | tail -8
+tar -cf "$out/gpu_results.tar" -C benchmarks/results $(cd benchmarks/results && ls gpu_*.json bench_shard_copy.json)
 
 step "kernel profile"
 timeout 120 python3 tools/cuda_profile_ops.py > "$out/profile.txt" 2>&1; echo "profile exit: $?"
