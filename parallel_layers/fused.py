@@ -51,11 +51,11 @@ sit on either side of the model's loop over layers, which is the model's forward
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
 import tokenize
-import types
 
 import torch.nn as nn
 
@@ -103,7 +103,7 @@ def _is_llama_decoder_layer(module: nn.Module) -> bool:
 def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                            use_cache=False, position_embeddings=None, **kwargs):
     """A Llama-form decoder layer's forward with its middle residual add and post-attention
-    norm as one `rms_norm_add` (Note [fused residual add]); bound to the layer by `fuse`."""
+    norm as one `rms_norm_add` (Note [fused residual add]); given the layer by `fuse`."""
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
@@ -163,7 +163,9 @@ def fuse(model: nn.Module) -> list[str]:
         swapped.append(name)
     for name, module in model.named_modules():  # after the norms: a layer's norm is fused first
         if _is_llama_decoder_layer(module):
-            module.forward = types.MethodType(_decoder_layer_forward, module)
+            # a partial, not a bound method: pickle (torch.save of the model) looks a bound method up
+            # by its function's name on the module, which has none of that name
+            module.forward = functools.partial(_decoder_layer_forward, module)
             swapped.append(name)
     return swapped
 

@@ -6,7 +6,9 @@ pipelined runs of the fused model are the parity tests of those features (parall
 default: tests/tensor_parallel/test_parallelize.py, test_sequence_parallel_hf.py,
 tests/hf/test_pretrained.py, ...)."""
 
+import copy
 import hashlib
+import io
 
 import pytest
 import torch
@@ -144,6 +146,19 @@ def test_fused_residual_add(tmp_path):
     names = fused.fuse(model)
     assert "model.layers.1" in names and "model.layers.0" not in names and "forward" not in vars(model.model.layers[0])
     assert fused.fuse(model) == []  # twice: nothing left to change
+    ids = torch.randint(0, 128, (1, 8))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    fused.fuse(model)
+    for copied in (copy.deepcopy(model), _pickled(model)):  # each copy's layers run their own modules
+        layer = copied.model.layers[1]
+        assert layer.forward.args == (layer,) and torch.equal(copied(ids).logits, model(ids).logits)
+
+
+def _pickled(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 def test_packing_survives_a_move_and_a_meta_build(tmp_path):
