@@ -47,6 +47,15 @@ children's names and its state dict. Under autocast the attention output is 16-b
 float32; `residual + h` promotes, which the fused op does not, so that call runs the three
 statements as written. The last add (layer i's output) and layer i+1's input norm stay apart: they
 sit on either side of the model's loop over layers, which is the model's forward, not the layer's.
+
+transformers' own gradient checkpointing (`model.gradient_checkpointing_enable()`) is a wrapper
+that GradientCheckpointingLayer puts around every decoder layer class's forward; the digest is read
+through that wrapper (and through no other: a forward wrapped by anything else is not recognised),
+and while the layer trains with it enabled the fused forward hands the call to the class's, which
+checkpoints the model's own statements. The library's `activation_checkpointing` (which refuses to
+run on top of transformers') checkpoints the fused forward. The instance forward is a
+functools.partial over the layer, so deepcopy and pickle rebind it to the copy; a shallow copy
+(copy.copy, torch.nn.DataParallel's replicas) would still call the original layer's modules.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ import functools
 import hashlib
 import inspect
 import io
+import os
 import tokenize
 
 import torch.nn as nn
@@ -73,21 +83,38 @@ _RMS_NORM_FORWARD = ("input_dtype=hidden_states.dtypehidden_states=hidden_states
 # sha256 of `_forward_tokens` of LlamaDecoderLayer.forward in transformers 5.23 (Note [fused
 # residual add]; tests/test_fused.py checks it against the installed transformers)
 _LLAMA_DECODER_FORWARD = "0fa2ba0188f9280a5e1a608c163f37acb1da11d9f466178b986bec6b9723f64b"
+# transformers' GradientCheckpointingLayer.__init_subclass__ wrapper: (function name, file)
+_HF_CHECKPOINT_WRAPPER = ("forward_with_checkpointing", "modeling_layers.py")
 _LAYOUT_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
                   tokenize.ENDMARKER}
 
 
+def _readable_forward(cls: type):
+    """`cls.forward` if its source is what runs: the function itself, or one wrapped only by
+    transformers' gradient-checkpointing wrapper (GradientCheckpointingLayer wraps every subclass's
+    forward; it runs the wrapped one, under checkpoint when enabled). Any other wrapper (a
+    decorator with functools.wraps, whose source inspect would read through) may compute something
+    else: None."""
+    forward = cls.forward
+    while hasattr(forward, "__wrapped__"):
+        code = getattr(forward, "__code__", None)
+        if (getattr(code, "co_name", None), os.path.basename(getattr(code, "co_filename", ""))) != _HF_CHECKPOINT_WRAPPER:
+            return None
+        forward = forward.__wrapped__
+    return forward
+
+
 def _forward_source(module: nn.Module) -> str:
     try:
-        return "".join(inspect.getsource(type(module).forward).split())
-    except (OSError, TypeError):  # built without source (e.g. a C extension or a REPL class)
+        return "".join(inspect.getsource(_readable_forward(type(module))).split())
+    except (OSError, TypeError):  # built without source (e.g. a C extension or a REPL class), or wrapped
         return ""
 
 
 def _forward_tokens(cls: type) -> str:
     """The tokens of `cls.forward`'s source, comments and layout dropped ("" if none)."""
     try:
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(_readable_forward(cls))
         tokens = tokenize.generate_tokens(io.StringIO(source).readline)
         return " ".join(t.string for t in tokens if t.type not in _LAYOUT_TOKENS)
     except (OSError, TypeError, SyntaxError, tokenize.TokenError):
@@ -104,6 +131,12 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
                            use_cache=False, position_embeddings=None, **kwargs):
     """A Llama-form decoder layer's forward with its middle residual add and post-attention
     norm as one `rms_norm_add` (Note [fused residual add]); given the layer by `fuse`."""
+    if self.training and getattr(self, "gradient_checkpointing", False):
+        # transformers' gradient checkpointing (gradient_checkpointing_enable()) is the class's
+        # forward, a wrapper around the model's own: run it, unfused, rather than bypass it
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,

@@ -7,8 +7,11 @@ default: tests/tensor_parallel/test_parallelize.py, test_sequence_parallel_hf.py
 tests/hf/test_pretrained.py, ...)."""
 
 import copy
+import functools
 import hashlib
+import inspect
 import io
+import tokenize
 
 import pytest
 import torch
@@ -146,12 +149,64 @@ def test_fused_residual_add(tmp_path):
     names = fused.fuse(model)
     assert "model.layers.1" in names and "model.layers.0" not in names and "forward" not in vars(model.model.layers[0])
     assert fused.fuse(model) == []  # twice: nothing left to change
+    llama_layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+
+    class Wrapped(llama_layer):  # Llama's own forward under a decorator: its source reads as Llama's
+        forward = _doubled_input(inspect.unwrap(llama_layer.forward))
+
+    model.model.layers[0] = Wrapped(config, 0)
+    assert fused._forward_tokens(llama_layer) == " ".join(
+        t.string for t in tokenize.generate_tokens(io.StringIO(inspect.getsource(Wrapped.forward)).readline)
+        if t.type not in fused._LAYOUT_TOKENS)
+    assert "model.layers.0" not in fused.fuse(model) and "forward" not in vars(model.model.layers[0])
+
     ids = torch.randint(0, 128, (1, 8))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     fused.fuse(model)
     for copied in (copy.deepcopy(model), _pickled(model)):  # each copy's layers run their own modules
         layer = copied.model.layers[1]
         assert layer.forward.args == (layer,) and torch.equal(copied(ids).logits, model(ids).logits)
+
+
+def _doubled_input(forward):
+    @functools.wraps(forward)
+    def wrapper(self, hidden_states, *args, **kwargs):
+        return forward(self, hidden_states * 2, *args, **kwargs)
+    return wrapper
+
+
+def test_fused_layers_keep_transformers_gradient_checkpointing(tmp_path):
+    """model.gradient_checkpointing_enable() wraps the decoder layer class's forward; a fused layer
+    training with it enabled runs that wrapper (unfused, checkpointed), not around it."""
+    save_tiny_llama(tmp_path)
+    models = {}
+    for name in ("fused", "class_forward", "fused_no_checkpointing"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+        if name != "fused_no_checkpointing":
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        assert "model.layers.0" in fused.fuse(model)
+        if name == "class_forward":  # the fused modules under the class's (checkpointing) forward
+            for layer in model.model.layers:
+                del layer.forward
+        models[name] = model
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    saved, grads = {}, {}
+    for name, model in models.items():
+        count = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        saved[name] = sum(count)
+        grads[name] = [p.grad for p in model.parameters()]
+    # checkpointed: the layers keep their inputs only
+    assert saved["fused"] == saved["class_forward"] < saved["fused_no_checkpointing"] / 2, saved
+    for g, h in zip(grads["fused"], grads["fused_no_checkpointing"]):
+        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
+    models["fused"].eval()  # not training: the fused forward
+    with _OpCounter() as ops:
+        models["fused"](ids)
+    assert ops.count("rms_norm_add") == 2
 
 
 def _pickled(model):
