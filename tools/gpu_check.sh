@@ -16,6 +16,10 @@ mkdir -p "$out"
 exec > >(tee "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 step() { echo; echo "=== $* ($(date +%T))"; }
+# the benchmark results in one file; again after each later benchmark (a run cut short keeps these)
+save_results() {
+    tar -cf "$out/gpu_results.tar" -C benchmarks/results $(cd benchmarks/results && ls gpu_*.json bench_shard_copy.json 2>/dev/null)
+}
 
 step machine
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
@@ -53,9 +57,7 @@ timeout 150 python3 benchmarks/bench_linear_swiglu.py --device cuda --reps 10 --
 timeout 60 python3 benchmarks/bench_rms_norm.py --device cuda --name gpu_rms_norm 2>&1 | tail -20
 timeout 60 python3 benchmarks/bench_shard_copy.py --device cuda 2>&1 | tail -20  # writes bench_shard_copy.json
 timeout 120 python3 benchmarks/bench_op_overhead.py --device cuda --name gpu_op_overhead 2>&1 | tail -6
-timeout 120 python3 benchmarks/bench_fused_hf.py --device cuda --hidden 1024 2048 --seq 1024 --reps 10 \
-    --name gpu_fused_hf 2>&1 | grep -v "^Loading\|^Writing" | tail -8
-tar -cf "$out/gpu_results.tar" -C benchmarks/results $(cd benchmarks/results && ls gpu_*.json bench_shard_copy.json 2>/dev/null)
+save_results
 
 step "kernel profile"
 timeout 120 python3 tools/cuda_profile_ops.py > "$out/profile.txt" 2>&1; echo "profile exit: $?"
@@ -69,5 +71,11 @@ for tool in racecheck synccheck; do
         --print-limit 20 python3 tools/cuda_probe.py 2>&1 | tail -15
     echo "$tool exit: $?"
 done
+
+step "Hugging Face Llama step, plain vs fused"
+# After the sanitizers: a model-level number, less urgent than the kernels' checks.
+timeout 120 python3 benchmarks/bench_fused_hf.py --device cuda --hidden 1024 2048 --seq 1024 --reps 10 \
+    --name gpu_fused_hf 2>&1 | grep -v "^Loading\|^Writing" | tail -8
+save_results
 
 step done
