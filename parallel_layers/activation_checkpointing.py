@@ -48,7 +48,6 @@ is what it would be without checkpointing.
 from __future__ import annotations
 
 import functools
-import types
 from typing import Callable
 
 import torch
@@ -144,11 +143,13 @@ def _checkpointed_forward(self, *args, **kwargs):
 
 def _checkpoint_forward(module: nn.Module, mode: str) -> None:
     """Note [checkpoint inside the hooks]: replace the instance's forward, which
-    `nn.Module.__call__` runs between the module's hooks. Both the replacement and the forward
-    it calls are methods bound to the module, so a deep copy of the model calls its own."""
+    `nn.Module.__call__` runs between the module's hooks. The replacement is a partial over the
+    module and the forward it calls a method bound to it (or an instance override already
+    there), so a deep copy or a pickled model calls its own (a bound method of a function the
+    module has no attribute for would not pickle). A shallow copy calls the original's."""
     module._pl_forward = module.forward  # the class's forward, or an instance override already there
     module._pl_activation_checkpointing = mode
-    module.forward = types.MethodType(_checkpointed_forward, module)
+    module.forward = functools.partial(_checkpointed_forward, module)
 
 
 def _selective_contexts():

@@ -14,6 +14,7 @@
 - the bad calls it refuses, on every rank."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -223,10 +224,20 @@ def test_selective_refuses_what_it_cannot_recompute_and_bad_arguments():
     with pytest.raises(ValueError, match="activation_checkpointing='full': wrap= selects no module of GPT"):
         checkpoint_blocks(model, "full", lambda m: False)
     checkpoint_blocks(model, "full", lambda m: type(m).__name__ == "Block")
-    twin = copy.deepcopy(model).layers[1]  # a copy runs its own forward, under checkpoint
-    assert twin.forward.__self__ is twin and twin._pl_forward.__self__ is twin
+    ids = torch.randint(0, 64, (2, 8))
+    for copied in (copy.deepcopy(model), _pickled(model)):  # a copy runs its own forward, under checkpoint
+        twin = copied.layers[1]
+        assert twin.forward.args == (twin,) and twin._pl_forward.__self__ is twin
+        torch.testing.assert_close(copied(ids), model(ids), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"activation checkpointing is already applied to 'layers.1' \('full'\)"):
         checkpoint_blocks(model, "selective", lambda m: type(m).__name__ == "Block")
+
+
+def _pickled(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 # ---- distributed parity -------------------------------------------------------------------------
