@@ -87,7 +87,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
   // Up to 1024 chunks of >= 8 rows: enough blocks to fill the GPU, a small partials buffer.
   const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/1024, /*min_rows=*/8);
   const at::ScalarType m = rms_math_dtype(x.scalar_type());
-  at::Tensor partials = at::zeros({chunks.num_chunks(), n}, x2.options().dtype(m));
+  // every element written by the kernel (its chunk's first row starts the partial): no memset
+  at::Tensor partials = at::empty({chunks.num_chunks(), n}, x2.options().dtype(m));
   dispatch_rms(x.scalar_type(), w.scalar_type(), [&](auto s_tag, auto w_tag) {
     using S = decltype(s_tag);
     using W = decltype(w_tag);

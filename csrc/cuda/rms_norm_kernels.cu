@@ -73,7 +73,8 @@ __global__ void rms_norm_backward_kernel(const W* __restrict__ dy, const S* __re
   using M = opmath_t<S>;
   __shared__ M shared[kMaxThreads / kWarp];
   M* acc = partials + static_cast<int64_t>(blockIdx.x) * n;
-  for (int64_t row = chunks.begin(blockIdx.x); row < chunks.end(blockIdx.x); ++row) {
+  const int64_t first = chunks.begin(blockIdx.x);  // every chunk has a row: begin < end
+  for (int64_t row = first; row < chunks.end(blockIdx.x); ++row) {
     const int64_t base = row * n;
     const M r = rstd[row];
     M dot = 0;
@@ -86,7 +87,9 @@ __global__ void rms_norm_backward_kernel(const W* __restrict__ dy, const S* __re
       const M h = static_cast<M>(x[base + c]) * r;
       const M d = rms_dx<M>(g * static_cast<M>(w[c]), h, r, mean_gh);
       dx[base + c] = static_cast<S>(dsum != nullptr ? d + static_cast<M>(dsum[base + c]) : d);
-      acc[c] += g * static_cast<M>(static_cast<S>(h));
+      // The chunk's first row starts its partial as 0 + v, the bits a zeroed buffer plus v had
+      // (-0 included), so the buffer is allocated without a memset launch.
+      acc[c] = (row == first ? M(0) : acc[c]) + g * static_cast<M>(static_cast<S>(h));
     }
   }
 }
