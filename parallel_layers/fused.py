@@ -27,7 +27,7 @@ gather); the gradient sums of the norms' weights under sequence parallelism are 
 weight Parameters, which the fused norms share.
 
 Note [fused residual add]: Hugging Face's Llama decoder layer (Mistral's, Qwen2's and Qwen3's
-are the same code in transformers 5.23) computes
+are the same code, in transformers 5.23 and 5.17 alike) computes
 
     residual = x;  h = input_layernorm(x);  h = self_attn(h, ...)
     h = residual + h;  residual = h;  h = post_attention_layernorm(h)     # <- fused here
@@ -36,8 +36,10 @@ are the same code in transformers 5.23) computes
 The marked line reads and writes the residual stream twice, forward and backward (there the
 stream's gradient from the final add and the norm's input gradient are added by autograd);
 `rms_norm_add` computes the sum and its norm in one pass and adds the two gradients inside the
-norm's backward pass. Same bits: the sum is rounded to the stream's dtype before the norm, as the
-module's `residual + h` is, and IEEE addition is commutative. The layer is recognised by its
+norm's backward pass. Forward, the same bits: the sum is rounded to the stream's dtype before the
+norm, as the module's `residual + h` is, and IEEE addition is commutative. Backward, the stream's
+gradient is added to the norm's input gradient before that is rounded to the dtype (autograd adds
+the rounded one): one rounding instead of two. The layer is recognised by its
 forward's tokens (comments and layout ignored; signature, annotations and every statement
 included) against a digest of that forward (`_LLAMA_DECODER_FORWARD`): any other form - another
 family's, a later transformers that changes one token - keeps its own forward, so the swap can
@@ -48,7 +50,8 @@ float32; `residual + h` promotes, which the fused op does not, so that call runs
 statements as written. The last add (layer i's output) and layer i+1's input norm stay apart: they
 sit on either side of the model's loop over layers, which is the model's forward, not the layer's.
 
-transformers' own gradient checkpointing (`model.gradient_checkpointing_enable()`) is a wrapper
+transformers' own gradient checkpointing (`model.activation_checkpointing_enable()`, formerly
+`gradient_checkpointing_enable()`) is a wrapper
 that GradientCheckpointingLayer puts around every decoder layer class's forward; the digest is read
 through that wrapper (and through no other: a forward wrapped by anything else is not recognised),
 and while the layer trains with it enabled the fused forward hands the call to the class's, which
