@@ -23,6 +23,7 @@ from parallel_layers.ops import FusedRMSNorm
 from parallel_layers.tensor_parallel import parallelize as tp_parallelize
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, SwiGLUMLP
 from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama, save_tiny_mistral, save_tiny_qwen2
+from tests.ops.numerics import devices
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,32 +95,32 @@ class _OpCounter(TorchDispatchMode):
         return self.ops.count(name)
 
 
-def test_fused_residual_add(tmp_path):
+@pytest.mark.parametrize("device", devices())
+def test_fused_residual_add(tmp_path, device):
     """The fused layer's forward against the model's own, in each dtype and under autocast (where
-    the attention output is bfloat16 and the stream float32: the model's three statements run);
-    and only the layers whose forward is token for token Llama's are changed."""
-    from transformers.models import llama, mistral, qwen2, qwen3
-
-    families = [llama.modeling_llama.LlamaDecoderLayer, mistral.modeling_mistral.MistralDecoderLayer,
-                qwen2.modeling_qwen2.Qwen2DecoderLayer, qwen3.modeling_qwen3.Qwen3DecoderLayer]
-    for cls in families:  # the digest is that of the installed transformers' forward of each family
-        tokens = fused._forward_tokens(cls)
-        assert hashlib.sha256(tokens.encode()).hexdigest() == fused._LLAMA_DECODER_FORWARD, cls.__name__
+    the attention output is bfloat16 and the stream float32: the model's three statements run)."""
     save_tiny_llama(tmp_path)
-    for dtype in (torch.float32, torch.bfloat16):
-        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
-        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+
+    def load(dtype=torch.float32, layers_forward=False):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).to(device)
         fused.fuse(model)
-        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-        # the fused layers against the same modules with the layers' own forward: the same bits
-        # forward (the sum rounded once to the dtype, then the same norm); in backward the fused op
-        # adds the stream's gradient to the norm's input gradient before rounding, autograd after
-        # (two roundings): within a few units of the dtype's precision of each gradient's scale
-        unfused = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
-        fused.fuse(unfused)
-        for layer in unfused.model.layers:
-            del layer.forward
-        out, ref = model(ids).logits, unfused(ids).logits
+        if layers_forward:  # the same fused modules under the layers' own forward
+            for layer in model.model.layers:
+                del layer.forward
+        return model
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).to(device)
+        model, unfused = load(dtype), load(dtype, layers_forward=True)
+        # the same bits forward (the sum rounded once to the dtype, then the same norm); in
+        # backward the fused op adds the stream's gradient to the norm's input gradient before
+        # rounding, autograd after (two roundings): within a few units of the dtype's precision
+        # of each gradient's scale
+        with _OpCounter() as ops:
+            out = model(ids).logits
+        assert ops.count("rms_norm_add") == 2
+        ref = unfused(ids).logits
         assert torch.equal(out, ref)
         out.float().square().sum().backward()
         ref.float().square().sum().backward()
@@ -128,16 +129,26 @@ def test_fused_residual_add(tmp_path):
             assert (p.grad - q.grad).abs().max().item() <= 4 * torch.finfo(dtype).eps * scale, n
         tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, **tol)
-    model, unfused = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path) for _ in range(2))
-    fused.fuse(model)
-    fused.fuse(unfused)
-    for layer in unfused.model.layers:
-        del layer.forward
-    with torch.autocast("cpu", dtype=torch.bfloat16), _OpCounter() as ops:
-        out = model(ids).logits
-    assert ops.count("rms_norm_add") == 0
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    model, unfused = load(), load(layers_forward=True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        with _OpCounter() as ops:
+            out = model(ids).logits
+        assert ops.count("rms_norm_add") == 0
         assert torch.equal(out, unfused(ids).logits)
+
+
+def test_only_llamas_decoder_forward_gets_the_fused_residual_add(tmp_path):
+    """Only the layers whose forward is token for token Llama's are changed (read through
+    transformers' checkpointing wrapper only); fusing twice changes nothing; a deep copy and a
+    pickled model run their own modules."""
+    from transformers.models import llama, mistral, qwen2, qwen3
+
+    families = [llama.modeling_llama.LlamaDecoderLayer, mistral.modeling_mistral.MistralDecoderLayer,
+                qwen2.modeling_qwen2.Qwen2DecoderLayer, qwen3.modeling_qwen3.Qwen3DecoderLayer]
+    for cls in families:  # the digest is that of the installed transformers' forward of each family
+        tokens = fused._forward_tokens(cls)
+        assert hashlib.sha256(tokens.encode()).hexdigest() == fused._LLAMA_DECODER_FORWARD, cls.__name__
+    save_tiny_llama(tmp_path)
 
     class Layer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
         def forward(self, hidden_states, *args, **kwargs):  # another computation: not changed
