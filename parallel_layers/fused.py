@@ -101,7 +101,8 @@ def _readable_forward(cls: type):
     forward = cls.forward
     while hasattr(forward, "__wrapped__"):
         code = getattr(forward, "__code__", None)
-        if (getattr(code, "co_name", None), os.path.basename(getattr(code, "co_filename", ""))) != _HF_CHECKPOINT_WRAPPER:
+        where = (getattr(code, "co_name", None), os.path.basename(getattr(code, "co_filename", "")))
+        if where != _HF_CHECKPOINT_WRAPPER:
             return None
         forward = forward.__wrapped__
     return forward
@@ -135,7 +136,7 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     """A Llama-form decoder layer's forward with its middle residual add and post-attention
     norm as one `rms_norm_add` (Note [fused residual add]); given the layer by `fuse`."""
     if self.training and getattr(self, "gradient_checkpointing", False):
-        # transformers' gradient checkpointing (gradient_checkpointing_enable()) is the class's
+        # transformers' gradient checkpointing (activation_checkpointing_enable()) is the class's
         # forward, a wrapper around the model's own: run it, unfused, rather than bypass it
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   past_key_values=past_key_values, use_cache=use_cache,
