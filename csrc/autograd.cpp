@@ -13,11 +13,13 @@
 // The backward ops themselves are not differentiable (no double backward): Note [ops without a
 // derivative] below.
 #include <array>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -309,11 +311,24 @@ void collect_tensor(variable_list& out, const OptTensor& t) { out.push_back(t.va
 template <typename T>
 void collect_tensor(variable_list&, const T&) {}
 
-void set_error_history(const at::Tensor& t, const c10::intrusive_ptr<torch::autograd::Node>& node) {
-  torch::autograd::set_history(t, node);
+// The pointer an autograd graph holds its nodes by: std::shared_ptr up to torch 2.11 (the torch of
+// the GPU images this was run on), c10::intrusive_ptr in later releases. Taken from Edge so that
+// one source builds against both.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+// N is a template parameter so that only the branch of the installed torch is instantiated.
+template <typename N, typename... A>
+NodePtr make_node(A&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<N>(std::forward<A>(args)...);
+  } else {
+    return c10::make_intrusive<N>(std::forward<A>(args)...);
+  }
 }
+
+void set_error_history(const at::Tensor& t, const NodePtr& node) { torch::autograd::set_history(t, node); }
 template <typename... Ts>
-void set_error_history(const std::tuple<Ts...>& outputs, const c10::intrusive_ptr<torch::autograd::Node>& node) {
+void set_error_history(const std::tuple<Ts...>& outputs, const NodePtr& node) {
   std::apply([&](const auto&... t) { (torch::autograd::set_history(t, node), ...); }, outputs);
 }
 
@@ -331,7 +346,7 @@ R without_derivative(const char* name, const TypedOp<R(Args...)>& op, std::type_
   if (record) {
     variable_list inputs;
     (collect_tensor(inputs, args), ...);
-    auto node = c10::make_intrusive<torch::autograd::Error>(
+    auto node = make_node<torch::autograd::Error>(
         std::string(name) +
             " has no derivative: parallel_layers differentiates its fused ops to first order only (their "
             "backward ops, and linear_forward, which the tensor-parallel layers differentiate themselves, are not "
