@@ -65,12 +65,18 @@ timeout 120 python3 tools/cuda_profile_ops.py > "$out/profile.txt" 2>&1; echo "p
 step "compute-sanitizer racecheck, synccheck"
 # Last, so that a slow sanitizer cannot starve the benchmarks of the device time a lease has.
 # The backward kernels sum over row lanes / warps in shared memory: hazards and barrier misuse.
-# Only our kernels are instrumented (kns: kernel-name substring), to keep the run short.
+# Every kernel is instrumented (the probe's shapes are small: ~20 s on an H100). With only ours
+# (--kernel-name kns=parallel_layers) racecheck failed inside cuBLAS's bfloat16 GEMMs on an H100
+# ("Internal Sanitizer Error: ... failed to handle a hardware exception", then
+# CUBLAS_STATUS_EXECUTION_FAILED), a failure of the tool: the same probe instrumented whole ran clean.
 for tool in racecheck synccheck; do
-    timeout 90 compute-sanitizer --tool $tool --kernel-name kns=parallel_layers --error-exitcode 9 \
+    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
         --print-limit 20 python3 tools/cuda_probe.py 2>&1 | tail -15
     echo "$tool exit: $?"
 done
+
+step "residual add in the norm or apart (one RMSNorm, forward + backward)"
+timeout 60 python3 tools/residual_add_probe.py 2>&1 | grep " x \|rows"
 
 step "Hugging Face Llama step, plain vs fused"
 # After the sanitizers: a model-level number, less urgent than the kernels' checks.
