@@ -9,6 +9,23 @@
 // (each thread owns its columns, so no atomics); the partials are summed afterwards in a fixed
 // order. Sums accumulate in float (double for float64): per thread, then a fixed shuffle tree,
 // so results are the same run to run.
+//
+// Note [rms_norm backward in registers]: a thread owns columns threadIdx.x + k * blockDim.x,
+// k < K, for every row of its chunk, so it keeps its weight-gradient partials, the weight and
+// the row's dy, h and residual gradient in registers (K a template parameter, unrolled): each
+// row is one batch of independent loads, the block sum, then the stores. The arithmetic and its
+// order are those of the loop version (rms_norm_backward_wide_kernel), which reads and writes its
+// partials in global memory per row and re-reads the row after the block sum. Measured on an
+// H100 (benchmarks/results/2026-11-26-h100.md, tools/residual_add_probe.py: GPU time of one
+// forward + backward, every kernel), bfloat16 [1024, 2048] with the residual add: 85.5 us with
+// the loop version (its backward kernel alone 61.6 us, ~0.3 TB/s: a chain of dependent memory
+// round trips per row, one block per SM), 49.2 us with K = 8 (and chunks of >= 4 rows instead
+// of 8: twice the blocks, csrc/cuda/rms_norm.cpp). At K = 16 (146 registers, one
+// block per SM) [4096, 4096] went from 316 to 458 us, so rows wider than kMaxCols * kMaxThreads
+// = 2048 keep the loop version. That run loaded the residual's gradient after the block sum
+// (a [4096, 2048] backward call took 85 us with it, 50 without); it is now loaded with the
+// row's other values, not yet measured.
+
 #include <algorithm>
 
 #include <c10/cuda/CUDAException.h>
@@ -21,6 +38,7 @@ namespace {
 
 constexpr int kMaxThreads = 256;
 constexpr int kWarp = 32;
+constexpr int kMaxCols = 8;  // columns per thread held in registers by the backward kernel
 
 // The block's sum of v, the same value in every thread. Warp shuffles, then every thread adds the
 // warp totals in warp order. `shared` holds >= blockDim.x / 32 values; the closing barrier lets
@@ -65,8 +83,57 @@ __global__ void rms_norm_forward_kernel(const S* __restrict__ x, const S* __rest
   }
 }
 
-template <typename S, typename W>
+template <typename S, typename W, int K>
 __global__ void rms_norm_backward_kernel(const W* __restrict__ dy, const S* __restrict__ x, const W* __restrict__ w,
+                                         const opmath_t<S>* __restrict__ rstd, const S* __restrict__ dsum,
+                                         S* __restrict__ dx, opmath_t<S>* __restrict__ partials, RowChunks chunks,
+                                         int64_t n) {
+  using M = opmath_t<S>;
+  __shared__ M shared[kMaxThreads / kWarp];
+  // Column k of this thread is threadIdx.x + k * blockDim.x; columns >= n hold zeros and are
+  // neither read nor written.
+  M wk[K], acc[K], g[K], h[K], ds[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    wk[k] = c < n ? static_cast<M>(w[c]) : M(0);
+    acc[k] = M(0);  // 0 + v for the chunk's first row: the bits the loop version gives
+  }
+  for (int64_t row = chunks.begin(blockIdx.x); row < chunks.end(blockIdx.x); ++row) {
+    const int64_t base = row * n;
+    const M r = rstd[row];
+    M dot = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      g[k] = c < n ? static_cast<M>(dy[base + c]) : M(0);
+      h[k] = c < n ? static_cast<M>(x[base + c]) * r : M(0);
+      ds[k] = c < n && dsum != nullptr ? static_cast<M>(dsum[base + c]) : M(0);  // before the block sum
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) dot += g[k] * wk[k] * h[k];  // the loop version's order
+    const M mean_gh = block_sum(dot, shared) / static_cast<M>(n);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (c < n) {
+        const M d = rms_dx<M>(g[k] * wk[k], h[k], r, mean_gh);
+        dx[base + c] = static_cast<S>(dsum != nullptr ? d + ds[k] : d);
+        acc[k] += g[k] * static_cast<M>(static_cast<S>(h[k]));
+      }
+    }
+  }
+  M* out = partials + static_cast<int64_t>(blockIdx.x) * n;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (c < n) out[c] = acc[k];
+  }
+}
+
+// The same for rows wider than kMaxCols * kMaxThreads: partials in global memory, two passes.
+template <typename S, typename W>
+__global__ void rms_norm_backward_wide_kernel(const W* __restrict__ dy, const S* __restrict__ x, const W* __restrict__ w,
                                          const opmath_t<S>* __restrict__ rstd, const S* __restrict__ dsum,
                                          S* __restrict__ dx, opmath_t<S>* __restrict__ partials, RowChunks chunks,
                                          int64_t n) {
@@ -116,8 +183,17 @@ template <typename S, typename W>
 void launch_rms_norm_backward(const W* dy, const S* x, const W* w, const opmath_t<S>* rstd, const S* dsum, S* dx,
                               opmath_t<S>* partials, RowChunks chunks, int64_t n, cudaStream_t stream) {
   if (chunks.rows == 0 || n == 0) return;
-  rms_norm_backward_kernel<S, W><<<static_cast<unsigned>(chunks.num_chunks()), threads_for(n), 0, stream>>>(
-      dy, x, w, rstd, dsum, dx, partials, chunks, n);
+  const int threads = threads_for(n);
+  const int64_t cols = (n + threads - 1) / threads;  // per thread
+  const auto blocks = static_cast<unsigned>(chunks.num_chunks());
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, threads, 0, stream>>>(dy, x, w, rstd, dsum, dx, partials, chunks, n);
+  };
+  if (cols <= 1) launch(rms_norm_backward_kernel<S, W, 1>);
+  else if (cols <= 2) launch(rms_norm_backward_kernel<S, W, 2>);
+  else if (cols <= 4) launch(rms_norm_backward_kernel<S, W, 4>);
+  else if (cols <= kMaxCols) launch(rms_norm_backward_kernel<S, W, kMaxCols>);
+  else launch(rms_norm_backward_wide_kernel<S, W>);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

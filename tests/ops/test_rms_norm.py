@@ -1,6 +1,8 @@
 """rms_norm / rms_norm_add / rms_norm_backward against a float64 reference and against Hugging Face's
 LlamaRMSNorm (and Qwen2's, Mistral's); opcheck, gradcheck, hypothesis, torch.compile; FusedRMSNorm."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -392,10 +394,14 @@ def test_add_and_backward_bad_input_messages():
 def test_cuda_matches_cpu(device):
     if device == "cpu":
         pytest.skip("compares the CUDA kernels with the CPU ones")
-    for dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                           (torch.bfloat16, torch.float32), (torch.float16, torch.float16)):
-        x, w = _inputs((300, 1029), dtype, "cpu", w_dtype=w_dtype)
-        res, _ = _inputs((300, 1029), dtype, "cpu", seed=1)
+    # Row widths for each backward kernel: columns per thread held in registers 8, 1 and 4, and
+    # wider than those (the loop kernel), Note [rms_norm backward in registers].
+    for (dtype, w_dtype), shape in itertools.product(
+            ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+             (torch.bfloat16, torch.float32), (torch.float16, torch.float16)),
+            ((300, 1029), (37, 130), (20, 600), (9, 4096))):
+        x, w = _inputs(shape, dtype, "cpu", w_dtype=w_dtype)
+        res, _ = _inputs(shape, dtype, "cpu", seed=1)
         dy = torch.randn(x.shape).to(torch.promote_types(dtype, w_dtype))
         cpu = torch.ops.parallel_layers.rms_norm_add(x, res, w, EPS)
         gpu = torch.ops.parallel_layers.rms_norm_add(x.cuda(), res.cuda(), w.cuda(), EPS)
