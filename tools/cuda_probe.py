@@ -25,8 +25,9 @@ def _probe_dtype(dtype: torch.dtype, dev: str) -> None:
     def randn(*shape, grad=False):
         return torch.randn(*shape, device=dev, dtype=dtype, requires_grad=grad)
 
-    # n = 4096, 4500: the RMSNorm backward's loop kernel (Note [rms_norm backward in registers]).
-    for rows, n in [(1, 1), (3, 5), (37, 130), (129, 1031), (70, 264), (5, 4096), (3, 4500)]:
+    # The RMSNorm backward's register kernel at 1, 2, 4 and 8 columns a thread, its loop kernel at
+    # n = 4096 and 4500 (Note [rms_norm backward in registers]).
+    for rows, n in [(1, 1), (3, 5), (37, 130), (129, 1031), (70, 264), (11, 600), (5, 4096), (3, 4500)]:
         x, b = randn(rows, n, grad=True), randn(n, grad=True)
         for approximate in ("none", "tanh"):
             ops.bias_gelu(x, b, approximate).sum().backward()

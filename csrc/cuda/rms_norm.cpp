@@ -84,9 +84,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
   const at::Tensor dsum = grad_sum ? grad_sum->contiguous().view({rows, n}) : at::Tensor();
   const at::Tensor rs = rstd.contiguous().view({rows});
   at::Tensor dx = at::empty_like(x2);
-  // Up to 1024 chunks of >= 4 rows: a few blocks per SM from ~1000 rows on (what hides the
-  // latency of each row's loads), a partials buffer of at most 1024 rows of floats.
-  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/1024, /*min_rows=*/4);
+  // Up to 1024 chunks, a partials buffer of at most 1024 rows (float; double for float64). The
+  // register kernel takes chunks of >= 4 rows: a few blocks per SM from ~1000 rows on, what hides
+  // the latency of each row's loads. Wider rows keep the >= 8 their loop kernel was measured with
+  // (Note [rms_norm backward in registers]).
+  const int64_t min_rows = n <= kRmsNormRegisterWidth ? 4 : 8;
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/1024, min_rows);
   const at::ScalarType m = rms_math_dtype(x.scalar_type());
   // every element written by the kernel (its chunk's first row starts the partial): no memset
   at::Tensor partials = at::empty({chunks.num_chunks(), n}, x2.options().dtype(m));

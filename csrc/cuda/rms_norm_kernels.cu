@@ -22,9 +22,10 @@
 // round trips per row, one block per SM), 49.2 us with K = 8 (and chunks of >= 4 rows instead
 // of 8: twice the blocks, csrc/cuda/rms_norm.cpp). At K = 16 (146 registers, one
 // block per SM) [4096, 4096] went from 316 to 458 us, so rows wider than kMaxCols * kMaxThreads
-// = 2048 keep the loop version. That run loaded the residual's gradient after the block sum
-// (a [4096, 2048] backward call took 85 us with it, 50 without); it is now loaded with the
-// row's other values, not yet measured.
+// = 2048 keep the loop version, with the chunks it was measured with (>= 8 rows). That run
+// loaded the residual's gradient after the block sum (a [4096, 2048] backward call took 85 us
+// with it, 50 without), and the fused norm was still 7-11% slower than the add apart at 2048
+// wide; it is now loaded with the row's other values, which has not run on a GPU yet.
 
 #include <algorithm>
 
@@ -39,6 +40,7 @@ namespace {
 constexpr int kMaxThreads = 256;
 constexpr int kWarp = 32;
 constexpr int kMaxCols = 8;  // columns per thread held in registers by the backward kernel
+static_assert(kMaxCols * kMaxThreads == kRmsNormRegisterWidth);
 
 // The block's sum of v, the same value in every thread. Warp shuffles, then every thread adds the
 // warp totals in warp order. `shared` holds >= blockDim.x / 32 values; the closing barrier lets

@@ -394,12 +394,12 @@ def test_add_and_backward_bad_input_messages():
 def test_cuda_matches_cpu(device):
     if device == "cpu":
         pytest.skip("compares the CUDA kernels with the CPU ones")
-    # Row widths for each backward kernel: columns per thread held in registers 8, 1 and 4, and
-    # wider than those (the loop kernel), Note [rms_norm backward in registers].
+    # Row widths for each backward kernel: columns per thread held in registers 8, 1, 4, 2 and 8
+    # filled exactly, and wider than those (the loop kernel), Note [rms_norm backward in registers].
     for (dtype, w_dtype), shape in itertools.product(
             ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-             (torch.bfloat16, torch.float32), (torch.float16, torch.float16)),
-            ((300, 1029), (37, 130), (20, 600), (9, 4096))):
+             (torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float64, torch.float64)),
+            ((300, 1029), (37, 130), (20, 600), (40, 300), (8, 2048), (9, 4096))):
         x, w = _inputs(shape, dtype, "cpu", w_dtype=w_dtype)
         res, _ = _inputs(shape, dtype, "cpu", seed=1)
         dy = torch.randn(x.shape).to(torch.promote_types(dtype, w_dtype))
@@ -407,11 +407,13 @@ def test_cuda_matches_cpu(device):
         gpu = torch.ops.parallel_layers.rms_norm_add(x.cuda(), res.cuda(), w.cuda(), EPS)
         # rsqrtf (2 ulps) and the sums' order move float32 results by a few ulps (2.7 seen on an
         # H200), and can move a 16-bit result to its neighbour: one ulp of the dtype.
-        ulps = 8 if dtype == torch.float32 else 2
+        ulps = 8 if dtype in (torch.float32, torch.float64) else 2
         tol = dict(rtol=ulps * torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
         for c, g in zip(cpu, gpu):
             torch.testing.assert_close(g.cpu(), c, **tol)
-        cpu_b = rms_norm_backward(dy, cpu[1], w, cpu[2], res)
-        gpu_b = rms_norm_backward(dy.cuda(), cpu[1].cuda(), w.cuda(), cpu[2].cuda(), res.cuda())
-        for c, g in zip(cpu_b, gpu_b):
-            torch.testing.assert_close(g.cpu(), c, rtol=4 * torch.finfo(dtype).eps, atol=1e-4)  # sums' order
+        for grad_sum in (res, None):  # with and without the residual stream's gradient
+            cpu_b = rms_norm_backward(dy, cpu[1], w, cpu[2], grad_sum)
+            gpu_b = rms_norm_backward(dy.cuda(), cpu[1].cuda(), w.cuda(), cpu[2].cuda(),
+                                      None if grad_sum is None else grad_sum.cuda())
+            for c, g in zip(cpu_b, gpu_b):
+                torch.testing.assert_close(g.cpu(), c, rtol=4 * torch.finfo(dtype).eps, atol=1e-4)  # sums' order

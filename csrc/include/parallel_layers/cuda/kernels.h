@@ -60,6 +60,9 @@ void launch_swiglu_backward(const T* dy, const T* z, T* dz, opmath_t<T>* partial
 template <typename S, typename W>
 void launch_rms_norm_forward(const S* x, const S* res, S* sum, const W* w, W* y, opmath_t<S>* rstd, int64_t rows,
                              int64_t n, opmath_t<S> eps, cudaStream_t stream);
+// Rows up to this wide go through the backward kernel that keeps a thread's columns in registers
+// (Note [rms_norm backward in registers]); the op picks its row chunks by it.
+inline constexpr int64_t kRmsNormRegisterWidth = 2048;
 template <typename S, typename W>
 void launch_rms_norm_backward(const W* dy, const S* x, const W* w, const opmath_t<S>* rstd, const S* dsum, S* dx,
                               opmath_t<S>* partials, RowChunks chunks, int64_t n, cudaStream_t stream);
