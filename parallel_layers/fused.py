@@ -24,7 +24,10 @@ swap can never change the model's math. It runs after tensor parallelism convert
 linear layers (both projections column-parallel, or both plain) and before the sequence-
 parallel hooks, which then land on the fused module under the same name (the final norm's
 gather); the gradient sums of the norms' weights under sequence parallelism are hooks on the
-weight Parameters, which the fused norms share.
+weight Parameters, which the fused norms share. A module of a family whose form fuse() knows
+(Llama, Mistral, Qwen2, Qwen3) that it leaves alone - a later transformers that rewrote it, a
+GeLU-gated MLP, projections split differently by a plan - gets a warning naming its class, so
+that a model silently running unfused is visible.
 
 Note [fused residual add]: Hugging Face's Llama decoder layer (Mistral's, Qwen2's and Qwen3's
 are the same code, in transformers 5.23 and 5.17 alike) computes
@@ -68,7 +71,9 @@ import hashlib
 import inspect
 import io
 import os
+import sys
 import tokenize
+import warnings
 
 import torch.nn as nn
 
@@ -88,6 +93,11 @@ _RMS_NORM_FORWARD = ("input_dtype=hidden_states.dtypehidden_states=hidden_states
 _LLAMA_DECODER_FORWARD = "0fa2ba0188f9280a5e1a608c163f37acb1da11d9f466178b986bec6b9723f64b"
 # transformers' GradientCheckpointingLayer.__init_subclass__ wrapper: (function name, file)
 _HF_CHECKPOINT_WRAPPER = ("forward_with_checkpointing", "modeling_layers.py")
+# The classes of the families whose forms fuse() knows: one of them left as it is means that the
+# installed transformers writes it otherwise, or that its parts are not laid out as the swap needs;
+# fuse() says which (Note [fused modules]).
+_KNOWN_CLASSES = frozenset(f"{family}{kind}" for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+                           for kind in ("MLP", "RMSNorm", "DecoderLayer"))
 _LAYOUT_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
                   tokenize.ENDMARKER}
 
@@ -204,7 +214,28 @@ def fuse(model: nn.Module) -> list[str]:
             # by its function's name on the module, which has none of that name
             module.forward = functools.partial(_decoder_layer_forward, module)
             swapped.append(name)
+    _warn_left_alone(model, swapped)
     return swapped
+
+
+def _warn_left_alone(model: nn.Module, swapped: list[str]) -> None:
+    """A warning naming the modules of the known families that `fuse` did not change."""
+    changed = set(swapped)
+    left: dict[str, int] = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        fused_before = getattr(vars(module).get("forward"), "func", None) is _decoder_layer_forward  # a 2nd fuse()
+        if name and name not in changed and cls in _KNOWN_CLASSES and not fused_before:
+            left[cls] = left.get(cls, 0) + 1
+    if left:
+        version = getattr(sys.modules.get("transformers"), "__version__", "?")
+        listing = ", ".join(f"{count} {cls}" for cls, count in sorted(left.items()))
+        warnings.warn(
+            f"fuse: {listing} of transformers {version} keep their own forward, unfused. parallel_layers fuses "
+            "these families' modules where they compute the form it knows (transformers 5.17-5.23): an MLP "
+            "down_proj(act_fn(gate_proj(x)) * up_proj(x)) with a SiLU act_fn and gate_proj, up_proj both plain or "
+            "both column-parallel; Llama's RMSNorm; Llama's decoder layer, once its post-attention norm is fused "
+            "(Note [fused modules] in parallel_layers/fused.py)", stacklevel=3)
 
 
 def pack(model: nn.Module) -> None:

@@ -12,6 +12,8 @@ import hashlib
 import inspect
 import io
 import tokenize
+import unittest.mock
+import warnings
 
 import pytest
 import torch
@@ -160,6 +162,16 @@ def test_only_llamas_decoder_forward_gets_the_fused_residual_add(tmp_path):
     names = fused.fuse(model)
     assert "model.layers.1" in names and "model.layers.0" not in names and "forward" not in vars(model.model.layers[0])
     assert fused.fuse(model) == []  # twice: nothing left to change
+
+    # a later transformers whose decoder forward differs: the layers run their own, and fuse says so
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"fuse: 2 LlamaDecoderLayer of transformers \S+ keep their own forward"):
+        with unittest.mock.patch.object(fused, "_LLAMA_DECODER_FORWARD", "0" * 64):
+            names = fused.fuse(model)
+    assert not any(n.startswith("model.layers.") and n.count(".") == 2 for n in names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every known module fused: no warning
+        assert "model.layers.0" in fused.fuse(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
     llama_layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
 
     class Wrapped(llama_layer):  # Llama's own forward under a decorator: its source reads as Llama's
@@ -264,11 +276,15 @@ class _ScaledMLP(nn.Module):
 def test_only_what_computes_a_swiglu_is_fused(tmp_path):
     save_tiny_gpt2(tmp_path)
     gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert fused.fuse(gpt2) == []
-    assert fused.fuse(nn.Sequential(_ScaledMLP())) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a family fuse() knows: nothing to say
+        assert fused.fuse(gpt2) == []
+        assert fused.fuse(nn.Sequential(_ScaledMLP())) == []
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, vocab_size=128, hidden_act="gelu")
-    assert not any(n.endswith("mlp") for n in fused.fuse(transformers.LlamaForCausalLM(config)))  # not a SiLU gate
+    with pytest.warns(UserWarning, match=r"fuse: 1 LlamaMLP of transformers \S+ keep their own forward, unfused"):
+        names = fused.fuse(transformers.LlamaForCausalLM(config))
+    assert not any(n.endswith("mlp") for n in names)  # not a SiLU gate
     config.hidden_act = "silu"
     assert tp_parallelize(transformers.LlamaForCausalLM(config), fused_kernels=False).model.layers[0].mlp.__class__ \
         is transformers.models.llama.modeling_llama.LlamaMLP
