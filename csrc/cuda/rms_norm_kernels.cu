@@ -135,10 +135,10 @@ __global__ void rms_norm_backward_kernel(const W* __restrict__ dy, const S* __re
 
 // The same for rows wider than kMaxCols * kMaxThreads: partials in global memory, two passes.
 template <typename S, typename W>
-__global__ void rms_norm_backward_wide_kernel(const W* __restrict__ dy, const S* __restrict__ x, const W* __restrict__ w,
-                                         const opmath_t<S>* __restrict__ rstd, const S* __restrict__ dsum,
-                                         S* __restrict__ dx, opmath_t<S>* __restrict__ partials, RowChunks chunks,
-                                         int64_t n) {
+__global__ void rms_norm_backward_wide_kernel(const W* __restrict__ dy, const S* __restrict__ x,
+                                              const W* __restrict__ w, const opmath_t<S>* __restrict__ rstd,
+                                              const S* __restrict__ dsum, S* __restrict__ dx,
+                                              opmath_t<S>* __restrict__ partials, RowChunks chunks, int64_t n) {
   using M = opmath_t<S>;
   __shared__ M shared[kMaxThreads / kWarp];
   M* acc = partials + static_cast<int64_t>(blockIdx.x) * n;
