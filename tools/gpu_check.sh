@@ -9,7 +9,8 @@
 #   OUT=/tmp/gpu tools/gpu_check.sh        (OUT defaults to build/gpu_check)
 #
 # It uses whatever python3 holds a CUDA torch (not the pinned .venv: a GPU machine brings its own
-# torch, and the extension is compiled against the torch that loads it).
+# torch, and the extension is compiled against the torch that loads it). Before a lease, check the
+# build against that torch here: tools/build_against_torch.sh 2.11.0 (the GPU images' so far).
 set -u -o pipefail
 out=${OUT:-build/gpu_check}
 mkdir -p "$out"
