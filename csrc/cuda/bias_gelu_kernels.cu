@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "parallel_layers/cuda/column_sums.h"
+#include "parallel_layers/cuda/grid.h"
 #include "parallel_layers/cuda/kernels.h"
 #include "parallel_layers/cuda/vec.h"
 #include "parallel_layers/grid_stride.h"
@@ -91,10 +92,10 @@ void launch_bias_gelu_forward(const T* x, const T* bias, T* y, T* z, int64_t num
                             (!bias || aligned16(bias));
   dispatch_vec<T>(vectorizable, [&]<int V>() {
     const int64_t units = numel / V;
-    const int64_t blocks = std::min<int64_t>((units + kThreads - 1) / kThreads, int64_t{sms} * 8);
     dispatch_gelu_approx(approx, [&](auto a) {
-      bias_gelu_forward_kernel<decltype(a)::value, V, T>
-          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, bias, y, z, units, cols / V);
+      constexpr auto kernel = bias_gelu_forward_kernel<decltype(a)::value, V, T>;
+      kernel<<<grid_stride_blocks<kernel, kThreads>(units, sms), kThreads, 0, stream>>>(x, bias, y, z, units,
+                                                                                          cols / V);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

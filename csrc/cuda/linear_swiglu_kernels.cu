@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "parallel_layers/cuda/column_sums.h"
+#include "parallel_layers/cuda/grid.h"
 #include "parallel_layers/cuda/kernels.h"
 #include "parallel_layers/cuda/vec.h"
 #include "parallel_layers/grid_stride.h"
@@ -93,8 +94,8 @@ void launch_swiglu_forward(const T* z, T* y, int64_t rows, int64_t n, int sms, c
   if (rows == 0 || n == 0) return;
   dispatch_vec<T>(n % kVecElems<T> == 0 && aligned16(z) && aligned16(y), [&]<int V>() {
     const int64_t units = rows * (n / V);
-    const int64_t blocks = std::min<int64_t>((units + kThreads - 1) / kThreads, int64_t{sms} * 8);
-    swiglu_forward_kernel<V, T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(z, y, units, n / V);
+    constexpr auto kernel = swiglu_forward_kernel<V, T>;
+    kernel<<<grid_stride_blocks<kernel, kThreads>(units, sms), kThreads, 0, stream>>>(z, y, units, n / V);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -10,6 +10,7 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include "parallel_layers/cuda/grid.h"
 #include "parallel_layers/cuda/kernels.h"
 #include "parallel_layers/shard_layout.h"
 
@@ -20,10 +21,6 @@ constexpr int kThreads = 256;
 
 template <typename A, typename B>
 using acc_t = std::conditional_t<std::is_same_v<A, double> || std::is_same_v<B, double>, double, float>;
-
-unsigned blocks_for(int64_t work, int sms) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, sms * 8)));
-}
 
 // p: a slot position of the group (0 <= p < g.size), grid-stride.
 #define PL_GRID_STRIDE(p, n) \
@@ -91,28 +88,33 @@ __global__ void reduce_scatter_copy_out_kernel(const __grid_constant__ ShardGrou
 
 template <typename Src, typename Dst>
 void launch_all_gather_copy_in(const ShardGroup& g, Dst* row, int sms, cudaStream_t stream) {
-  all_gather_copy_in_kernel<Src, Dst><<<blocks_for(g.size, sms), kThreads, 0, stream>>>(g, row);
+  constexpr auto kernel = all_gather_copy_in_kernel<Src, Dst>;
+  kernel<<<grid_stride_blocks<kernel, kThreads>(g.size, sms), kThreads, 0, stream>>>(g, row);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename Src, typename Dst>
 void launch_all_gather_copy_out(const ShardGroup& g, const Src* gathered, int64_t world, int sms, cudaStream_t stream) {
-  all_gather_copy_out_kernel<Src, Dst><<<blocks_for(g.size, sms), kThreads, 0, stream>>>(g, gathered, world);
+  constexpr auto kernel = all_gather_copy_out_kernel<Src, Dst>;
+  kernel<<<grid_stride_blocks<kernel, kThreads>(g.size, sms), kThreads, 0, stream>>>(g, gathered, world);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename Src, typename Dst>
 void launch_reduce_scatter_copy_in(const ShardGroup& g, Dst* buf, int64_t world, double pre_scale, int sms,
                                    cudaStream_t stream) {
-  reduce_scatter_copy_in_kernel<Src, Dst><<<blocks_for(g.size, sms), kThreads, 0, stream>>>(g, buf, world, pre_scale);
+  constexpr auto kernel = reduce_scatter_copy_in_kernel<Src, Dst>;
+  const unsigned blocks = grid_stride_blocks<kernel, kThreads>(g.size, sms);
+  kernel<<<blocks, kThreads, 0, stream>>>(g, buf, world, pre_scale);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename Src, typename Dst>
 void launch_reduce_scatter_copy_out(const ShardGroup& g, const Src* reduced, double post_scale, bool accumulate,
                                     int sms, cudaStream_t stream) {
-  reduce_scatter_copy_out_kernel<Src, Dst>
-      <<<blocks_for(g.size, sms), kThreads, 0, stream>>>(g, reduced, post_scale, accumulate);
+  constexpr auto kernel = reduce_scatter_copy_out_kernel<Src, Dst>;
+  const unsigned blocks = grid_stride_blocks<kernel, kThreads>(g.size, sms);
+  kernel<<<blocks, kThreads, 0, stream>>>(g, reduced, post_scale, accumulate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
