@@ -21,7 +21,8 @@ RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().p
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2,
-                     sync: Callable[[], None] = lambda: None, shuffle: bool = False) -> dict[str, float]:
+                     sync: Callable[[], None] = lambda: None, shuffle: bool = False,
+                     calls: int = 1) -> dict[str, float]:
     """Median seconds per call of each function, the functions run round-robin.
 
     Round-robin (one call of each per round) rather than one function at a time, so that a
@@ -29,6 +30,10 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
     shuffle: each round in its own order (seeded), so that no variant always follows the same
     one, whose caches it would inherit every time: with three variants over one model's weights,
     the one always running after its sibling read ~2% faster at a small size on CPU.
+    calls: how many calls one sample makes between two syncs (the sample's time divided by it).
+    With 1 (the default) a sample is one call's latency: on a GPU the host's time to reach the
+    first kernel launch adds to the kernels'. With more, the launches queue behind the running
+    kernels, as in a training loop, and a sample measures throughput (`queued_calls`).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -42,10 +47,27 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
         for name, fn in order:
             sync()
             start = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             sync()
-            times[name].append(time.perf_counter() - start)
+            times[name].append((time.perf_counter() - start) / calls)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def queued_calls(per_call_s: dict[str, float], sample_s: float = 2e-3, most: int = 20) -> int:
+    """Calls per sample for `time_interleaved(..., calls=)`'s throughput timing on a GPU: enough
+    that the fastest variant's sample lasts ~sample_s, at most `most`, at least 1 (at sizes where
+    one call already takes that long, the host's share is negligible and latency is throughput)."""
+    fastest = min(per_call_s.values())
+    return max(1, min(most, round(sample_s / fastest))) if fastest > 0 else most
+
+
+def time_queued(fns: dict[str, Callable[[], object]], reps: int, sync: Callable[[], None],
+                latency: dict[str, float]) -> tuple[int, dict[str, float]]:
+    """`(calls, seconds per call)`: fns timed as throughput, `queued_calls(latency)` calls per
+    sample. latency: the same fns' one-call timings, returned as they are when that is 1 call."""
+    calls = queued_calls(latency)
+    return calls, latency if calls == 1 else time_interleaved(fns, reps, sync=sync, calls=calls)
 
 
 def machine() -> dict:

@@ -17,8 +17,10 @@ oneDNN's fused op inside ours (Note [bfloat16 inference through oneDNN] in
 csrc/linear_gelu.cpp): there "ours" and "oneDNN" are the same kernel. On CUDA, "ours" is the
 default path (ATen's GEMM, then our GeLU kernel) and "ours, cuBLASLt" the opt-in cuBLASLt GELU
 epilogue (Note [linear_gelu's CUDA forward path], csrc/cuda/linear_gelu.cpp; 16-bit only), timed
-in the same run so that the default stays the faster one. Prints a table of
-ratios and writes benchmarks/results/bench_linear_gelu.json and .png.
+in the same run so that the default stays the faster one. On CUDA every variant is also timed
+queued, several calls between two syncs (the row's "queued" entry; see bench_linear_swiglu.py):
+throughput, where the default samples are one call's latency, host time included. Prints a table
+of ratios and writes benchmarks/results/bench_linear_gelu.json and .png.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, time_interleaved, write_json  # noqa: E402
+from _common import RESULTS, machine, time_interleaved, time_queued, write_json  # noqa: E402
 
 import parallel_layers  # noqa: E402
 from parallel_layers import _C  # noqa: E402
@@ -77,8 +79,11 @@ def bench_case(m, k, n, dtype, device, reps):
     lt = device == "cuda" and dtype in (torch.float16, torch.bfloat16) and hasattr(_C, "_set_cuda_gelu_path")
     if lt:
         fwd["ours_cublaslt"] = _on_cublaslt(fwd["ours"])
+    queued = {}
     with torch.no_grad():
         t_fwd = time_interleaved(fwd, reps, sync=sync)
+        if device == "cuda":
+            queued["forward"] = time_queued(fwd, reps, sync, t_fwd)
 
     xg, wg, bg = (t.detach().clone().requires_grad_() for t in (x, w, b))
 
@@ -97,7 +102,9 @@ def bench_case(m, k, n, dtype, device, reps):
     if lt:
         train["ours_cublaslt"] = _on_cublaslt(train["ours"])
     t_train = time_interleaved(train, reps, sync=sync)
-    return t_fwd, t_train
+    if device == "cuda":
+        queued["forward_backward"] = time_queued(train, reps, sync, t_train)
+    return t_fwd, t_train, queued
 
 
 def _on_cublaslt(fn):
@@ -177,12 +184,17 @@ def main(argv=None):
     for m, k, n in shapes:
         for dname in args.dtypes.split(","):
             dtype = getattr(torch, dname)
-            t_fwd, t_train = bench_case(m, k, n, dtype, args.device, args.reps)
+            t_fwd, t_train, queued = bench_case(m, k, n, dtype, args.device, args.reps)
             r = ratios(t_fwd, t_train)
             gemm_gflops = 2 * m * k * n / t_fwd["gemm_alone"] / 1e9
             rows.append({"m": m, "k": k, "n": n, "dtype": dname, "device": args.device,
                          "forward_s": t_fwd, "forward_backward_s": t_train, "ratios": r,
                          "gemm_alone_fwd_gflops": gemm_gflops})
+            if queued:
+                (fwd_calls, q_fwd), (train_calls, q_train) = queued["forward"], queued["forward_backward"]
+                rows[-1]["queued"] = {"forward_calls": fwd_calls, "forward_s": q_fwd,
+                                      "forward_backward_calls": train_calls, "forward_backward_s": q_train,
+                                      "ratios": ratios(q_fwd, q_train)}
             ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
             onednn = ms(t_fwd["onednn_erf"]) if "onednn_erf" in t_fwd else "    n/a"
             print(f"{str((m, k, n)):>20} {dname:>9} | {ms(t_fwd['ours']):>12} {ms(t_fwd['eager'])} "
@@ -191,6 +203,11 @@ def main(argv=None):
                   f"{ms(t_train['eager'])} {ms(t_train['gemm_alone'])} | {r['train_eager_over_ours']:10.2f} "
                   f"{r['train_ours_over_gemm']:9.2f} | {gemm_gflops:12.0f}",
                   flush=True)
+            if queued:
+                q = rows[-1]["queued"]["ratios"]
+                print(f"{'':>32}queued ({fwd_calls} / {train_calls} calls per sync): fwd eager/ours "
+                      f"{q['fwd_eager_over_ours']:.2f}, ours/gemm {q['fwd_ours_over_gemm']:.2f}; f+b eager/ours "
+                      f"{q['train_eager_over_ours']:.2f}, ours/gemm {q['train_ours_over_gemm']:.2f}", flush=True)
             if "fwd_onednn_over_ours_erf" in r:
                 print(f"{'':>32}erf GeLU: ours {ms(t_fwd['ours_erf'])} ms, oneDNN fused {onednn} ms "
                       f"-> oneDNN / ours = {r['fwd_onednn_over_ours_erf']:.2f}", flush=True)

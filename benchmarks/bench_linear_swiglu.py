@@ -20,6 +20,11 @@ library our op's float32 GEMMs use on some CPUs (Note [float32 GEMMs through one
   GEMM oneDNN   the bare packed GEMM through oneDNN
 "ours / GEMM" is against the bare GEMM of the library our op used (ours_over_gemm), and ours over
 ATen's GEMM is kept too (ours_over_aten_gemm).
+On CUDA each variant is also timed queued: several calls between two syncs (`calls` in the
+row's "queued" entry; enough for ~2 ms, at most 20), the launches waiting behind the running
+kernels as in a training loop. The default samples are one call's latency, in which the host's
+time to reach the first kernel adds to the GPU's; queued samples are the GPU's throughput, what a
+step of many layers sees once the GPU is the bottleneck. Both are kept; neither replaces the other.
 It also times the backward alone, without autograd (bwd_split_over_fused): the fused op
 (linear_swiglu_backward: one elementwise pass that also writes the weight gradient's operand
 layout, then dx and dW) against the same work split in three ops - swiglu_backward, then
@@ -38,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, time_interleaved, write_json  # noqa: E402
+from _common import RESULTS, machine, time_interleaved, time_queued, write_json  # noqa: E402
 
 import parallel_layers  # noqa: E402
 from parallel_layers.ops import linear_swiglu  # noqa: E402
@@ -100,8 +105,11 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     if onednn:
         fwd["eager_onednn"] = lambda: eager_onednn(x, wg, bg, wu, bu)
         fwd["gemm_onednn"] = lambda: _OneDNNLinear.apply(x, w, b)
+    queued = {}  # on CUDA: the same variants timed as throughput (the module doc)
     with torch.no_grad():
         t_fwd = time_interleaved(fwd, reps, sync=sync)
+        if device == "cuda":
+            queued["forward"] = time_queued(fwd, reps, sync, t_fwd)
 
     leaf = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
     xg, w_, b_, wg_, bg_, wu_, bu_ = (leaf(t) for t in (x, w, b, wg, bg, wu, bu))
@@ -122,7 +130,9 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     if onednn:
         t_train["eager_onednn"] = train(eager_onednn, (xg, wg_, bg_, wu_, bu_), dy)
         t_train["gemm_onednn"] = train(_OneDNNLinear.apply, (xg, w_, b_), dy_gemm)
-    t_train = time_interleaved(t_train, reps, sync=sync)
+    train_fns, t_train = t_train, time_interleaved(t_train, reps, sync=sync)
+    if device == "cuda":
+        queued["forward_backward"] = time_queued(train_fns, reps, sync, t_train)
 
     ops = torch.ops.parallel_layers
     preact = F.linear(x, w, b)
@@ -134,7 +144,7 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     fused = lambda: ops.linear_swiglu_backward(dy, x, w, preact, [True, True, True])  # noqa: E731
     assert all(torch.equal(a, c) for a, c in zip(fused(), split())), "fused and split backward differ"
     t_bwd = time_interleaved({"fused": fused, "split": split}, reps, sync=sync)
-    return t_fwd, t_train, t_bwd
+    return t_fwd, t_train, t_bwd, queued
 
 
 def gemm_library(dtype, device) -> str:
@@ -201,12 +211,18 @@ def main(argv=None):
     for m, k, n in shapes:
         for dname in args.dtypes.split(","):
             dtype = getattr(torch, dname)
-            t_fwd, t_train, t_bwd = bench_case(m, k, n, dtype, args.device, args.reps, args.compile)
+            t_fwd, t_train, t_bwd, queued = bench_case(m, k, n, dtype, args.device, args.reps, args.compile)
             library = gemm_library(dtype, args.device)
             r = ratios(t_fwd, t_train, t_bwd, library)
             rows.append({"m": m, "k": k, "n": n, "dtype": dname, "device": args.device, "gemm_library": library,
                          "forward_s": t_fwd, "forward_backward_s": t_train, "backward_s": t_bwd,
                          "ratios": r})
+            if queued:
+                (fwd_calls, q_fwd), (train_calls, q_train) = queued["forward"], queued["forward_backward"]
+                q = ratios(q_fwd, q_train, t_bwd, library)
+                rows[-1]["queued"] = {"forward_calls": fwd_calls, "forward_s": q_fwd,
+                                      "forward_backward_calls": train_calls, "forward_backward_s": q_train,
+                                      "ratios": {key: v for key, v in q.items() if key != "bwd_split_over_fused"}}
             ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
             line = f"{f'{m},{k},{n}':>16} {dname:>9} |"
             for phase, t in (("fwd", t_fwd), ("train", t_train)):
@@ -218,6 +234,13 @@ def main(argv=None):
                 print(f"{'':>28}GEMMs through {library}; eager oneDNN / ours: fwd {r['fwd_eager_onednn_over_ours']:.2f}, "
                       f"fwd+bwd {r['train_eager_onednn_over_ours']:.2f}; ours / ATen's GEMM: fwd "
                       f"{r['fwd_ours_over_aten_gemm']:.2f}, fwd+bwd {r['train_ours_over_aten_gemm']:.2f}", flush=True)
+            if queued:
+                q = rows[-1]["queued"]["ratios"]
+                print(f"{'':>28}queued ({fwd_calls} / {train_calls} calls per sync): fwd eager/ours "
+                      f"{q['fwd_eager_over_ours']:.2f}, packed/ours {q['fwd_eager_packed_over_ours']:.2f}, ours/gemm "
+                      f"{q['fwd_ours_over_gemm']:.2f}; f+b eager/ours {q['train_eager_over_ours']:.2f}, packed/ours "
+                      f"{q['train_eager_packed_over_ours']:.2f}, ours/gemm {q['train_ours_over_gemm']:.2f}",
+                      flush=True)
             print(f"{'':>28}backward alone: split (swiglu_backward + 2 GEMM ops) / fused "
                   f"{r['bwd_split_over_fused']:.2f}", flush=True)
             if args.compile:

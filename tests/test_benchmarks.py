@@ -23,3 +23,26 @@ def test_run_all_quick_writes_the_report(tmp_path):
     for png in ("bench_linear_gelu.png", "bench_linear_swiglu.png", "bench_pipeline.png", "bench_scaling.png",
                 "bench_hf.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_queued_timing_divides_by_the_calls_between_syncs():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _common import queued_calls, time_interleaved
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    counts, syncs = {"a": 0, "b": 0}, []
+
+    def bump(name):
+        def fn():
+            counts[name] += 1
+        return fn
+
+    t = time_interleaved({"a": bump("a"), "b": bump("b")}, reps=4, warmup=1, sync=lambda: syncs.append(1), calls=5)
+    assert counts == {"a": 1 + 4 * 5, "b": 1 + 4 * 5}  # warm-up once, then 5 calls per sample
+    assert len(syncs) == 1 + 2 * 4 * 2  # after warm-up, then before and after every sample
+    assert set(t) == {"a", "b"} and all(v >= 0 for v in t.values())
+    # enough calls for ~2 ms of the fastest variant, within [1, 20]
+    assert queued_calls({"a": 1e-4, "b": 5e-4}) == 20
+    assert queued_calls({"a": 2.5e-4, "b": 1.0}) == 8
+    assert queued_calls({"a": 5e-3}) == 1
