@@ -80,6 +80,37 @@ const Ops& ops() {
   return handles;
 }
 
+bool has_forward_grad(const at::Tensor& t) { return torch::autograd::isFwGradDefined(t); }
+bool has_forward_grad(const OptTensor& t) { return torch::autograd::isFwGradDefined(t); }
+template <typename T>
+bool has_forward_grad(const T&) { return false; }
+
+bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
+template <typename T>
+bool requires_grad(const T&) { return false; }
+
+// Note [no autograd node without a graph to record]: torch::autograd::Function::apply builds its
+// node - the context, its saved-data map, a SavedVariable per saved tensor, the outputs' wrapping
+// - on every call, whether or not any gradient will be asked for. Under torch.no_grad, or on
+// inputs none of which requires grad (inference, frozen layers, the forward of an evaluation
+// pass), that is all waste, so the differentiable ops' autograd kernels below first ask whether
+// a graph would be recorded, as ATen's generated autograd kernels do, and otherwise run the op
+// below autograd directly. Dual tensors (forward-mode AD) still take the Function, which rejects
+// them (the C++ Function has no jvp).
+template <typename... Args>
+bool records_graph(const Args&... args) {
+  return (has_forward_grad(args) || ...) ||
+         (torch::autograd::GradMode::is_enabled() && (requires_grad(args) || ...));
+}
+
+// The op with the dispatcher's autograd keys skipped: the CPU / CUDA kernel (or autocast's).
+template <typename R, typename... Args>
+R below_autograd(const TypedOp<R(Args...)>& op, std::type_identity_t<Args>... args) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(args...);
+}
+
 // Sizes through sym_* throughout: under torch.compile with dynamic shapes they are symbolic.
 bool defined_nonempty(const at::Tensor& t) { return t.defined() && t.sym_numel() != 0; }
 
@@ -296,16 +327,6 @@ struct Transpose2dFunction : torch::autograd::Function<Transpose2dFunction> {
 // a direct call on tensors that require grad fails when compiling, since AOTAutograd traces the
 // backward ahead of time - as for ATen ops whose derivative is not implemented.
 
-bool has_forward_grad(const at::Tensor& t) { return torch::autograd::isFwGradDefined(t); }
-bool has_forward_grad(const OptTensor& t) { return torch::autograd::isFwGradDefined(t); }
-template <typename T>
-bool has_forward_grad(const T&) { return false; }
-
-bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
-bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
-template <typename T>
-bool requires_grad(const T&) { return false; }
-
 void collect_tensor(variable_list& out, const at::Tensor& t) { out.push_back(t); }
 void collect_tensor(variable_list& out, const OptTensor& t) { out.push_back(t.value_or(at::Tensor())); }
 template <typename T>
@@ -339,10 +360,7 @@ R without_derivative(const char* name, const TypedOp<R(Args...)>& op, std::type_
                               " has no forward-mode derivative (dual tensors, torch.func.jvp): the fused ops and "
                               "their backward ops support reverse mode only");
   const bool record = torch::autograd::GradMode::is_enabled() && (requires_grad(args) || ...);
-  R out = [&] {
-    at::AutoDispatchBelowADInplaceOrView below;
-    return op.call(args...);
-  }();
+  R out = below_autograd(op, args...);
   if (record) {
     variable_list inputs;
     (collect_tensor(inputs, args), ...);
@@ -397,32 +415,42 @@ Pair rms_norm_backward_autograd(Ref grad_y, Ref x, Ref weight, Ref rstd, const O
 }
 
 Pair bias_gelu_autograd(const at::Tensor& x, const at::Tensor& bias, std::string_view approximate) {
+  if (!records_graph(x, bias)) return below_autograd(ops().bias_gelu, x, bias, approximate);
   const variable_list out = BiasGeluFunction::apply(x, bias, approximate);
   return {out[0], out[1]};
 }
 
 Pair linear_gelu_autograd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                           std::string_view approximate, bool save_preact) {
+  if (!records_graph(x, weight, bias)) {  // Note [no autograd node without a graph to record]
+    return below_autograd(ops().linear_gelu, x, weight, bias, approximate, save_preact);
+  }
   const variable_list out = LinearGeluFunction::apply(x, weight, bias, approximate, save_preact);
   return {out[0], out[1]};
 }
 
 Pair linear_swiglu_autograd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, bool save_preact) {
+  if (!records_graph(x, weight, bias)) return below_autograd(ops().linear_swiglu, x, weight, bias, save_preact);
   const variable_list out = LinearSwigluFunction::apply(x, weight, bias, save_preact);
   return {out[0], out[1]};
 }
 
 Pair rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (!records_graph(x, weight)) return below_autograd(ops().rms_norm, x, weight, eps);
   const variable_list out = RmsNormFunction::apply(x, weight, eps);
   return {out[0], out[1]};
 }
 
 Triple rms_norm_add_autograd(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  if (!records_graph(x, residual, weight)) return below_autograd(ops().rms_norm_add, x, residual, weight, eps);
   const variable_list out = RmsNormAddFunction::apply(x, residual, weight, eps);
   return {out[0], out[1], out[2]};
 }
 
-at::Tensor transpose_2d_autograd(const at::Tensor& x) { return Transpose2dFunction::apply(x)[0]; }
+at::Tensor transpose_2d_autograd(const at::Tensor& x) {
+  if (!records_graph(x)) return below_autograd(ops().transpose_2d, x);
+  return Transpose2dFunction::apply(x)[0];
+}
 
 }  // namespace
 }  // namespace parallel_layers

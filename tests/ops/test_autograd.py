@@ -1,7 +1,8 @@
 """Every branch of the autograd kernels (csrc/autograd.cpp, Note [autograd in C++]) against
 float64 finite differences: each output used alone and together (an unused output's gradient
 arrives undefined), the pre-activation recomputed when it was not kept, no bias, a 1-D input.
-And the ops without a derivative (Note [ops without a derivative]): a second-order gradient
+Without a gradient to compute, no graph is recorded and the values are the same. And the ops
+without a derivative (Note [ops without a derivative]): a second-order gradient
 through a fused op raises, naming its backward op, instead of coming back as None."""
 
 import pytest
@@ -33,15 +34,15 @@ CASES = {
     "rms_norm_add, sum alone": (lambda x, r, g: P.rms_norm_add(x, r, g, 1e-6)[1], "x r g"),
     "transpose_2d": (lambda x: P.transpose_2d(x), "x"),
 }
+# The shape of each input name in CASES.
+SHAPES = {"x": (3, 5), "w": (4, 5), "b": (4,), "w2": (8, 5), "b2": (8,), "c": (5,), "v": (5,), "r": (3, 5), "g": (5,)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_autograd_kernel_branches_match_finite_differences(case):
     g = torch.Generator().manual_seed(0)
-    shapes = {"x": (3, 5), "w": (4, 5), "b": (4,), "w2": (8, 5), "b2": (8,), "c": (5,), "v": (5,), "r": (3, 5),
-              "g": (5,)}
     fn, names = CASES[case]
-    inputs = tuple(torch.randn(*shapes[n], generator=g, dtype=torch.float64).requires_grad_() for n in names.split())
+    inputs = tuple(torch.randn(*SHAPES[n], generator=g, dtype=torch.float64).requires_grad_() for n in names.split())
     assert torch.autograd.gradcheck(fn, inputs)
 
 
@@ -55,6 +56,24 @@ def test_only_the_inputs_that_need_it_get_a_gradient():
     y, _ = P.linear_gelu(x, w, b, "tanh", True)
     y.sum().backward()
     assert w.grad is None and x.grad is not None
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_graph_is_recorded_without_a_gradient_to_compute(case, device):
+    """Note [no autograd node without a graph to record]: under no_grad, or on inputs none of
+    which requires grad, the differentiable ops run below autograd: the same values, no grad_fn."""
+    g = torch.Generator().manual_seed(2)
+    fn, names = CASES[case]
+    inputs = [torch.randn(*SHAPES[n], generator=g, dtype=torch.float64).to(device) for n in names.split()]
+    recorded = fn(*(t.clone().requires_grad_() for t in inputs))
+    assert recorded.requires_grad
+    with torch.no_grad():
+        no_grad = fn(*(t.clone().requires_grad_() for t in inputs))
+    plain = fn(*inputs)
+    for out in (no_grad, plain):
+        assert not out.requires_grad and out.grad_fn is None
+        assert torch.equal(out, recorded.detach())
 
 
 # Each differentiable op with the backward op its backward calls (the one a double backward meets).
