@@ -97,7 +97,10 @@ bool requires_grad(const T&) { return false; }
 // pass), that is all waste, so the differentiable ops' autograd kernels below first ask whether
 // a graph would be recorded, as ATen's generated autograd kernels do, and otherwise run the op
 // below autograd directly. Dual tensors (forward-mode AD) still take the Function, which rejects
-// them (the C++ Function has no jvp).
+// them (the C++ Function has no jvp). One visible difference: Function::apply also refuses to
+// run under functorch's transforms (torch.func.grad, vmap, jvp), and the direct path does not
+// ask. So an op whose inputs do not depend on the transformed argument, a constant to the
+// transform, now runs, and one whose inputs do still raises (tests/ops/test_autograd.py).
 template <typename... Args>
 bool records_graph(const Args&... args) {
   return (has_forward_grad(args) || ...) ||

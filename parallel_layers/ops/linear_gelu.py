@@ -26,7 +26,7 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approxima
     """Return `F.gelu(F.linear(x, weight, bias), approximate=approximate)` from one fused op."""
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    y, _ = linear_gelu_forward(x, weight, bias, approximate, needs_grad)
+    y, _ = torch.ops.parallel_layers.linear_gelu(x, weight, bias, approximate, needs_grad)
     return y
 
 

@@ -137,3 +137,32 @@ def test_forward_mode_ad_raises_instead_of_a_zero_tangent(device):
             dual = fwAD.make_dual(primal, torch.ones_like(primal))
             with pytest.raises(NotImplementedError, match=f"parallel_layers::{name} has no forward-mode derivative"):
                 call(dual)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # torch's forward_ad import
+@pytest.mark.parametrize("case", list(CASES))
+def test_differentiable_ops_reject_dual_tensors_even_without_grad_mode(case):
+    """Note [no autograd node without a graph to record]: a dual input still takes the C++
+    Function, which has no jvp and raises; below autograd it would get a silent zero tangent."""
+    import torch.autograd.forward_ad as fwAD
+    g = torch.Generator().manual_seed(3)
+    fn, names = CASES[case]
+    inputs = [torch.randn(*SHAPES[n], generator=g, dtype=torch.float64) for n in names.split()]
+    with torch.no_grad(), fwAD.dual_level():
+        inputs[0] = fwAD.make_dual(inputs[0], torch.ones_like(inputs[0]))
+        with pytest.raises(RuntimeError, match="jvp is not implemented"):
+            fn(*inputs)
+
+
+def test_functorch_transforms_run_ops_whose_inputs_do_not_depend_on_the_transformed_argument():
+    """The no-graph path skips Function::apply and with it functorch's refusal of C++ Functions:
+    an op whose inputs do not depend on the transformed argument is a constant to torch.func and
+    now runs (it raised before); one whose inputs do depend still raises."""
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*SHAPES[n], generator=g, dtype=torch.float64) for n in ("x", "w", "b"))
+    y = P.linear_gelu(x, w, b, "tanh", False)[0]
+    s = torch.tensor(1.5, dtype=torch.float64)
+    grad_s = torch.func.grad(lambda s: (s * P.linear_gelu(x, w, b, "tanh", False)[0]).sum())(s)
+    torch.testing.assert_close(grad_s, y.sum(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="functorch"):
+        torch.func.grad(lambda s: P.linear_gelu(s * x, w, b, "tanh", False)[0].sum())(s)
