@@ -22,7 +22,7 @@ RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().p
 
 def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2,
                      sync: Callable[[], None] = lambda: None, shuffle: bool = False,
-                     calls: int = 1) -> dict[str, float]:
+                     calls: int = 1, host: dict[str, float] | None = None) -> dict[str, float]:
     """Median seconds per call of each function, the functions run round-robin.
 
     Round-robin (one call of each per round) rather than one function at a time, so that a
@@ -33,13 +33,17 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
     calls: how many calls one sample makes between two syncs (the sample's time divided by it).
     With 1 (the default) a sample is one call's latency: on a GPU the host's time to reach the
     first kernel launch adds to the kernels'. With more, the launches queue behind the running
-    kernels, as in a training loop, and a sample measures throughput (`queued_calls`).
+    kernels, as in a training loop, and a sample is the steady rate, ~max(host, GPU) time per
+    call (`queued_calls`): the GPU's cost only where the GPU is the bottleneck.
+    host: if given, filled with each function's median host time per call (until its last call
+    returned, before the sync): a queued time close to it means the host was the bottleneck.
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     sync()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    issue: dict[str, list[float]] = {name: [] for name in fns}
     order, rng = list(fns.items()), random.Random(0)
     for _ in range(reps):
         if shuffle:
@@ -49,8 +53,12 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
+            issued = time.perf_counter()
             sync()
             times[name].append((time.perf_counter() - start) / calls)
+            issue[name].append((issued - start) / calls)
+    if host is not None:
+        host.update({name: statistics.median(ts) for name, ts in issue.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -63,11 +71,16 @@ def queued_calls(per_call_s: dict[str, float], sample_s: float = 2e-3, most: int
 
 
 def time_queued(fns: dict[str, Callable[[], object]], reps: int, sync: Callable[[], None],
-                latency: dict[str, float]) -> tuple[int, dict[str, float]]:
-    """`(calls, seconds per call)`: fns timed as throughput, `queued_calls(latency)` calls per
-    sample. latency: the same fns' one-call timings, returned as they are when that is 1 call."""
+                latency: dict[str, float]) -> dict:
+    """fns timed queued, `queued_calls(latency)` calls per sample: {"calls", "s" (seconds per
+    call), "host_s" (the host's share per call; None when calls is 1)}. latency: the same fns'
+    one-call timings, returned as they are when that is 1 call (one call then lasts >= ~1.3 ms,
+    next to which the host's ~10-100 us per call is small)."""
     calls = queued_calls(latency)
-    return calls, latency if calls == 1 else time_interleaved(fns, reps, sync=sync, calls=calls)
+    if calls == 1:
+        return {"calls": 1, "s": latency, "host_s": None}
+    host: dict[str, float] = {}
+    return {"calls": calls, "s": time_interleaved(fns, reps, sync=sync, calls=calls, host=host), "host_s": host}
 
 
 def machine() -> dict:
@@ -135,3 +148,20 @@ def _spawned(fn, rank, world_size, args, init_method, queue):
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         queue.put((rank, RuntimeError(f"rank {rank}: {e!r}")))
+
+
+def queued_entry(forward: dict, forward_backward: dict, ratios: dict[str, float]) -> dict:
+    """A GPU benchmark row's "queued" entry from two `time_queued` results and their ratios."""
+    return {"forward_calls": forward["calls"], "forward_s": forward["s"], "forward_host_s": forward["host_s"],
+            "forward_backward_calls": forward_backward["calls"], "forward_backward_s": forward_backward["s"],
+            "forward_backward_host_s": forward_backward["host_s"], "ratios": ratios}
+
+
+def host_bound_note(entry: dict, variants: tuple[str, ...], share: float = 0.9) -> str:
+    """Which of `variants` were host-bound when queued (their host time per call >= share of the
+    queued time): there the queued time is the host's, not the GPU's."""
+    bound = [f"{phase} {name}" for phase, key in (("fwd", "forward"), ("f+b", "forward_backward"))
+             if entry[f"{key}_host_s"] for name in variants
+             if entry[f"{key}_host_s"][name] >= share * entry[f"{key}_s"][name]]
+    return f"; host-bound: {', '.join(bound)}" if bound else ""
+

@@ -19,8 +19,9 @@ default path (ATen's GEMM, then our GeLU kernel) and "ours, cuBLASLt" the opt-in
 epilogue (Note [linear_gelu's CUDA forward path], csrc/cuda/linear_gelu.cpp; 16-bit only), timed
 in the same run so that the default stays the faster one. On CUDA every variant is also timed
 queued, several calls between two syncs (the row's "queued" entry; see bench_linear_swiglu.py):
-throughput, where the default samples are one call's latency, host time included. Prints a table
-of ratios and writes benchmarks/results/bench_linear_gelu.json and .png.
+the steady rate, the larger of host and GPU time per call, where the default samples are one
+call's latency, host time included. Prints a table of ratios and writes
+benchmarks/results/bench_linear_gelu.json and .png.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, time_interleaved, time_queued, write_json  # noqa: E402
+from _common import (RESULTS, host_bound_note, machine, queued_entry, time_interleaved,  # noqa: E402
+                     time_queued, write_json)
 
 import parallel_layers  # noqa: E402
 from parallel_layers import _C  # noqa: E402
@@ -191,10 +193,8 @@ def main(argv=None):
                          "forward_s": t_fwd, "forward_backward_s": t_train, "ratios": r,
                          "gemm_alone_fwd_gflops": gemm_gflops})
             if queued:
-                (fwd_calls, q_fwd), (train_calls, q_train) = queued["forward"], queued["forward_backward"]
-                rows[-1]["queued"] = {"forward_calls": fwd_calls, "forward_s": q_fwd,
-                                      "forward_backward_calls": train_calls, "forward_backward_s": q_train,
-                                      "ratios": ratios(q_fwd, q_train)}
+                q_fwd, q_train = queued["forward"], queued["forward_backward"]
+                rows[-1]["queued"] = queued_entry(q_fwd, q_train, ratios(q_fwd["s"], q_train["s"]))
             ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
             onednn = ms(t_fwd["onednn_erf"]) if "onednn_erf" in t_fwd else "    n/a"
             print(f"{str((m, k, n)):>20} {dname:>9} | {ms(t_fwd['ours']):>12} {ms(t_fwd['eager'])} "
@@ -205,9 +205,10 @@ def main(argv=None):
                   flush=True)
             if queued:
                 q = rows[-1]["queued"]["ratios"]
-                print(f"{'':>32}queued ({fwd_calls} / {train_calls} calls per sync): fwd eager/ours "
+                print(f"{'':>32}queued ({q_fwd['calls']} / {q_train['calls']} calls per sync): fwd eager/ours "
                       f"{q['fwd_eager_over_ours']:.2f}, ours/gemm {q['fwd_ours_over_gemm']:.2f}; f+b eager/ours "
-                      f"{q['train_eager_over_ours']:.2f}, ours/gemm {q['train_ours_over_gemm']:.2f}", flush=True)
+                      f"{q['train_eager_over_ours']:.2f}, ours/gemm {q['train_ours_over_gemm']:.2f}"
+                      f"{host_bound_note(rows[-1]['queued'], ('ours', 'eager'))}", flush=True)
             if "fwd_onednn_over_ours_erf" in r:
                 print(f"{'':>32}erf GeLU: ours {ms(t_fwd['ours_erf'])} ms, oneDNN fused {onednn} ms "
                       f"-> oneDNN / ours = {r['fwd_onednn_over_ours_erf']:.2f}", flush=True)

@@ -23,8 +23,11 @@ ATen's GEMM is kept too (ours_over_aten_gemm).
 On CUDA each variant is also timed queued: several calls between two syncs (`calls` in the
 row's "queued" entry; enough for ~2 ms, at most 20), the launches waiting behind the running
 kernels as in a training loop. The default samples are one call's latency, in which the host's
-time to reach the first kernel adds to the GPU's; queued samples are the GPU's throughput, what a
-step of many layers sees once the GPU is the bottleneck. Both are kept; neither replaces the other.
+time to reach the first kernel adds to the GPU's. A queued sample is the steady rate, about the
+larger of the host's and the GPU's time per call: the GPU's cost where the GPU is the bottleneck,
+the host's where the host is. The host's time per call is kept too (`*_host_s`), and a variant
+whose host time is >= 90% of its queued time is printed as host-bound. Both timings are kept;
+neither replaces the other.
 It also times the backward alone, without autograd (bwd_split_over_fused): the fused op
 (linear_swiglu_backward: one elementwise pass that also writes the weight gradient's operand
 layout, then dx and dW) against the same work split in three ops - swiglu_backward, then
@@ -43,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, time_interleaved, time_queued, write_json  # noqa: E402
+from _common import (RESULTS, host_bound_note, machine, queued_entry, time_interleaved,  # noqa: E402
+                     time_queued, write_json)
 
 import parallel_layers  # noqa: E402
 from parallel_layers.ops import linear_swiglu  # noqa: E402
@@ -105,7 +109,7 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     if onednn:
         fwd["eager_onednn"] = lambda: eager_onednn(x, wg, bg, wu, bu)
         fwd["gemm_onednn"] = lambda: _OneDNNLinear.apply(x, w, b)
-    queued = {}  # on CUDA: the same variants timed as throughput (the module doc)
+    queued = {}  # on CUDA: the same variants timed queued (the module doc)
     with torch.no_grad():
         t_fwd = time_interleaved(fwd, reps, sync=sync)
         if device == "cuda":
@@ -218,11 +222,10 @@ def main(argv=None):
                          "forward_s": t_fwd, "forward_backward_s": t_train, "backward_s": t_bwd,
                          "ratios": r})
             if queued:
-                (fwd_calls, q_fwd), (train_calls, q_train) = queued["forward"], queued["forward_backward"]
-                q = ratios(q_fwd, q_train, t_bwd, library)
-                rows[-1]["queued"] = {"forward_calls": fwd_calls, "forward_s": q_fwd,
-                                      "forward_backward_calls": train_calls, "forward_backward_s": q_train,
-                                      "ratios": {key: v for key, v in q.items() if key != "bwd_split_over_fused"}}
+                q_fwd, q_train = queued["forward"], queued["forward_backward"]
+                q = ratios(q_fwd["s"], q_train["s"], t_bwd, library)
+                q.pop("bwd_split_over_fused")  # the backward alone is not timed queued
+                rows[-1]["queued"] = queued_entry(q_fwd, q_train, q)
             ms = lambda t: f"{t * 1e3:7.2f}"  # noqa: E731
             line = f"{f'{m},{k},{n}':>16} {dname:>9} |"
             for phase, t in (("fwd", t_fwd), ("train", t_train)):
@@ -236,11 +239,11 @@ def main(argv=None):
                       f"{r['fwd_ours_over_aten_gemm']:.2f}, fwd+bwd {r['train_ours_over_aten_gemm']:.2f}", flush=True)
             if queued:
                 q = rows[-1]["queued"]["ratios"]
-                print(f"{'':>28}queued ({fwd_calls} / {train_calls} calls per sync): fwd eager/ours "
+                print(f"{'':>28}queued ({q_fwd['calls']} / {q_train['calls']} calls per sync): fwd eager/ours "
                       f"{q['fwd_eager_over_ours']:.2f}, packed/ours {q['fwd_eager_packed_over_ours']:.2f}, ours/gemm "
                       f"{q['fwd_ours_over_gemm']:.2f}; f+b eager/ours {q['train_eager_over_ours']:.2f}, packed/ours "
-                      f"{q['train_eager_packed_over_ours']:.2f}, ours/gemm {q['train_ours_over_gemm']:.2f}",
-                      flush=True)
+                      f"{q['train_eager_packed_over_ours']:.2f}, ours/gemm {q['train_ours_over_gemm']:.2f}"
+                      f"{host_bound_note(rows[-1]['queued'], ('ours', 'gemm'))}", flush=True)
             print(f"{'':>28}backward alone: split (swiglu_backward + 2 GEMM ops) / fused "
                   f"{r['bwd_split_over_fused']:.2f}", flush=True)
             if args.compile:

@@ -46,3 +46,17 @@ def test_queued_timing_divides_by_the_calls_between_syncs():
     assert queued_calls({"a": 1e-4, "b": 5e-4}) == 20
     assert queued_calls({"a": 2.5e-4, "b": 1.0}) == 8
     assert queued_calls({"a": 5e-3}) == 1
+
+
+def test_queued_entry_marks_the_variants_whose_host_time_was_the_queued_time():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _common import host_bound_note, queued_entry
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    fwd = {"calls": 20, "s": {"ours": 10e-6, "gemm": 8e-6}, "host_s": {"ours": 9.5e-6, "gemm": 2e-6}}
+    train = {"calls": 1, "s": {"ours": 2e-3, "gemm": 2e-3}, "host_s": None}  # one call: latency reused, no host
+    entry = queued_entry(fwd, train, {"fwd_ours_over_gemm": 1.25})
+    assert entry["forward_calls"] == 20 and entry["forward_backward_host_s"] is None
+    assert host_bound_note(entry, ("ours", "gemm")) == "; host-bound: fwd ours"
+    assert host_bound_note(entry, ("gemm",)) == ""
