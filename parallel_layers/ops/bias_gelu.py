@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from parallel_layers.ops._call import op_call
+
+_BIAS_GELU = op_call("bias_gelu")
+_BIAS_GELU_BACKWARD = op_call("bias_gelu_backward")
+
 _APPROXIMATIONS = ("none", "tanh")
 
 
@@ -19,7 +24,7 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     Same result as `torch.nn.functional.gelu(x + bias, approximate=approximate)`; the forward
     also writes the pre-activation `x + bias`, which backward reads instead of recomputing.
     """
-    y, _ = torch.ops.parallel_layers.bias_gelu(x, bias, approximate)
+    y, _ = _BIAS_GELU(x, bias, approximate)
     return y
 
 
@@ -32,7 +37,7 @@ def bias_gelu_backward(grad_out: Tensor, preact: Tensor, approximate: str = "non
     differentiable; for callers that write a backward of their own (the tensor-parallel column
     layer, which then hands dz to `linear_weight_grad`).
     """
-    return torch.ops.parallel_layers.bias_gelu_backward(grad_out, preact, approximate)
+    return _BIAS_GELU_BACKWARD(grad_out, preact, approximate)
 
 
 def check_approximate(approximate: str) -> None:

@@ -19,14 +19,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from parallel_layers.ops._call import op_call
 from parallel_layers.ops.bias_gelu import check_approximate
+
+_LINEAR_GELU = op_call("linear_gelu")
+_LINEAR_WEIGHT_GRAD = op_call("linear_weight_grad")
+_LINEAR_INPUT_GRAD = op_call("linear_input_grad")
+_LINEAR_FORWARD = op_call("linear_forward")
+_LINEAR_AUTOCAST_INPUTS = op_call("linear_autocast_inputs")
 
 
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "tanh") -> Tensor:
     """Return `F.gelu(F.linear(x, weight, bias), approximate=approximate)` from one fused op."""
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    y, _ = torch.ops.parallel_layers.linear_gelu(x, weight, bias, approximate, needs_grad)
+    y, _ = _LINEAR_GELU(x, weight, bias, approximate, needs_grad)
     return y
 
 
@@ -34,7 +41,7 @@ def linear_gelu_forward(x: Tensor, weight: Tensor, bias: Tensor | None, approxim
                         save_preact: bool) -> tuple[Tensor, Tensor]:
     """`(y, preact)`: y as `linear_gelu` returns it and, when save_preact, the pre-activation
     `x @ weight.T + bias` [..., N] that `bias_gelu_backward` takes (else an empty [0] tensor)."""
-    return torch.ops.parallel_layers.linear_gelu(x, weight, bias, approximate, save_preact)
+    return _LINEAR_GELU(x, weight, bias, approximate, save_preact)
 
 
 def linear_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
@@ -46,7 +53,7 @@ def linear_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
     [weight-gradient operand layout], csrc/linear_gelu.cpp), so for the same dz both give the
     same bits; 16-bit dtypes accumulate in float32 inside the GEMM. Not differentiable.
     """
-    return torch.ops.parallel_layers.linear_weight_grad(grad_out, x)
+    return _LINEAR_WEIGHT_GRAD(grad_out, x)
 
 
 def linear_input_grad(grad_out: Tensor, weight: Tensor) -> Tensor:
@@ -57,7 +64,7 @@ def linear_input_grad(grad_out: Tensor, weight: Tensor) -> Tensor:
     float32 possibly oneDNN's: Note [float32 GEMMs through oneDNN], csrc/gemm.cpp), so a backward
     split around a collective gives their bits. Not differentiable.
     """
-    return torch.ops.parallel_layers.linear_input_grad(grad_out, weight)
+    return _LINEAR_INPUT_GRAD(grad_out, weight)
 
 
 def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -69,7 +76,7 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     csrc/gemm.cpp); elsewhere, and on CUDA, `F.linear`'s bits. The forward GEMM of the layers whose
     backward is their own (`linear_input_grad`, `linear_weight_grad`). Not differentiable.
     """
-    return torch.ops.parallel_layers.linear_forward(x, weight, bias)
+    return _LINEAR_FORWARD(x, weight, bias)
 
 
 def linear_autocast_inputs(x: Tensor, weight: Tensor,
@@ -83,7 +90,7 @@ def linear_autocast_inputs(x: Tensor, weight: Tensor,
     computes in that dtype, so its backward also runs after the autocast region has closed,
     and float32 parameters get float32 gradients. The policy is the op's (csrc/autocast.cpp).
     """
-    return torch.ops.parallel_layers.linear_autocast_inputs(x, weight, bias)
+    return _LINEAR_AUTOCAST_INPUTS(x, weight, bias)
 
 
 @torch.library.register_fake("parallel_layers::linear_gelu")

@@ -17,12 +17,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from parallel_layers.ops._call import op_call
+
+_LINEAR_SWIGLU = op_call("linear_swiglu")
+_SWIGLU_BACKWARD = op_call("swiglu_backward")
+
 
 def linear_swiglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Return `F.silu(gate) * up` for `gate, up = F.linear(x, weight, bias).chunk(2, -1)`, fused."""
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    y, _ = torch.ops.parallel_layers.linear_swiglu(x, weight, bias, needs_grad)
+    y, _ = _LINEAR_SWIGLU(x, weight, bias, needs_grad)
     return y
 
 
@@ -30,7 +35,7 @@ def linear_swiglu_forward(x: Tensor, weight: Tensor, bias: Tensor | None,
                           save_preact: bool) -> tuple[Tensor, Tensor]:
     """`(y, preact)`: y as `linear_swiglu` returns it and, when save_preact, the packed
     pre-activation [..., 2N] that `swiglu_backward` takes (else an empty [0] tensor)."""
-    return torch.ops.parallel_layers.linear_swiglu(x, weight, bias, save_preact)
+    return _LINEAR_SWIGLU(x, weight, bias, save_preact)
 
 
 def swiglu_backward(grad_y: Tensor, preact: Tensor, need_dbias: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -38,7 +43,7 @@ def swiglu_backward(grad_y: Tensor, preact: Tensor, need_dbias: bool = True) -> 
     from grad_y [..., N] and the saved pre-activation, and the bias gradient [2N] summed over
     the rows in the same pass (None unless need_dbias) - for callers that run the GEMMs
     themselves (the tensor-parallel layer overlaps its input-gradient collective with dW)."""
-    d_pre, dbias = torch.ops.parallel_layers.swiglu_backward(grad_y, preact, need_dbias)
+    d_pre, dbias = _SWIGLU_BACKWARD(grad_y, preact, need_dbias)
     return d_pre, dbias if need_dbias else None
 
 

@@ -19,10 +19,16 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from parallel_layers.ops._call import op_call
+
+_RMS_NORM = op_call("rms_norm")
+_RMS_NORM_ADD = op_call("rms_norm_add")
+_RMS_NORM_BACKWARD = op_call("rms_norm_backward")
+
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """`weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`, the normalisation in float32."""
-    y, _ = torch.ops.parallel_layers.rms_norm(x, weight, eps)
+    y, _ = _RMS_NORM(x, weight, eps)
     return y
 
 
@@ -32,7 +38,7 @@ def rms_norm_add(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     x and residual [..., n] of one dtype. A decoder layer's `residual + hidden_states`
     followed by its next norm; s is the residual after that.
     """
-    y, s, _ = torch.ops.parallel_layers.rms_norm_add(x, residual, weight, eps)
+    y, s, _ = _RMS_NORM_ADD(x, residual, weight, eps)
     return y, s
 
 
@@ -45,7 +51,7 @@ def rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Tensor, rstd: Tensor,
     float32 (float64), in an order fixed by the shape, and is rounded once to weight's dtype.
     Not differentiable.
     """
-    return torch.ops.parallel_layers.rms_norm_backward(grad_y, x, weight, rstd, grad_sum)
+    return _RMS_NORM_BACKWARD(grad_y, x, weight, rstd, grad_sum)
 
 
 class FusedRMSNorm(nn.Module):

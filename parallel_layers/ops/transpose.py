@@ -12,10 +12,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from parallel_layers.ops._call import op_call
+
+_TRANSPOSE_2D = op_call("transpose_2d")
+
 
 def transpose_2d(x: Tensor) -> Tensor:
     """Return x^T as a new contiguous tensor; x must be 2-D."""
-    return torch.ops.parallel_layers.transpose_2d(x)
+    return _TRANSPOSE_2D(x)
 
 
 @torch.library.register_fake("parallel_layers::transpose_2d")
