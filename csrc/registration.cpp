@@ -144,9 +144,11 @@ pybind11::dict build_info() {
 // tensors, DTensor), the profiler - less the Python conversion. What it skips is Python-level
 // only: __torch_function__ (overrides and TorchFunctionModes) and Dynamo, which traces
 // torch.ops calls. So parallel_layers/ops/_call.py takes this entry only when neither is
-// active and keeps torch.ops otherwise; ops with tensor-list arguments (the shard copies, whose
-// lists has_torch_function would not look into) stay on torch.ops. The GIL is released around
-// the call, as torch's own bindings do.
+// active and keeps torch.ops otherwise, and also when pybind11 rejects an argument's Python
+// type, so that torch's own message reports it. Ops with tensor-list arguments (the shard
+// copies, whose lists has_torch_function would not look into) stay on torch.ops. The GIL is
+// released around the call, as the boxed call does; the dispatcher takes it again for Python
+// kernels and modes.
 template <typename Signature>
 struct DirectCall;
 template <typename R, typename... Args>
