@@ -85,13 +85,20 @@ def time_queued(fns: dict[str, Callable[[], object]], reps: int, sync: Callable[
 
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            lines = f.read().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
     except OSError:
         pass
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
             "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            # The same model name covers different VMs (an AVX2-only EPYC and a Zen 4 one): the
+            # vector extensions that decide which GEMM code runs, and torch's own dispatch level.
+            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version(), "torch": torch.__version__,
             # False on AVX2-only CPUs: our CPU bfloat16 GEMMs widen to float32 there (docs/kernels.md)
             "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),

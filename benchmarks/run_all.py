@@ -244,6 +244,7 @@ def write_report(out: Path, runs: list[dict]) -> Path:
     lines = [f"# Benchmark report {stamp} on {host}", ""]
     machine = next((d["machine"] for r in runs if (d := _load(out, r["name"]))), {})
     lines += [f"- machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+              + (f" ({', '.join(machine['cpu_flags']) or 'no AVX2'})" if "cpu_flags" in machine else "")
               + (f", oneDNN bf16 {machine['onednn_bf16']}" if "onednn_bf16" in machine else "")
               + (f", GPU {machine['gpu']}" if "gpu" in machine else ", no GPU"),
               f"- versions: torch {torch.__version__}, Python {platform.python_version()}",
