@@ -3,7 +3,7 @@
     python benchmarks/bench_linear_gelu.py [--device cpu|cuda] [--reps 15] [--quick]
 
 For MLP shapes (M, K, N) and float32 / bfloat16 it times, interleaved in one run (median of
---reps calls after warm-up):
+--reps calls after warm-up; each round in a shuffled order, _common.time_interleaved):
   forward (no grad):  ours | eager F.gelu(F.linear(...)) | torch.compile of that |
                       oneDNN's fused torch.ops.mkldnn._linear_pointwise (CPU) | F.linear alone
   forward + backward: ours | eager autograd | torch.compile | F.linear alone (fwd + bwd)
@@ -83,9 +83,9 @@ def bench_case(m, k, n, dtype, device, reps):
         fwd["ours_cublaslt"] = _on_cublaslt(fwd["ours"])
     queued = {}
     with torch.no_grad():
-        t_fwd = time_interleaved(fwd, reps, sync=sync)
+        t_fwd = time_interleaved(fwd, reps, sync=sync, shuffle=True)
         if device == "cuda":
-            queued["forward"] = time_queued(fwd, reps, sync, t_fwd)
+            queued["forward"] = time_queued(fwd, reps, sync, t_fwd, shuffle=True)
 
     xg, wg, bg = (t.detach().clone().requires_grad_() for t in (x, w, b))
 
@@ -103,9 +103,9 @@ def bench_case(m, k, n, dtype, device, reps):
     }
     if lt:
         train["ours_cublaslt"] = _on_cublaslt(train["ours"])
-    t_train = time_interleaved(train, reps, sync=sync)
+    t_train = time_interleaved(train, reps, sync=sync, shuffle=True)
     if device == "cuda":
-        queued["forward_backward"] = time_queued(train, reps, sync, t_train)
+        queued["forward_backward"] = time_queued(train, reps, sync, t_train, shuffle=True)
     return t_fwd, t_train, queued
 
 

@@ -4,8 +4,9 @@
                                              [--shapes M,K,N ...] [--dtypes float32,bfloat16]
 
 For Llama-style MLP shapes (tokens M, hidden K -> ffn N) and float32 / bfloat16 it times,
-interleaved in one run (median of --reps calls after warm-up), forward without autograd and
-forward + backward:
+interleaved in one run (median of --reps calls after warm-up; each round in a shuffled order, so
+that no variant always inherits the same predecessor's caches and allocator state:
+_common.time_interleaved), forward without autograd and forward + backward:
   ours          linear_swiglu(x, W, b), W the packed [2N, K] weight
   eager         what a Hugging Face Llama MLP runs: F.silu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)
                 with separate gate and up parameters
@@ -111,9 +112,9 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
         fwd["gemm_onednn"] = lambda: _OneDNNLinear.apply(x, w, b)
     queued = {}  # on CUDA: the same variants timed queued (the module doc)
     with torch.no_grad():
-        t_fwd = time_interleaved(fwd, reps, sync=sync)
+        t_fwd = time_interleaved(fwd, reps, sync=sync, shuffle=True)
         if device == "cuda":
-            queued["forward"] = time_queued(fwd, reps, sync, t_fwd)
+            queued["forward"] = time_queued(fwd, reps, sync, t_fwd, shuffle=True)
 
     leaf = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
     xg, w_, b_, wg_, bg_, wu_, bu_ = (leaf(t) for t in (x, w, b, wg, bg, wu, bu))
@@ -134,9 +135,9 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
     if onednn:
         t_train["eager_onednn"] = train(eager_onednn, (xg, wg_, bg_, wu_, bu_), dy)
         t_train["gemm_onednn"] = train(_OneDNNLinear.apply, (xg, w_, b_), dy_gemm)
-    train_fns, t_train = t_train, time_interleaved(t_train, reps, sync=sync)
+    train_fns, t_train = t_train, time_interleaved(t_train, reps, sync=sync, shuffle=True)
     if device == "cuda":
-        queued["forward_backward"] = time_queued(train_fns, reps, sync, t_train)
+        queued["forward_backward"] = time_queued(train_fns, reps, sync, t_train, shuffle=True)
 
     ops = torch.ops.parallel_layers
     preact = F.linear(x, w, b)
@@ -147,7 +148,7 @@ def bench_case(m, k, n, dtype, device, reps, compile_baseline):
 
     fused = lambda: ops.linear_swiglu_backward(dy, x, w, preact, [True, True, True])  # noqa: E731
     assert all(torch.equal(a, c) for a, c in zip(fused(), split())), "fused and split backward differ"
-    t_bwd = time_interleaved({"fused": fused, "split": split}, reps, sync=sync)
+    t_bwd = time_interleaved({"fused": fused, "split": split}, reps, sync=sync, shuffle=True)
     return t_fwd, t_train, t_bwd, queued
 
 

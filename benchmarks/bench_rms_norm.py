@@ -3,7 +3,7 @@
     python benchmarks/bench_rms_norm.py [--device cpu|cuda] [--reps 25] [--quick]
 
 For rows x hidden (tokens x model width) and float32 / bfloat16 it times, interleaved in one run
-(median of --reps calls after warm-up):
+(median of --reps calls after warm-up; each round in a shuffled order, _common.time_interleaved):
   forward (no grad):  ours | LlamaRMSNorm eager | a copy of the input (the memory-traffic floor)
   forward + backward: ours | LlamaRMSNorm eager
 each without and with the residual add (eager: `residual + x`, then the module). The copy
@@ -52,7 +52,7 @@ def bench_case(rows, hidden, dtype, device, reps):
             "ours_add": lambda: ours(x, res),
             "hf_add": lambda: hf(res + x),
             "copy": lambda: x.clone(),
-        }, reps, sync=sync)
+        }, reps, sync=sync, shuffle=True)
 
     xg, rg = x.clone().requires_grad_(), res.clone().requires_grad_()
     params = (xg, hf.weight)
@@ -77,7 +77,7 @@ def bench_case(rows, hidden, dtype, device, reps):
         "hf": train(lambda: hf(xg), add=False),
         "ours_add": train(lambda: ours(xg, rg), add=True),
         "hf_add": train(hf_add, add=True),
-    }, reps, sync=sync)
+    }, reps, sync=sync, shuffle=True)
     return t_fwd, t_train
 
 
