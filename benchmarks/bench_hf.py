@@ -2,6 +2,7 @@
 
     python benchmarks/bench_hf.py [--hidden 512 1024] [--layers 4] [--dtypes float32 bfloat16]
                                   [--batch 1 --seq 256] [--reps 6] [--trials 3]
+                                  [--adamw fused|foreach|default]
 
 The model, for each --hidden h: a transformers LlamaConfig with h / 64 heads and h / 256
 key-value heads (grouped-query attention; at least 4 and 2), a SwiGLU MLP of 8h/3 rounded up to
@@ -36,6 +37,16 @@ bfloat16, reduce_dtype=float32) (torchtitan's default), DDP over the float32 mod
 torch.autocast(bfloat16). --bf16 pure: FSDP2 and DDP over the model loaded in bfloat16 (bfloat16
 weights, reductions and AdamW state: less work, and less accurate, than ZeRO, which has no
 such mode and still keeps float32 masters).
+--adamw: torch.optim.AdamW's implementation, the same for every variant: `fused` (the default
+here, and torchtitan's), `foreach`, or `default`, what AdamW(params, lr) picks - on CPU its
+for-loop over the parameters. On one thread of the 2-core EPYC the for-loop took 45 ms for the
+whole model at hidden 512 and 194 ms at 1024 (12-14% of a DDP step), fused 9.4 and 29.6 ms.
+ZeRO and FSDP step half the parameters on each rank and DDP all of them, so the for-loop
+favours ZeRO against DDP and fused is the harder comparison. (Result files without an "adamw"
+entry in their args are from runs before this option, which used `default`.) transformers' tp_plan="auto" leaves the parameters it does not shard as plain
+tensors, which the foreach and fused kernels refuse to mix with its DTensors: for those two,
+each variant's DTensor and plain parameters go in separate parameter groups (as a user of that
+plan would have to).
 Writes benchmarks/results/bench_hf.json (every trial's times) and bench_hf.png.
 Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15.
 """
@@ -59,6 +70,8 @@ from _common import RESULTS, machine, spawn, time_interleaved, write_json  # noq
 AXES = {"tp": ("ours", "hf_tp"), "dp": ("zero3", "fsdp2", "ddp")}
 # (numerator, denominator, target): the issue's targets for each ratio of step times
 RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15))
+# --adamw: torch.optim.AdamW's implementations, the same one for every variant
+ADAMW_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def llama_config(hidden: int, layers: int, vocab: int, seq: int):
@@ -71,7 +84,8 @@ def llama_config(hidden: int, layers: int, vocab: int, seq: int):
                                     max_position_embeddings=max(seq, 512), tie_word_embeddings=False)
 
 
-def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed", lr: float = 1e-4):
+def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed", adamw_impl: str = "fused",
+             lr: float = 1e-4):
     """(step function of token ids) for one variant, built in this process."""
     import transformers
 
@@ -82,7 +96,16 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
         return causal_lm_loss(output.logits, ids)
 
     def adamw(params):
-        return torch.optim.AdamW(params, lr=lr)
+        params = list(params)
+        if adamw_impl != "default":
+            # transformers' tp_plan leaves the parameters it does not shard as plain tensors, and
+            # the foreach / fused kernels refuse a list that mixes them with DTensors: one
+            # parameter group of each
+            from torch.distributed.tensor import DTensor
+
+            kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+            params = [{"params": ps} for ps in kinds if ps]
+        return torch.optim.AdamW(params, lr=lr, **ADAMW_IMPLS[adamw_impl])
 
     if kind == "hf_tp":
         from transformers.distributed import DistributedConfig
@@ -129,13 +152,13 @@ def _plain_step(model, opt, loss_fn, autocast: bool = False):
     return step
 
 
-def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16):
+def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16, adamw_impl):
     # transformers' distributed loading reads the torchrun variables; the process group is ours
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_WORLD_SIZE=str(ws))
     times = {}
     for axis in axes:  # one axis's variants at a time: the others' memory is freed first
         kinds = AXES[axis][::-1] if reverse else AXES[axis]
-        steps = {kind: _variant(kind, model_dir, getattr(torch, dtype_name), bf16) for kind in kinds}
+        steps = {kind: _variant(kind, model_dir, getattr(torch, dtype_name), bf16, adamw_impl) for kind in kinds}
         # tp: every rank the same batch; dp: each rank its own
         g = torch.Generator().manual_seed(rank if axis == "dp" else 0)
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -180,6 +203,9 @@ def main(argv=None):
     ap.add_argument("--bf16", choices=["mixed", "pure"], default="mixed",
                     help="dp=2 in bfloat16: FSDP2 / DDP with float32 weights and reductions (mixed, as their docs "
                          "advise and as ZeRO does) or all in bfloat16 (pure)")
+    ap.add_argument("--adamw", choices=list(ADAMW_IMPLS), default="fused",
+                    help="torch.optim.AdamW's implementation, the same for every variant ('default': what "
+                         "AdamW(params, lr) picks, the for-loop one on CPU)")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--trials", type=int, default=3, help="fresh process pairs; ratios are medians over them")
     ap.add_argument("--name", default="bench_hf", help="result file name under benchmarks/results/")
@@ -201,7 +227,7 @@ def main(argv=None):
                 trials = []
                 for trial in range(args.trials):
                     ranks = spawn(_rank, 2, (args.axes, model_dir, dtype, args.batch, args.seq, args.vocab,
-                                             args.reps, trial % 2 == 1, args.bf16))
+                                             args.reps, trial % 2 == 1, args.bf16, args.adamw))
                     times = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the slower rank's median
                     trials.append(times)
                 ratios, trial_ratios = {}, {}

@@ -187,7 +187,7 @@ def section_hf(d: dict) -> list[str]:
     a = d["args"]
     return ["## Hugging Face Llama step: tp=2 and dp=2 against the PyTorch-native stacks", "",
             f"Llama of {a['layers']} layers, vocabulary {a['vocab']}, [{a['batch']}x{a['seq']}] tokens per rank, "
-            f"AdamW, 2 ranks on gloo; ms per step (median over {a['trials']} trials) and ratios (median of the "
+            f"AdamW ({a.get('adamw', 'default')}, every variant), 2 ranks on gloo; ms per step (median over {a['trials']} trials) and ratios (median of the "
             "trials' ratios; per trial in brackets). Targets: ours / hf_tp <= 0.85, ZeRO-3 / FSDP2 <= 0.85, "
             "ZeRO-3 / DDP <= 1.15. bfloat16 (mixed) at dp=2: every variant keeps float32 weights, reductions "
             "and AdamW (FSDP2 MixedPrecisionPolicy, DDP under autocast, ZeRO's float32 masters); (pure): FSDP2 and "
