@@ -49,7 +49,9 @@ forward of each supported family (transformers 5.23, `FAMILIES`):
 What is summed over tp: every replicated parameter of the decoder layers and of the final norm
 sees only this rank's positions, so its gradient is a partial sum (`reduce_grad_over_tp`): the
 RMSNorm / LayerNorm weights and biases, and the row biases (added after the reduce-scatter;
-`RowParallelLinear` registers them itself). The column and row weights (and column biases) see
+`RowParallelLinear` registers them itself). Qwen3's per-head `q_norm` / `k_norm` see the whole
+sequence but only this rank's heads: a partial sum too, summed once (the plan's Replicated()
+registers the same hook, which is registered once per parameter). The column and row weights (and column biases) see
 the whole sequence of their own shard and need nothing; the embedding and the head sit outside
 the split: replicated compute, or a vocabulary-parallel embedding whose rows' gradient is whole
 (it reads the all-gathered gradient of the full sequence).
@@ -88,11 +90,13 @@ FAMILIES = {
     "llama": ("layers", "norm"),
     "mistral": ("layers", "norm"),
     "qwen2": ("layers", "norm"),
+    "qwen3": ("layers", "norm"),  # Qwen2's model and decoder layer; q_norm / k_norm in attention
     "gpt2": ("h", "ln_f"),
 }
 # model_type -> the base model's input embedding, for the families whose forward passes its
 # output to decoder layer 0 unchanged (Note [hf sequence parallel boundaries]).
-_EMBEDDING_FEEDS_LAYER_0 = {"llama": "embed_tokens", "mistral": "embed_tokens", "qwen2": "embed_tokens"}
+_EMBEDDING_FEEDS_LAYER_0 = {"llama": "embed_tokens", "mistral": "embed_tokens", "qwen2": "embed_tokens",
+                            "qwen3": "embed_tokens"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,16 @@ per-rank head bookkeeping is fixed where it is stored: `num_heads` is divided by
 GPT-2 style `split_size` (the width at which the fused QKV output is split) becomes the
 local width. Llama-style attention reshapes with -1 heads and needs nothing.
 
-Everything that is not in the plan stays replicated; with tensor parallelism alone its
-gradients are identical on every rank, so replicated parameters stay in sync.
+Everything that is not in the plan stays replicated. A replicated parameter that reads the
+replicated activations (the norms between the layers, the embedding without VocabParallel) gets
+the same gradient on every rank and stays in sync. One that reads a column layer's sharded
+output sees only this rank's heads or features, so its gradient is this rank's part of the sum:
+Qwen3's and Gemma 3's per-head `q_norm` / `k_norm` inside attention. Name such a module
+"replicated" / Replicated() in the plan (transformers' "replicated_with_grad_allreduce", which
+those models publish): its parameters stay whole and their gradients are summed over the TP
+group as they are produced (`reduce_grad_over_tp`). A Hugging Face model whose published plan
+marks a module so, beside a column layer that an explicit plan shards, is refused if the plan
+leaves that module out: it would train, silently, with the replicas drifting apart.
 
 Without a plan, a Hugging Face model's published one is used (Note [published plans]).
 
@@ -65,7 +73,7 @@ from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import hf_sequence_parallel
-from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
 
 
@@ -82,6 +90,12 @@ class Row:
 
 
 @dataclasses.dataclass(frozen=True)
+class Replicated:
+    """A module whose parameters stay whole on every rank but read a column layer's sharded
+    output (a per-head norm): their gradients are summed over the TP group."""
+
+
+@dataclasses.dataclass(frozen=True)
 class VocabParallel:
     """An nn.Embedding split on its rows (the vocabulary), with the head tied to it."""
 
@@ -89,7 +103,7 @@ class VocabParallel:
 
 
 _FUSED = "fused"  # an activation module applied by the Column(activation=...) before it
-_STYLES = {"column": Column(), "row": Row(), "vocab_parallel": VocabParallel()}
+_STYLES = {"column": Column(), "row": Row(), "vocab_parallel": VocabParallel(), "replicated": Replicated()}
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 # Note [published plans]: Hugging Face configs publish `base_model_tp_plan` (keys relative to
@@ -113,7 +127,9 @@ HF_STYLES = {
     "rowwise": Row(),
     "rowwise_split_input": Row(input_is_parallel=False),
     "embedding_rowwise": VocabParallel(),  # rows = the vocabulary
+    "replicated_with_grad_allreduce": Replicated(),  # Qwen3's and Gemma 3's q_norm / k_norm
 }
+_GRAD_SUM_STYLE = "replicated_with_grad_allreduce"
 _REPLICATED = ("embedding_colwise",)
 BUILTIN_PLANS = {
     "gpt2": {
@@ -125,22 +141,31 @@ BUILTIN_PLANS = {
 }
 
 
+def _hf_plan(model: nn.Module) -> dict:
+    """The plan a Hugging Face model publishes, keys prefixed to the model's module names and
+    values in transformers' style names; {} if it publishes none."""
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        config = getattr(model, "config", None)
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = getattr(config, "base_model_tp_plan", None) or {}
+        if prefix and hasattr(model, prefix):
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    return dict(plan) if isinstance(plan, Mapping) else {}
+
+
 def published_plan(model: nn.Module) -> dict:
     """The plan a Hugging Face model publishes (or our built-in one for its family), in our styles."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
     if family in BUILTIN_PLANS:
         return dict(BUILTIN_PLANS[family])
-    plan = getattr(model, "_tp_plan", None)
-    if not plan:
-        prefix = getattr(model, "base_model_prefix", "")
-        plan = getattr(config, "base_model_tp_plan", None) or {}
-        if prefix and hasattr(model, prefix):
-            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    plan = _hf_plan(model)
     if not plan:
         raise ValueError(f"parallelize: {type(model).__name__} publishes no tensor-parallel plan (no "
                          f"config.base_model_tp_plan) and there is no built-in one for model_type {family!r} "
-                         f"(built-in: {sorted(BUILTIN_PLANS)}); pass plan= explicitly")
+                         f"(built-in: {sorted(BUILTIN_PLANS)}); pass an explicit plan (tp_plan= to "
+                         "parallel_layers.parallelize, plan= to tensor_parallel.parallelize)")
     modules = dict(model.named_modules())
     tied = _tied_to_input_embedding(model)
     out = {}
@@ -150,8 +175,9 @@ def published_plan(model: nn.Module) -> dict:
         if style not in HF_STYLES:
             names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)][:3]
             raise ValueError(f"parallelize: {type(model).__name__}'s published plan asks {style!r} for {pattern!r} "
-                             f"(e.g. {names}); supported Hugging Face styles: {sorted(HF_STYLES)}; pass plan= "
-                             "with 'column' / 'row' entries instead")
+                             f"(e.g. {names}); supported Hugging Face styles: {sorted(HF_STYLES)}; pass an "
+                             "explicit plan with 'column' / 'row' entries instead (tp_plan= to "
+                             "parallel_layers.parallelize, plan= to tensor_parallel.parallelize)")
         if any(fnmatch.fnmatchcase(n, pattern) for n in tied) or (tied and style == "embedding_rowwise"):
             continue  # the tie and both its ends stay replicated
         out[pattern] = HF_STYLES[style]
@@ -234,12 +260,13 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
                         f"{{'layers.*.fc1': 'column'}}), got {type(plan).__name__}")
     tp = comm.group_size(tp_group)
     modules = dict(model.named_modules())
-    targets: dict[str, Column | Row | VocabParallel | str] = {}
+    targets: dict[str, Column | Row | VocabParallel | Replicated | str] = {}
     for pattern, style in plan.items():
         spec = (_STYLES.get(style) or HF_STYLES.get(style, style)) if isinstance(style, str) else style
-        if not isinstance(spec, (Column, Row, VocabParallel)) and spec != _FUSED:
-            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', Column(...), Row(...), "
-                             f"VocabParallel(...) or 'fused', or a Hugging Face style: {sorted(HF_STYLES)}")
+        if not isinstance(spec, (Column, Row, VocabParallel, Replicated)) and spec != _FUSED:
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', 'replicated', "
+                             f"Column(...), Row(...), VocabParallel(...), Replicated() or 'fused', or a Hugging Face "
+                             f"style: {sorted(HF_STYLES)}")
         matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not matched:
             raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}")
@@ -248,6 +275,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     for name, spec in targets.items():  # checked before any module is replaced
         if spec == _FUSED:
             _check_fused_activation(model, name, modules[name], targets)
+    _check_grad_sums_kept(model, modules, targets)
     if sp_layout is not None:
         hf_sequence_parallel.check_plan(model, sp_layout, targets, lambda spec: isinstance(spec, Column),
                                         lambda spec: isinstance(spec, Row))
@@ -261,6 +289,10 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             continue
         if isinstance(spec, VocabParallel):
             _convert_embedding(model, name, module, spec, tp_group)
+            continue
+        if isinstance(spec, Replicated):  # the module stays; its gradients are summed over tp
+            for p in module.parameters():
+                reduce_grad_over_tp(p, tp_group)
             continue
         weight, bias = _as_linear_weights(module)
         out_features, in_features = weight.shape
@@ -285,6 +317,27 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     elif (layout := hf_sequence_parallel.known_layout(model)) is not None:
         hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
     return model
+
+
+def _check_grad_sums_kept(model: nn.Module, modules: dict, targets: dict) -> None:
+    """Refuse a plan that shards a column layer beside a module whose gradient the model's
+    published plan sums over tp ("replicated_with_grad_allreduce": Qwen3's q_norm beside q_proj)
+    but leaves that module out: it would read the column layer's shard of heads and train with a
+    different gradient on each rank (the module doc)."""
+    published = [pattern for pattern, style in _hf_plan(model).items() if style == _GRAD_SUM_STYLE]
+    if not published:
+        return
+    regions = {name.rpartition(".")[0] for name, spec in targets.items() if isinstance(spec, Column)}
+    missing = [name for name in modules if name and name not in targets and name.rpartition(".")[0] in regions
+               and any(fnmatch.fnmatchcase(name, pattern) for pattern in published)]
+    if missing:
+        entries = ", ".join(f"{p!r}: 'replicated'" for p in published
+                            if any(fnmatch.fnmatchcase(n, p) for n in missing))
+        raise ValueError(
+            f"parallelize: the plan shards column layers beside {missing[:4]}{' ...' if len(missing) > 4 else ''}, "
+            f"which {type(model).__name__}'s published plan marks 'replicated_with_grad_allreduce': they read those "
+            "layers' shard of the heads, so their gradients must be summed over the tensor-parallel group. Add "
+            f"{entries} to the plan, or use the published plan (tp_plan='auto')")
 
 
 def _convert_embedding(model: nn.Module, name: str, module: nn.Module, spec: VocabParallel, tp_group) -> None:

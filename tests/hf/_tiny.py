@@ -47,3 +47,15 @@ def save_tiny_mistral(directory) -> None:
                                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     torch.manual_seed(0)
     transformers.MistralForCausalLM(config).save_pretrained(directory)
+
+
+def save_tiny_qwen3(directory) -> None:
+    """A 2-layer Qwen3: grouped-query attention (4 heads of 8, 2 key/value heads) with per-head
+    RMSNorms on q and k (`q_norm` / `k_norm`, which its published plan sums over tp)."""
+    import transformers
+
+    config = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(directory)

@@ -6,7 +6,8 @@ Layouts (real gloo processes): Llama at tp=2 through the TP-only `tensor_paralle
 from a sharded `model.safetensors.index.json` (first, one rank's error raised on both ranks);
 through the composing `parallelize`: Llama at tp=2 x dp=2 with ZeRO-3, GPT-2 (Conv1D weights
 stored [in, out], head tied) at tp=2 x dp=2 with ZeRO-1 (master shards that are views of the full
-parameters), Qwen2 at dp=2 with DataParallel; cut into pipeline stages (pipeline_layers='auto'):
+parameters), Qwen2 at dp=2 with DataParallel, Qwen3 (per-head q / k norms whose gradients
+are summed over tp) at tp=2 x dp=2 with ZeRO-3; cut into pipeline stages (pipeline_layers='auto'):
 a Llama with a tied head and Mistral at pp=2, the tied Llama and an untied one at pp=2 x tp=2,
 every stage's pieces checked against the files and every parameter after the steps. In one process: every family (Llama, Qwen2,
 Mistral, GPT-2) unparallelized, so the rotary buffers no file holds are checked per family; the
@@ -29,7 +30,9 @@ STEPS, BATCH, SEQ, VOCAB = 3, 4, 12, 96  # VOCAB: ids valid for every tiny famil
 CASES = {"llama-tp2-index": ("llama", 2, 1, None, "tensor_parallel", True),
          "llama-tp2-dp2-zero3": ("llama", 2, 2, 3, "parallelize", False),
          "gpt2-tp2-dp2-zero1": ("gpt2", 2, 2, 1, "parallelize", False),
-         "qwen2-dp2-dataparallel": ("qwen2", 1, 2, 0, "parallelize", False)}
+         "qwen2-dp2-dataparallel": ("qwen2", 1, 2, 0, "parallelize", False),
+         # q_norm / k_norm: replicated, gradients summed over tp (its published plan), under ZeRO-3
+         "qwen3-tp2-dp2-zero3": ("qwen3", 2, 2, 3, "parallelize", False)}
 
 
 def _batches():

@@ -45,6 +45,9 @@ def _build(kind):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)), LLAMA_PLAN
     if kind == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**small)), LLAMA_PLAN
+    if kind == "qwen3":  # per-head RMSNorms q_norm / k_norm on q_proj's and k_proj's sharded heads
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)), \
+            {**LLAMA_PLAN, "model.layers.*.self_attn.[qk]_norm": "replicated"}
     if kind == "llama_unfused":  # built the same; parallelized with fused_kernels=False
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)), LLAMA_PLAN
     if kind == "llama_vocab":  # the embedding split on the vocabulary too, by transformers' spelling
@@ -116,11 +119,14 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
 # unfused: its region's entry for gate and up); GPT-2's packed c_attn and its c_fc one each.
 # Plus the untied head's column layer (published plans, llama_vocab). Per-layer reductions were
 # 4 a Llama layer (q, k, v, the fused MLP), 5 unfused.
-BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5}
+# Qwen3: Llama's two per layer, plus the gradient sums of q_norm and k_norm; plan-free, the
+# untied head's too.
+BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5, "qwen3": 8,
+                        "qwen3_plan_free": 9}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
-                                             ("llama_vocab", True), ("llama_unfused", False)])
+                                             ("llama_vocab", True), ("llama_unfused", False), ("qwen3", False)])
 def test_hf_model_parallelized_matches_single_process(kind, pretrained, tmp_path):
     directory = None
     if pretrained:
@@ -137,7 +143,7 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
         assert backward_all_reduces == all_reduces, (rank, backward_all_reduces)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
     # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
@@ -146,8 +152,10 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # Qwen2); GPT-2: 2 layers x (c_attn weight and bias, c_fc weight and bias, the two row
     # weights) = 12 (row biases stay replicated; its head is tied, so its embedding too).
     _build(kind)[0].save_pretrained(tmp_path)
+    # Qwen3 publishes "replicated_with_grad_allreduce" for q_norm / k_norm (Replicated()).
     _check_parity(_hf_parity, (kind, 3, str(tmp_path), True), min_sharded=12 if kind == "gpt2" else 16,
-                  all_reduces=BACKWARD_ALL_REDUCES["gpt2" if kind == "gpt2" else "plan_free"])
+                  all_reduces=BACKWARD_ALL_REDUCES.get(f"{kind}_plan_free", BACKWARD_ALL_REDUCES["plan_free"])
+                  if kind != "gpt2" else BACKWARD_ALL_REDUCES["gpt2"])
 
 
 def test_hf_style_names_in_a_plan_and_refused_ones():
@@ -175,6 +183,21 @@ def test_hf_style_names_in_a_plan_and_refused_ones():
         published_plan(nn.Sequential(nn.Linear(2, 2)))
 
 
+def test_a_plan_that_drops_a_published_gradient_sum_is_refused():
+    model, plan = _build("qwen3")
+    without_norms = {k: v for k, v in plan.items() if not k.endswith("_norm")}
+    with pytest.raises(ValueError, match=r"beside \['model.layers.0.self_attn.q_norm', "
+                                         r"'model.layers.0.self_attn.k_norm', .*published plan marks "
+                                         r"'replicated_with_grad_allreduce'.*Add "
+                                         r"'model.layers.\*.self_attn.q_norm': 'replicated', "
+                                         r"'model.layers.\*.self_attn.k_norm': 'replicated' to the plan"):
+        parallelize(model, without_norms)
+    # attention left whole: q_norm reads every head on every rank, so nothing is missing
+    mlp_only = {k: v for k, v in without_norms.items() if ".mlp." in k}
+    parallelize(model, mlp_only)
+    assert not hasattr(model.model.layers[0].self_attn.q_norm.weight, "_pl_tp_grad_hook")
+
+
 def _refusals(rank, ws):
     messages = []
     model, _ = _build("llama")  # 4 heads, 2 key/value heads: tp=3 divides neither
@@ -197,8 +220,9 @@ def test_refuses_plans_that_would_be_wrong_on_every_rank():
 
 
 def test_bad_style():
-    with pytest.raises(ValueError, match="use 'column', 'row', Column\\(...\\), Row\\(...\\), VocabParallel\\(...\\) "
-                                         "or 'fused', or a Hugging Face style"):
+    with pytest.raises(ValueError, match="use 'column', 'row', 'replicated', Column\\(...\\), Row\\(...\\), "
+                                         "VocabParallel\\(...\\), Replicated\\(\\) or 'fused', or a Hugging Face "
+                                         "style"):
         parallelize(nn.Sequential(nn.Linear(2, 2)), {"0": "diagonal"})
 
 

@@ -1,6 +1,6 @@
 """Sequence parallelism on Hugging Face decoders ([batch, seq, hidden]): plan-free
 `tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
-Qwen2, Mistral and GPT-2 loaded with from_pretrained gives the plain transformers model's
+Qwen2, Mistral, GPT-2 and Qwen3 loaded with from_pretrained gives the plain transformers model's
 logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
 decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a forward
 issues no all-reduce (the vocabulary-parallel embedding's partial sums are reduce-scattered at
@@ -21,7 +21,7 @@ from tests.tensor_parallel.test_parallelize import _build
 
 transformers = pytest.importorskip("transformers")
 
-KINDS = ("llama", "qwen2", "mistral", "gpt2")
+KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3")
 TP, BATCH, SEQ, STEPS, VOCAB = 2, 2, 16, 3, 96  # _build's models: vocabulary 96, 32 positions
 # float32; the reduce-scatters and the summed norm gradients add in another order than one
 # process does. The issue's parity tolerance.
@@ -57,7 +57,8 @@ def _norm_inputs(model, layout_names, store):
 
     for name, module in model.named_modules():
         inside = any(name.startswith(layer + ".") for layer in layout_names[0]) or name == layout_names[1]
-        if inside and "Norm" in type(module).__name__:
+        in_attention = name.endswith(("q_norm", "k_norm"))  # Qwen3's per-head norms: the gathered sequence
+        if inside and not in_attention and "Norm" in type(module).__name__:
             module.register_forward_pre_hook(record(name))
 
 
@@ -215,7 +216,7 @@ def test_refusals_before_any_conversion():
     bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError, match=r"sequence_parallel=True supports the Hugging Face decoders whose forward "
-                                         r"was checked for it, model_type in \['gpt2', 'llama', 'mistral', 'qwen2'\]; "
+                                         r"was checked for it, model_type in \['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'\]; "
                                          r"BertForMaskedLM has model_type 'bert'"):
         parallelize(bert, {"bert.encoder.layer.*.intermediate.dense": "column"}, sequence_parallel=True)
     model, _ = _build("llama")
