@@ -43,10 +43,10 @@ for-loop over the parameters. On one thread of the 2-core EPYC the for-loop took
 whole model at hidden 512 and 194 ms at 1024 (12-14% of a DDP step), fused 9.4 and 29.6 ms.
 ZeRO and FSDP step half the parameters on each rank and DDP all of them, so the for-loop
 favours ZeRO against DDP and fused is the harder comparison. (Result files without an "adamw"
-entry in their args are from runs before this option, which used `default`.) transformers' tp_plan="auto" leaves the parameters it does not shard as plain
-tensors, which the foreach and fused kernels refuse to mix with its DTensors: for those two,
-each variant's DTensor and plain parameters go in separate parameter groups (as a user of that
-plan would have to).
+entry in their args are from runs before this option, which used `default`.) transformers'
+tp_plan="auto" leaves the parameters it does not shard as plain tensors, which the foreach and
+fused kernels refuse to mix with its DTensors: for those two, each variant's DTensor and plain
+parameters go in separate parameter groups (as a user of that plan would have to).
 Writes benchmarks/results/bench_hf.json (every trial's times) and bench_hf.png.
 Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15.
 """

@@ -158,6 +158,10 @@ def main():
     args = ap.parse_args()
     import transformers
 
+    if args.model_dir is not None and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        raise SystemExit(f"--model-dir {args.model_dir}: no config.json there; it must be a directory written by "
+                         "save_pretrained (config.json and model.safetensors), or left out for the demo's "
+                         "small Llama")
     args.zero = args.zero if args.zero is not None else (1 if args.pp > 1 else 0)
     args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
     ctx = init_parallel(tp=args.tp, pp=args.pp, dp=args.dp, device="cpu")

@@ -82,11 +82,20 @@ class Parallelized:
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     ctx: ParallelContext
     token_count: Callable[[Tensor], Tensor] | None = None
+    _materialized: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """Forward and backward of this replica's batch, gradients reduced over dp; returns its
         loss (detached; with a pipeline, on every pipeline rank). attention_mask: a padded
         batch's [batch, seq] mask, for a model (or pipeline layers) that takes one."""
+        if not self._materialized:  # once: the first step of a model built on the meta device
+            if meta.has_meta(self.module):  # every rank built it so: every rank raises
+                raise RuntimeError(
+                    "parallelize: the model still has tensors on the meta device (it was built under "
+                    "torch.device('meta')), so there is nothing to train yet. Give them storage and values first: "
+                    "hf.load_pretrained(directory, par) for a Hugging Face model, or "
+                    "parallel_layers.meta.materialize(par.module, device) and your own initialisation")
+            self._materialized = True
         if self.pipeline is not None:
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
         out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)

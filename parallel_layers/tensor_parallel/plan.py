@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -219,18 +220,30 @@ def _fused_sizes(fused, out_features: int, name: str):
     return tuple(fused)
 
 
-def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int, ...], tp: int, fixed: set) -> None:
-    """Refuse shards that cut heads; fix the parent's per-rank head bookkeeping once."""
+def _check_heads(parent: nn.Module, parent_name: str, blocks: tuple[int, ...], tp: int) -> None:
+    """Refuse a column layer's shards that would cut heads (its parent has `head_dim`)."""
     head_dim = getattr(parent, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim <= 0:
         return
     for block in blocks:
         if (block // tp) % head_dim:
+            config = getattr(parent, "config", None)
+            counts = {k: getattr(config, k) for k in ("num_attention_heads", "num_key_value_heads")
+                      if isinstance(getattr(config, k, None), int)}
+            source = (" (" + ", ".join(f"config.{k} = {v}" for k, v in counts.items()) + "; valid tp: "
+                      f"{divisors(math.gcd(*counts.values()), 64)})") if counts else ""
             raise ValueError(
                 f"parallelize: {parent_name} has head_dim {head_dim}; sharding a projection block of {block} "
                 f"features ({block // head_dim} heads) over tp={tp} leaves {block / tp:g} features per rank, not a "
-                f"whole number of heads. The number of heads (and of key/value heads) must be divisible by tp={tp}.")
-    if id(parent) in fixed:
+                f"whole number of heads. The number of heads (and of key/value heads) must be divisible by "
+                f"tp={tp}{source}.")
+
+
+def _check_and_fix_heads(parent: nn.Module, parent_name: str, blocks: tuple[int, ...], tp: int, fixed: set) -> None:
+    """Refuse shards that cut heads; fix the parent's per-rank head bookkeeping once."""
+    _check_heads(parent, parent_name, blocks, tp)
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or id(parent) in fixed:
         return
     fixed.add(id(parent))
     if isinstance(getattr(parent, "num_heads", None), int):
@@ -275,6 +288,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     for name, spec in targets.items():  # checked before any module is replaced
         if spec == _FUSED:
             _check_fused_activation(model, name, modules[name], targets)
+        elif isinstance(spec, (Column, Row)):
+            _check_splits(model, modules, name, spec, tp)
     _check_grad_sums_kept(model, modules, targets)
     if sp_layout is not None:
         hf_sequence_parallel.check_plan(model, sp_layout, targets, lambda spec: isinstance(spec, Column),
@@ -317,6 +332,35 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     elif (layout := hf_sequence_parallel.known_layout(model)) is not None:
         hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
     return model
+
+
+def _check_splits(model: nn.Module, modules: dict, name: str, spec: Column | Row, tp: int) -> None:
+    """The features a column (each fused block: whole heads in attention) or row layer splits
+    divide by tp, named by the module (and, for a Hugging Face head, by the vocabulary and how to
+    pad it)."""
+    module = modules[name]
+    weight, _ = _as_linear_weights(module)
+    out_features, in_features = weight.shape
+    if isinstance(spec, Row):
+        sizes, what = (in_features,), "in_features"
+    else:
+        sizes, what = _fused_sizes(spec.fused, out_features, name) or (out_features,), "out_features"
+        parent_name = name.rpartition(".")[0]
+        _check_heads(modules[parent_name] if parent_name else model, parent_name, sizes, tp)
+    bad = [size for size in sizes if size % tp]
+    if not bad:
+        return
+    blocks = f" (fused blocks {list(sizes)})" if len(sizes) > 1 else ""
+    message = (f"parallelize: {name} ({'column' if isinstance(spec, Column) else 'row'}-parallel) has {what} "
+               f"{out_features if what == 'out_features' else in_features}{blocks}, and {bad[0]} does not divide by "
+               f"tp={tp}; valid tensor-parallel sizes for it are {divisors(math.gcd(*sizes), 64)}")
+    get_head = getattr(model, "get_output_embeddings", None)
+    if callable(get_head) and get_head() is module:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", out_features)
+        message += (f". It is the output head: its vocabulary ({vocab}) must divide by tp; pad it, e.g. "
+                    f"model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of={tp}) before parallelize "
+                    "(the embedding grows with it)")
+    raise ValueError(message)
 
 
 def _check_grad_sums_kept(model: nn.Module, modules: dict, targets: dict) -> None:

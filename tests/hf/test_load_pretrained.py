@@ -199,6 +199,29 @@ def test_errors_name_the_values(tmp_path):
         hf.load_pretrained(tmp_path / "llama", other, device="cpu")
 
 
+def _train_before_loading(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+
+    ctx = init_parallel(dp=world, device="cpu")
+    block = lambda m: type(m).__name__.endswith("DecoderLayer")  # noqa: E731
+    par = parallelize(_on_meta(directory), ctx, optimizer=_adamw, loss_fn=_loss, zero_stage=3, wrap=block)
+    try:
+        par.forward_backward(_probe(), _probe())
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_training_a_meta_built_model_before_loading_it_names_the_fix(tmp_path):
+    # Forgetting hf.load_pretrained: torch's own errors would name the meta device deep in a
+    # layer ("Tensor.item() cannot be called on meta tensors"); the first step names the fix.
+    _save("llama", tmp_path)
+    for message in run_distributed(_train_before_loading, 2, args=(str(tmp_path),)):
+        assert message is not None and message.startswith(
+            "parallelize: the model still has tensors on the meta device") and \
+            "hf.load_pretrained(directory, par)" in message, message
+
+
 def _pieces(par):
     """name -> [(box origin, box sizes, values)] of every tensor this rank holds."""
     from parallel_layers import placement

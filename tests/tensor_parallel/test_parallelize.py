@@ -214,9 +214,31 @@ def test_refuses_plans_that_would_be_wrong_on_every_rank():
     for messages in run_distributed(_refusals, 3, timeout_s=300):
         assert len(messages) == 3
         assert "sharding a projection block of 16 features (2 heads) over tp=3" in messages[0]
-        assert "must be divisible by tp=3" in messages[0]
+        assert ("must be divisible by tp=3 (config.num_attention_heads = 4, config.num_key_value_heads = 2; "
+                "valid tp: [1, 2])") in messages[0]
         assert "plan pattern 'model.nothing.*' matches no module of LlamaForCausalLM" in messages[1]
         assert "LlamaRMSNorm is not supported" in messages[2]
+
+
+def _odd_vocabulary(rank, ws):
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    try:
+        parallelize(model, {**LLAMA_PLAN, "lm_head": "colwise_gather_output"}, tp_group=dist.group.WORLD)
+    except ValueError as e:
+        return str(e), type(model.model.layers[0].self_attn.q_proj).__name__
+    return None, None
+
+
+def test_a_vocabulary_tp_does_not_divide_names_the_head_and_the_padding():
+    for message, q_proj in run_distributed(_odd_vocabulary, 2, timeout_s=300):
+        assert message == (
+            "parallelize: lm_head (column-parallel) has out_features 97, and 97 does not divide by tp=2; valid "
+            "tensor-parallel sizes for it are [1]. It is the output head: its vocabulary (97) must divide by tp; "
+            "pad it, e.g. model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=2) before parallelize "
+            "(the embedding grows with it)")
+        assert q_proj == "Linear"  # refused before any module was converted
 
 
 def test_bad_style():
