@@ -43,7 +43,8 @@ Qwen3's and Gemma 3's per-head `q_norm` / `k_norm` inside attention. Name such a
 those models publish): its parameters stay whole and their gradients are summed over the TP
 group as they are produced (`reduce_grad_over_tp`). A Hugging Face model whose published plan
 marks a module so, beside a column layer that an explicit plan shards, is refused if the plan
-leaves that module out: it would train, silently, with the replicas drifting apart.
+leaves that module out: it would train, silently, with the replicas drifting apart (at tp > 1
+without sequence parallelism, which sums every replicated parameter of the decoder layers).
 
 Without a plan, a Hugging Face model's published one is used (Note [published plans]).
 
@@ -290,7 +291,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             _check_fused_activation(model, name, modules[name], targets)
         elif isinstance(spec, (Column, Row)):
             _check_splits(model, modules, name, spec, tp)
-    _check_grad_sums_kept(model, modules, targets)
+    if tp > 1 and sp_layout is None:  # at tp=1 nothing is sharded; sequence parallelism sums them itself
+        _check_grad_sums_kept(model, modules, targets)
     if sp_layout is not None:
         hf_sequence_parallel.check_plan(model, sp_layout, targets, lambda spec: isinstance(spec, Column),
                                         lambda spec: isinstance(spec, Row))

@@ -3,6 +3,7 @@ weights are downloaded): GPT-2 (Conv1D, fused QKV) and Llama (separate q/k/v, gr
 at tp=2 give the single-process logits and loss, and the same parameters after AdamW steps."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -188,19 +189,36 @@ def test_hf_style_names_in_a_plan_and_refused_ones():
         published_plan(nn.Sequential(nn.Linear(2, 2)))
 
 
-def test_a_plan_that_drops_a_published_gradient_sum_is_refused():
-    model, plan = _build("qwen3")
+def _plans_without_the_norms(rank, ws):
+    results = {}
+    _, plan = _build("qwen3")
     without_norms = {k: v for k, v in plan.items() if not k.endswith("_norm")}
-    with pytest.raises(ValueError, match=r"beside \['model.layers.0.self_attn.q_norm', "
-                                         r"'model.layers.0.self_attn.k_norm', .*published plan marks "
-                                         r"'replicated_with_grad_allreduce'.*Add "
-                                         r"'model.layers.\*.self_attn.q_norm': 'replicated', "
-                                         r"'model.layers.\*.self_attn.k_norm': 'replicated' to the plan"):
-        parallelize(model, without_norms)
-    # attention left whole: q_norm reads every head on every rank, so nothing is missing
-    mlp_only = {k: v for k, v in without_norms.items() if ".mlp." in k}
-    parallelize(model, mlp_only)
-    assert not hasattr(model.model.layers[0].self_attn.q_norm.weight, "_pl_tp_grad_hook")
+    for case, kwargs, chosen in (("tp2", {}, without_norms),
+                                 # sequence parallelism sums every replicated parameter of the layers
+                                 ("tp2 sp", {"sequence_parallel": True}, without_norms),
+                                 # attention left whole: q_norm reads every head on every rank
+                                 ("tp2 mlp only", {}, {k: v for k, v in without_norms.items() if ".mlp." in k})):
+        model, _ = _build("qwen3")
+        try:
+            parallelize(model, chosen, tp_group=dist.group.WORLD, **kwargs)
+            results[case] = getattr(model.model.layers[0].self_attn.q_norm.weight, "_pl_tp_grad_hook", False)
+        except ValueError as e:
+            results[case] = str(e)
+    return results
+
+
+def test_a_plan_that_drops_a_published_gradient_sum_is_refused():
+    for results in run_distributed(_plans_without_the_norms, 2, timeout_s=300):
+        assert re.fullmatch(r"parallelize: the plan shards column layers beside \['model.layers.0.self_attn.q_norm', "
+                            r"'model.layers.0.self_attn.k_norm', .*published plan marks "
+                            r"'replicated_with_grad_allreduce'.*Add "
+                            r"'model.layers.\*.self_attn.q_norm': 'replicated', "
+                            r"'model.layers.\*.self_attn.k_norm': 'replicated' to the plan, .*", results["tp2"])
+        assert results["tp2 sp"] is True  # accepted, and its gradient summed
+        assert results["tp2 mlp only"] is False  # accepted, nothing to sum
+    # tp = 1 (no process group): nothing is sharded, nothing refused
+    model, plan = _build("qwen3")
+    parallelize(model, {k: v for k, v in plan.items() if not k.endswith("_norm")})
 
 
 def _refusals(rank, ws):
