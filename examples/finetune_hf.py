@@ -21,17 +21,19 @@ At the end: `checkpoint.save` (a DCP checkpoint named like the plain model's sta
 `hf.save_pretrained` (a directory plain transformers loads), then rank 0 trains the plain
 transformers model from the same directory on the same global batches in one process and
 prints PASS if
-(1) the losses agree at every step, and
-(2) the exported directory, loaded with `AutoModelForCausalLM.from_pretrained`, holds the
-    parameters of the DCP checkpoint (read back with `checkpoint.export_state_dict`) and gives the
-    reference model's loss on a batch neither has seen.
-It also prints the largest difference between the two models' logits on that batch, without a
-verdict. AdamW's step for an element is about lr * g / (|g| + eps), so where a gradient is
-near eps (1e-8) - a vocabulary row whose token is rare in the batch - rounding differences of a
-few 1e-7 relative between two correct runs (the layouts' orders of sums; the fused kernels
-against transformers' ops) change that element's step by a sizeable part of lr. A few logits of
-the rare tokens then differ by ~1e-4 after a few steps while the loss agrees to ~1e-7; with
-eps = 1e-6 the same runs' logits agree to ~3e-6 (Qwen2, seq 160, one process).
+(1) the losses agree at every step (the training is the reference's), and
+(2) the exported directory, loaded with `AutoModelForCausalLM.from_pretrained`, gives the
+    trained parallel model's own logits on a batch no step trained on (the export is the trained
+    model). Those logits come from the parallel model's forward at its layout - the pipeline's
+    last stage hands them to the loss - not from the checkpoint or export code, so a value the
+    export gets wrong (a stale shard, a rounding, a swapped block) shows here.
+It also prints the largest difference between the export's logits and the reference model's,
+without a verdict. AdamW's step for an element is about lr * g / (|g| + eps), so where a gradient
+is near eps (1e-8) - a vocabulary row whose token is rare in the batches - rounding differences of
+a few 1e-7 between two correct runs (the layouts' orders of sums; the fused kernels against
+transformers' ops) change that element's step by a sizeable part of lr: with a Qwen2 of hidden 64,
+seq 160, in one process, a few logits differed from the reference's by 3.0e-4 after 3 steps while
+the losses agreed to 9e-8, and with eps = 1e-6 the same runs' logits agreed to 3.4e-6.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ from parallel_layers.pipeline.hf import causal_lm_loss
 # reductions, gradient averaging); ~1e-6 relative over a few steps. 1e-4 (the issue's bound)
 # still catches a wrong gradient or a wrongly sharded weight.
 PARITY_RTOL = 1e-4
-# The export and the DCP checkpoint are written from the same trained tensors: the same values.
-EXPORT_RTOL = 1e-6
+# The export's forward (plain transformers) against the parallel model's (fused kernels, the
+# layout's orders of sums) on the same weights: ~1e-6. A wrong value in the export is far above.
+EXPORT_RTOL = 1e-5
 
 
 def small_llama(directory: str, seed: int) -> None:
@@ -76,9 +79,42 @@ def global_batch(step: int, args, vocab: int) -> torch.Tensor:
     return (start + stride * torch.arange(args.seq_len)) % vocab
 
 
-def loss_fn(output, labels: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's causal-LM loss, on the model's output (not pipelined) or the last stage's logits."""
-    return causal_lm_loss(output.logits if hasattr(output, "logits") else output, labels)
+class CausalLMLoss:
+    """Hugging Face's causal-LM loss, on the model's output (not pipelined) or the last stage's
+    logits. While `record` is a list, each call also appends its (labels, logits)."""
+
+    def __init__(self):
+        self.record: list | None = None
+
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        logits = output.logits if hasattr(output, "logits") else output
+        if self.record is not None:
+            self.record.append((labels.detach().clone(), logits.detach().float().clone()))
+        return causal_lm_loss(logits, labels)
+
+
+loss_fn = CausalLMLoss()
+
+
+def parallel_logits(par, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The trained parallel model's own (ids, logits) on this rank's rows `ids`, through its
+    training step's forward (the pipeline's last stage hands the logits to the loss), in eval
+    mode; every rank's gathered to every rank. The backward it also runs is discarded."""
+    par.module.eval()
+    loss_fn.record = []
+    par.forward_backward(ids, ids)
+    par.zero_grad()
+    mine, loss_fn.record = loss_fn.record, None
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [pair for records in every for pair in records]
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude; inf when the shapes differ."""
+    if got.shape != want.shape:
+        return float("inf")
+    return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def decoder_layers(model) -> type:
@@ -89,27 +125,6 @@ def decoder_layers(model) -> type:
 
 def adamw(args):
     return lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-
-
-def export_vs_checkpoint(exported, state: dict, conv1d_converted: bool) -> float:
-    """Largest relative difference between the reloaded export's parameters and the checkpoint's
-    plain state dict (inf for one it lacks or shapes otherwise). A GPT-2 Conv1D weight that
-    parallelize converted (every one, at tp > 1: they are all in the published plan) is held by
-    the checkpoint as our layers hold it, [out, in], and by the export as the Conv1D does, [in,
-    out] (docs/checkpoint.md)."""
-    modules = dict(exported.named_modules())
-    worst = 0.0
-    for name, param in exported.named_parameters():
-        if name not in state:
-            return float("inf")
-        want = state[name]
-        owner = modules[name.rpartition(".")[0]]
-        if conv1d_converted and type(owner).__name__ == "Conv1D" and name.endswith("weight"):
-            want = want.t()
-        if want.shape != param.shape:
-            return float("inf")
-        worst = max(worst, ((param.detach() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
-    return worst
 
 
 def agreed_directory(path: str | None, rank: int) -> str:
@@ -198,20 +213,19 @@ def main():
     saved = checkpoint.save(os.path.join(work, "checkpoints"), args.steps, par.module, par.optimizer,
                             prefix=par.prefix, extra={"losses": losses})
     export_dir = hf.save_pretrained(par.module, os.path.join(work, "export"))
+    probe = global_batch(args.steps, args, vocab)  # a batch no step trained on
+    trained = parallel_logits(par, probe.chunk(dp)[ctx.coordinate("dp")])
 
     verdict = torch.zeros(1)
     if rank == 0:
         ref_losses, ref_model = reference(model_dir, args, dp)
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-        param_diff = export_vs_checkpoint(exported, checkpoint.export_state_dict(saved), args.tp > 1)
-        ids = global_batch(args.steps, args, vocab)  # a batch no step trained on
         with torch.no_grad():
-            want, got = ref_model(input_ids=ids).logits, exported(input_ids=ids).logits
-        probe_loss, ref_probe_loss = loss_fn(got, ids).item(), loss_fn(want, ids).item()
-        probe_diff = abs(probe_loss - ref_probe_loss) / abs(ref_probe_loss)
-        logit_diff = ((got - want).abs().max() / want.abs().max()).item()
-        ok_loss, ok_export = loss_diff <= PARITY_RTOL, param_diff <= EXPORT_RTOL and probe_diff <= PARITY_RTOL
+            export_diff = max((relative(exported(input_ids=ids).logits, logits) for ids, logits in trained),
+                              default=float("inf"))
+            ref_diff = relative(exported(input_ids=probe).logits, ref_model(input_ids=probe).logits)
+        ok_loss, ok_export = loss_diff <= PARITY_RTOL, export_diff <= EXPORT_RTOL
         verdict[0] = float(ok_loss and ok_export)
         print(f"model: {type(model).__name__} from {model_dir}")
         pipeline = f", {args.schedule} schedule, {args.microbatches} microbatches" if pipelined else ""
@@ -226,12 +240,11 @@ def main():
         print(f"parity vs plain transformers: final loss {losses[-1]:.6f} vs {ref_losses[-1]:.6f}, max relative "
               f"difference over {args.steps} steps {loss_diff:.2e} (tolerance {PARITY_RTOL:g}): "
               f"{'PASS' if ok_loss else 'FAIL'}")
-        print(f"export {export_dir} reloaded by from_pretrained: parameters vs the DCP checkpoint's, max relative "
-              f"difference {param_diff:.2e} (tolerance {EXPORT_RTOL:g}); loss on an unseen batch {probe_loss:.6f} vs "
-              f"the reference's {ref_probe_loss:.6f}, relative difference {probe_diff:.2e} (tolerance "
-              f"{PARITY_RTOL:g}): {'PASS' if ok_export else 'FAIL'}")
-        print(f"{'':28s} (its logits vs the reference's on that batch: max relative difference {logit_diff:.2e}; "
-              "no verdict, see the module doc)")
+        print(f"export {export_dir} reloaded by from_pretrained: logits vs the trained parallel model's own on an "
+              f"unseen batch, max relative difference {export_diff:.2e} (tolerance {EXPORT_RTOL:g}): "
+              f"{'PASS' if ok_export else 'FAIL'}")
+        print(f"{'':28s} (its logits vs the reference model's: max relative difference {ref_diff:.2e}; no verdict, "
+              "see the module doc)")
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     dist.broadcast(verdict, src=0)
