@@ -99,15 +99,15 @@ loss_fn = CausalLMLoss()
 def parallel_logits(par, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The trained parallel model's own (ids, logits) on this rank's rows `ids`, through its
     training step's forward (the pipeline's last stage hands the logits to the loss), in eval
-    mode; every rank's gathered to every rank. The backward it also runs is discarded."""
+    mode; every rank's gathered to rank 0 (elsewhere: []). The backward it also runs is discarded."""
     par.module.eval()
     loss_fn.record = []
     par.forward_backward(ids, ids)
     par.zero_grad()
     mine, loss_fn.record = loss_fn.record, None
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return [pair for records in every for pair in records]
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    return [pair for records in every for pair in records] if every is not None else []
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
