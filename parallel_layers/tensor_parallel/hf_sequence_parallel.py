@@ -51,8 +51,8 @@ sees only this rank's positions, so its gradient is a partial sum (`reduce_grad_
 RMSNorm / LayerNorm weights and biases, and the row biases (added after the reduce-scatter;
 `RowParallelLinear` registers them itself). Qwen3's per-head `q_norm` / `k_norm` see the whole
 sequence but only this rank's heads: a partial sum too, summed once (the plan's Replicated()
-registers the same hook, which is registered once per parameter). The column and row weights (and column biases) see
-the whole sequence of their own shard and need nothing; the embedding and the head sit outside
+registers the same hook, which is registered once per parameter). The column and row weights
+(and column biases) see the whole sequence of their own shard and need nothing; the embedding and the head sit outside
 the split: replicated compute, or a vocabulary-parallel embedding whose rows' gradient is whole
 (it reads the all-gathered gradient of the full sequence).
 
