@@ -90,14 +90,73 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> VocabParallelEmbedding:
-        """Shard an existing nn.Embedding (weights copied; its padding_idx kept)."""
-        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
-                   _full=embedding.weight.detach(), **kwargs)
+        """Shard an existing nn.Embedding (weights copied; its padding_idx kept). A subclass with
+        its own forward keeps it (Note [nn.Embedding subclasses])."""
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+                    _full=embedding.weight.detach(), **kwargs)
+        if type(embedding).forward is not nn.Embedding.forward:
+            _keep_own_forward(layer, embedding)
+        return layer
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}, local {self.rows_per_rank}), "
                 f"{self.embedding_dim}, tp={comm.group_size(self.tp_group)}, sequence_parallel={self.sequence_parallel}"
                 + (", partial_output=True" if self.partial_output else ""))
+
+
+# Note [nn.Embedding subclasses]: some models' embeddings subclass nn.Embedding and do more in
+# their own forward than the lookup: transformers' Gemma, Gemma 2 and Gemma 3 multiply the rows
+# by sqrt(hidden) (`super().forward(ids) * self.embed_scale`). A VocabParallelEmbedding in its
+# place would drop that forward: at tp=2 an untied Gemma's logits were 0.47 (relative) from the
+# plain model's before any step, and training went on without an error. So the sharded layer of
+# such a module is an instance of a class made for it, VocabParallel<Name>(<Name>, _Lookup):
+# the subclass's forward runs as written, and its `super().forward(ids)` - which resolves to
+# nn.Embedding.forward in the plain model - reaches _Lookup (the class order puts it between
+# the subclass and nn.Embedding), the vocabulary-parallel lookup, whose rows are already summed
+# over tp (or reduce-scattered) when the subclass's own math sees them. The subclass's buffers
+# (embed_scale) and plain attributes come along; parameters besides the weight and submodules
+# are refused (the lookup's reduction would not cover them). A subclass forward that indexes
+# self.weight itself instead of calling nn.Embedding.forward would read the shard with global
+# ids: every call checks that the lookup ran and raises otherwise.
+class _Lookup(VocabParallelEmbedding, nn.Embedding):
+    """The vocabulary-parallel lookup where an nn.Embedding subclass's super().forward lands."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        self._pl_looked_up = True
+        return VocabParallelEmbedding.forward(self, ids)
+
+
+_SUBCLASS_LAYERS: dict[type, type] = {}
+
+
+def _keep_own_forward(layer: VocabParallelEmbedding, embedding: nn.Embedding) -> None:
+    """Make `layer` (just sharded from `embedding`) run embedding's own forward around the
+    vocabulary-parallel lookup (Note [nn.Embedding subclasses])."""
+    cls = type(embedding)
+    extra = [n for n, _ in embedding.named_parameters(recurse=False) if n != "weight"]
+    if extra or len(embedding._modules):
+        raise ValueError(f"VocabParallelEmbedding: {cls.__name__} has its own forward and holds "
+                         f"{'parameters ' + str(extra) if extra else 'submodules ' + str(list(embedding._modules))} "
+                         "besides its weight, which the vocabulary-parallel lookup would not reduce; keep this "
+                         "embedding replicated (leave it out of the plan)")
+    if cls not in _SUBCLASS_LAYERS:
+        own_forward = cls.forward
+
+        def forward(self, *args, **kwargs):
+            self._pl_looked_up = False
+            out = own_forward(self, *args, **kwargs)
+            if not self._pl_looked_up:
+                raise RuntimeError(f"{cls.__name__}.forward does not call nn.Embedding.forward (super().forward), "
+                                   "so its vocabulary-parallel shard would be indexed with global ids; keep this "
+                                   "embedding replicated (leave it out of the plan)")
+            return out
+
+        _SUBCLASS_LAYERS[cls] = type(f"VocabParallel{cls.__name__}", (cls, _Lookup), {"forward": forward})
+    state = {k: v for k, v in vars(embedding).items() if not k.startswith("_") and k not in vars(layer)}
+    layer.__class__ = _SUBCLASS_LAYERS[cls]
+    vars(layer).update(state)
+    for name, buf in embedding.named_buffers(recurse=False):
+        layer.register_buffer(name, buf, persistent=name not in embedding._non_persistent_buffers_set)
 
 
 def vocab_parallel_logits(hidden: Tensor, embedding: VocabParallelEmbedding) -> Tensor:

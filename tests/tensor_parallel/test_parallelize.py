@@ -48,6 +48,9 @@ def _build(kind):
         return transformers.MistralForCausalLM(transformers.MistralConfig(**small)), LLAMA_PLAN
     if kind == "gemma3":  # the same per-head norms (Gemma's 1 + weight form), GeGLU MLP, tied head
         return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**small, head_dim=8)), None
+    if kind == "gemma3_untied":  # its embedding vocabulary-parallel: a subclass that scales the rows
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**small, head_dim=8,
+                                                                            tie_word_embeddings=False)), None
     if kind == "qwen3":  # per-head RMSNorms q_norm / k_norm on q_proj's and k_proj's sharded heads
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)), \
             {**LLAMA_PLAN, "model.layers.*.self_attn.[qk]_norm": "replicated"}
@@ -126,7 +129,7 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
 # untied head's too. Gemma 3 (no region layout of hf_sequence_parallel's, a GeGLU MLP that
 # SwiGLUMLP does not take): q, k, v, gate and up one each, and the two norms', per layer.
 BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5, "qwen3": 8,
-                        "qwen3_plan_free": 9, "gemma3_plan_free": 14}
+                        "qwen3_plan_free": 9, "gemma3_plan_free": 14, "gemma3_untied_plan_free": 15}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
@@ -147,7 +150,7 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
         assert backward_all_reduces == all_reduces, (rank, backward_all_reduces)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
     # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
@@ -157,7 +160,9 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # weights) = 12 (row biases stay replicated; its head is tied, so its embedding too).
     _build(kind)[0].save_pretrained(tmp_path)
     # Qwen3 and Gemma 3 publish "replicated_with_grad_allreduce" for q_norm / k_norm (Replicated());
-    # Gemma 3's head is tied, so its embedding and head stay replicated: 14 sharded weights.
+    # Gemma 3's head is tied, so its embedding and head stay replicated: 14 sharded weights. Untied,
+    # its scaled embedding (an nn.Embedding subclass) is vocabulary-parallel: 16, and one more
+    # all-reduce, the head's (Note [nn.Embedding subclasses]).
     _check_parity(_hf_parity, (kind, 3, str(tmp_path), True),
                   min_sharded={"gpt2": 12, "gemma3": 14}.get(kind, 16),
                   all_reduces=BACKWARD_ALL_REDUCES.get(f"{kind}_plan_free", BACKWARD_ALL_REDUCES["plan_free"])

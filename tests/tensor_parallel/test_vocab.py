@@ -85,3 +85,59 @@ def test_reductions_and_errors_single_process():
         emb(torch.tensor([0, 12]))
     with pytest.raises(ValueError, match=r"padding_idx must be in \[0, 10\), got 10"):
         VocabParallelEmbedding(10, 4, padding_idx=10)
+
+
+class _Scaled(nn.Embedding):
+    """As transformers' Gemma embeddings: the rows times a non-persistent buffer, in its own forward."""
+
+    def __init__(self, *args, scale: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.embed_scale = nn.Buffer(torch.tensor(scale), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale
+
+
+class _OwnLookup(nn.Embedding):
+    def forward(self, ids):
+        return F.embedding(ids, self.weight) * 2.0
+
+
+class _Biased(_Scaled):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bias = nn.Parameter(torch.zeros(self.embedding_dim))
+
+
+def _subclass_parity(rank, ws, sequence_parallel):
+    torch.manual_seed(0)
+    ref = _Scaled(VOCAB, DIM, padding_idx=7, scale=DIM ** 0.5)
+    emb = VocabParallelEmbedding.from_embedding(ref, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=torch.Generator().manual_seed(1))
+    out_ref = ref(ids)
+    out_ref.pow(2).sum().backward()
+    out = emb(ids)  # [SEQ (/ tp under SP), BATCH, DIM]
+    out.pow(2).sum().backward()
+    if sequence_parallel:
+        out = all_gather(out.detach(), 0, dist.group.WORLD)
+    grad = gather_full(emb.weight.grad, dist.group.WORLD, emb.weight.tp_shard)[:VOCAB]
+    return {"class": type(emb).__name__, "is scaled": isinstance(emb, _Scaled),
+            "buffers": sorted(emb.state_dict()), "output": _rel(out, out_ref.detach()),
+            "grad": _rel(grad, ref.weight.grad)}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_embedding_subclass_keeps_its_forward(sequence_parallel):
+    # Note [nn.Embedding subclasses]: the subclass's scaling runs around the vocabulary-parallel lookup.
+    for rank, r in enumerate(run_distributed(_subclass_parity, 2, args=(sequence_parallel,))):
+        assert (r["class"], r["is scaled"], r["buffers"]) == ("VocabParallel_Scaled", True, ["weight"]), r
+        assert r["output"] < RTOL and r["grad"] < RTOL, (rank, r)
+
+
+def test_embedding_subclass_refusals():
+    with pytest.raises(ValueError, match=r"_Biased has its own forward and holds parameters \['bias'\] besides its "
+                                         r"weight.*keep this embedding replicated"):
+        VocabParallelEmbedding.from_embedding(_Biased(VOCAB, DIM, scale=2.0))
+    own = VocabParallelEmbedding.from_embedding(_OwnLookup(VOCAB, DIM))
+    with pytest.raises(RuntimeError, match=r"_OwnLookup.forward does not call nn.Embedding.forward"):
+        own(torch.tensor([0, 1]))
