@@ -229,12 +229,15 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
         names_of.setdefault(id(p), []).append(name)
     aliases = {name: names for names in names_of.values() for name in names}
 
+    renamed, converted = _checkpoint_renamings(reference, shapes)
+
     def in_files(name):  # transformers also reads a base model's file into a model with a head
         for alias in aliases.get(name, [name]):
-            if alias in shapes:
-                return alias
-            if base and alias.startswith(base + ".") and alias[len(base) + 1:] in shapes:
-                return alias[len(base) + 1:]
+            for candidate in (alias, alias[len(base) + 1:] if base and alias.startswith(base + ".") else None):
+                if candidate in shapes:
+                    return candidate
+                if candidate in renamed:
+                    return renamed[candidate]
         return None
 
     sources, missing, wrong = {}, [], []
@@ -261,12 +264,47 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
         sources[name] = _Source(key, transpose)
         sources.update({n: _Source(None) for n in names if n != name})  # written through `name`'s local
     if missing:
+        why = ""
+        if converted:
+            why = (f"; transformers converts {len(converted)} of the files' tensors at load (e.g. {converted[:3]}: "
+                   f"merged or split by the conversion mapping of {type(reference).__name__}), which "
+                   "hf.load_pretrained does not do: build the model with from_pretrained on every rank, then "
+                   "parallelize it")
         raise KeyError(f"hf.load_pretrained: the files hold no tensor for {missing[:10]}"
                        f"{' ...' if len(missing) > 10 else ''} ({len(missing)} missing); they hold {len(shapes)} "
-                       f"tensors, e.g. {sorted(shapes)[:5]}")
+                       f"tensors, e.g. {sorted(shapes)[:5]}{why}")
     if wrong:
         raise ValueError("hf.load_pretrained: shape mismatch between the files and the model: " + "; ".join(wrong[:10]))
     return sources
+
+
+# Note [checkpoint key renamings]: transformers 5 reads some families' files under other names
+# than its modules' (its conversion mapping, applied in from_pretrained and reversed in
+# save_pretrained): GPT-NeoX's head is `embed_out` in the files and `lm_head` in the model; the
+# "legacy" renamings apply to every model. A key that a renaming maps to a model name is read
+# under its file name, so such directories load as transformers loads them. Mapping entries
+# that merge or split tensors (WeightConverter: Mixtral's and Qwen3-MoE's experts stored one per
+# expert, stacked in the model) are not renamings of one tensor: the missing-tensor error names
+# them instead.
+def _checkpoint_renamings(reference: nn.Module, shapes: dict) -> tuple[dict[str, str], list[str]]:
+    """(model name -> file key) for the files' keys that transformers renames at load, and the
+    file keys it would convert (merge or split) instead."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers before 5: files and modules share names
+        return {}, []
+    transforms = get_model_conversion_mapping(reference)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamed, converted = {}, []
+    for key in shapes:
+        new, converter = rename_source_key(key, renamings, converters)
+        if converter is not None:
+            converted.append(key)
+        elif new != key:
+            renamed[new] = key
+    return renamed, converted
 
 
 def _box(offsets, sizes, transpose: bool) -> tuple:

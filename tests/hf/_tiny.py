@@ -59,3 +59,27 @@ def save_tiny_qwen3(directory) -> None:
                                       max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
+
+
+def save_tiny_gpt_neox(directory) -> None:
+    """A 2-layer GPT-NeoX: its head is `lm_head` in the model and `embed_out` in the files
+    (transformers renames it at load and back at save)."""
+    import transformers
+
+    config = transformers.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
+                                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(directory)
+
+
+def save_tiny_mixtral(directory) -> None:
+    """A 2-layer Mixtral (4 experts, 2 per token): the files hold one tensor per expert, the
+    model one stacked tensor for all of them."""
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(directory)

@@ -150,13 +150,19 @@ def test_meta_built_model_loads_and_trains_like_from_pretrained(tmp_path, case):
                                     "FileNotFoundError"), errors[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "gpt_neox"])
 def test_every_family_loads_unparallelized_from_meta(tmp_path, family):
     """One process, no torch.distributed: the rotary buffers (`inv_freq`, not in the files; Mistral's
-    rope_theta is not the default) come from the model's constructor."""
+    rope_theta is not the default) come from the model's constructor. GPT-NeoX's files name its
+    head `embed_out`, the model `lm_head` (Note [checkpoint key renamings])."""
+    from safetensors import safe_open
+
     from parallel_layers import hf
 
     _save(family, tmp_path)
+    if family == "gpt_neox":
+        with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+            assert "embed_out.weight" in f.keys() and "lm_head.weight" not in f.keys()
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     model = hf.load_pretrained(tmp_path, _on_meta(tmp_path), device="cpu")
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -186,6 +192,13 @@ def test_errors_name_the_values(tmp_path):
     save_file(state, tmp_path / "llama" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match=r"no tensor for \['model\.layers\.1\.mlp\.up_proj\.weight'\]"):
         hf.load_pretrained(tmp_path / "llama", _on_meta(tmp_path / "llama"), device="cpu")
+
+    # tensors that transformers merges at load (Mixtral's experts, one per expert in the files)
+    _save("mixtral", tmp_path / "mixtral")
+    with pytest.raises(KeyError, match=r"no tensor for \[.*experts.*transformers converts \d+ of the files' tensors "
+                                       r"at load \(e\.g\. \['model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight'.*"
+                                       r"build the model with from_pretrained on every rank"):
+        hf.load_pretrained(tmp_path / "mixtral", _on_meta(tmp_path / "mixtral"), device="cpu")
 
     # a model whose shapes differ from the file's
     _save("llama", tmp_path / "llama")
