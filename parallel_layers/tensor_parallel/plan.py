@@ -76,6 +76,7 @@ from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import hf_sequence_parallel
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
+from parallel_layers.tensor_parallel.sharding import sharded_parameter
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
 
 
@@ -297,6 +298,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         hf_sequence_parallel.check_plan(model, sp_layout, targets, lambda spec: isinstance(spec, Column),
                                         lambda spec: isinstance(spec, Row))
     fixed_parents: set = set()
+    column_outputs: dict[str, set[int]] = {}  # parent -> output features of its sharded, ungathered columns
     for name, spec in targets.items():
         module = modules[name]
         parent_name, _, child = name.rpartition(".")
@@ -320,6 +322,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         if isinstance(spec, Column):
             fused = _fused_sizes(spec.fused, out_features, name)
             _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)
+            if fused is None and not spec.gather_output:
+                column_outputs.setdefault(parent_name, set()).add(out_features)
             layer = ColumnParallelLinear(
                 in_features, out_features, bias is not None, tp_group=tp_group, gather_output=spec.gather_output,
                 activation=spec.activation, fused_sizes=fused, _full=(weight, bias), shared_input=bool(sp), **sp)
@@ -327,6 +331,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
         setattr(parent, child, layer)
+    if tp > 1:
+        _shard_per_head_parameters(model, modules, targets, column_outputs, tp_group)
     if fused_kernels:  # before the SP hooks, which then land on the fused modules
         fused_modules.fuse(model)
     if sp_layout is not None:
@@ -334,6 +340,37 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     elif (layout := hf_sequence_parallel.known_layout(model)) is not None:
         hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
     return model
+
+
+# Note [per-head parameters]: Cohere's q_norm / k_norm (use_qk_norm=True, as in Command R+) are
+# LayerNorms whose weight is [heads, head_dim], applied to q_proj's (k_proj's) output viewed as
+# [..., heads, head_dim]. With q_proj column-parallel, rank r's output holds heads
+# [r * H / tp, (r + 1) * H / tp) only, and the whole [H, head_dim] weight does not broadcast with it:
+# the first forward failed inside transformers (its own tp_plan="auto" fails the same way; the
+# published plan does not name these norms). Such a parameter is sharded with the heads: rank r
+# keeps rows [r * H / tp, (r + 1) * H / tp), a TP shard on dim 0 like a column layer's weight, so
+# checkpoints, hf.load_pretrained and the export see the [H, head_dim] tensor. Which parameters: those
+# of a module the plan leaves whole (no children; not a linear layer or an embedding) beside a
+# column layer (same parent) whose output is neither gathered nor fused, with 2 or more dims, as
+# many elements as that column layer has output features (its output, laid out [heads, ...]), and
+# dim 0 divisible by tp. Their gradients need no sum: each rank's rows see only its own heads, and
+# under sequence parallelism the column layer's input is the gathered sequence. A 1-D parameter is
+# left alone: a per-head-dim norm shared by all heads (Qwen3's) is replicated, its gradient summed
+# (Replicated, as its published plan asks).
+def _shard_per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_outputs: dict[str, set[int]],
+                               tp_group) -> None:
+    tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    for parent_name, outputs in column_outputs.items():
+        parent = modules[parent_name] if parent_name else model
+        for child_name, child in parent.named_children():
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if (name in targets or len(child._modules) or isinstance(child, (nn.Linear, nn.Embedding))
+                    or type(child).__name__ == "Conv1D"):
+                continue
+            for param_name, p in list(child.named_parameters(recurse=False)):
+                if p.dim() >= 2 and p.numel() in outputs and p.shape[0] % tp == 0 and not hasattr(p, "tp_shard"):
+                    shard = sharded_parameter(p.detach(), 0, tp, rank)
+                    setattr(child, param_name, shard.requires_grad_(p.requires_grad))
 
 
 def _check_splits(model: nn.Module, modules: dict, name: str, spec: Column | Row, tp: int) -> None:

@@ -51,6 +51,8 @@ def _build(kind):
     if kind == "gemma3_untied":  # its embedding vocabulary-parallel: a subclass that scales the rows
         return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**small, head_dim=8,
                                                                             tie_word_embeddings=False)), None
+    if kind == "cohere_qk_norm":  # q_norm / k_norm: LayerNorms with a [heads, head_dim] weight; tied head
+        return transformers.CohereForCausalLM(transformers.CohereConfig(**small, use_qk_norm=True)), None
     if kind == "qwen3":  # per-head RMSNorms q_norm / k_norm on q_proj's and k_proj's sharded heads
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)), \
             {**LLAMA_PLAN, "model.layers.*.self_attn.[qk]_norm": "replicated"}
@@ -128,8 +130,11 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
 # Qwen3: Llama's two per layer, plus the gradient sums of q_norm and k_norm; plan-free, the
 # untied head's too. Gemma 3 (no region layout of hf_sequence_parallel's, a GeGLU MLP that
 # SwiGLUMLP does not take): q, k, v, gate and up one each, and the two norms', per layer.
+# Cohere (no region layout either): q, k, v and SwiGLUMLP's one per layer; its per-head norms are
+# sharded with the heads, so nothing is summed for them (Note [per-head parameters]).
 BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5, "qwen3": 8,
-                        "qwen3_plan_free": 9, "gemma3_plan_free": 14, "gemma3_untied_plan_free": 15}
+                        "qwen3_plan_free": 9, "gemma3_plan_free": 14, "gemma3_untied_plan_free": 15,
+                        "cohere_qk_norm_plan_free": 8}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
@@ -150,7 +155,8 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
         assert backward_all_reduces == all_reduces, (rank, backward_all_reduces)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied",
+                                  "cohere_qk_norm"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
     # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
@@ -160,11 +166,13 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # weights) = 12 (row biases stay replicated; its head is tied, so its embedding too).
     _build(kind)[0].save_pretrained(tmp_path)
     # Qwen3 and Gemma 3 publish "replicated_with_grad_allreduce" for q_norm / k_norm (Replicated());
+    # Cohere with use_qk_norm (tied head): 14, and its [heads, head_dim] q_norm / k_norm weights
+    # sharded with the heads, 18 (Note [per-head parameters]).
     # Gemma 3's head is tied, so its embedding and head stay replicated: 14 sharded weights. Untied,
     # its scaled embedding (an nn.Embedding subclass) is vocabulary-parallel: 16, and one more
     # all-reduce, the head's (Note [nn.Embedding subclasses]).
     _check_parity(_hf_parity, (kind, 3, str(tmp_path), True),
-                  min_sharded={"gpt2": 12, "gemma3": 14}.get(kind, 16),
+                  min_sharded={"gpt2": 12, "gemma3": 14, "cohere_qk_norm": 18}.get(kind, 16),
                   all_reduces=BACKWARD_ALL_REDUCES.get(f"{kind}_plan_free", BACKWARD_ALL_REDUCES["plan_free"])
                   if kind != "gpt2" else BACKWARD_ALL_REDUCES["gpt2"])
 
