@@ -37,8 +37,8 @@ in the first and the last adapter, which `PipelineStages` ties across ranks (Not
 parameters]).
 
 Families: the forward of each supported `model_type` was read and its parity tested
-(tests/hf/test_pipeline_hf.py); another family's forward may do more (Gemma scales the
-embedding, others soft-cap logits), so it is refused by name rather than run wrongly.
+(tests/hf/test_pipeline_hf.py); another family's forward may do more (Granite scales the
+embeddings and logits, Gemma 2 soft-caps logits), so it is refused by name rather than run wrongly.
 The choice follows torchtitan / PiPPy in cutting at module boundaries (torchtitan deletes the
 modules a stage does not own from a model written to tolerate that; a Hugging Face forward is
 not, hence adapters that call the modules as its forward does).
@@ -54,7 +54,12 @@ from torch import Tensor
 # model_type -> how its forward calls the decoder layers: "llama" (rotary position_embeddings,
 # one causal mask or one per config.layer_types entry) or "gpt2" (learned positions added to
 # the embedding); and which mask each layer gets (Note [hf pipeline layers]).
-_LLAMA_STYLE = {"llama": "causal", "mistral": "sliding_window_if_set", "qwen2": "layer_types", "qwen3": "layer_types"}
+# The other Llama-style families' forwards (transformers 5.23) are Llama's, the mask rule aside:
+# Gemma scales its rows inside its embedding module, which the adapter calls; SmolLM3's no-RoPE
+# layers and the others' per-layer differences are inside their decoder layers.
+_LLAMA_STYLE = {"llama": "causal", "mistral": "sliding_window_if_set", "qwen2": "layer_types", "qwen3": "layer_types",
+                "gemma": "causal", "olmo": "causal", "olmo2": "causal", "glm4": "causal", "nemotron": "causal",
+                "phi3": "sliding_window_if_set", "smollm3": "layer_types", "exaone4": "layer_types"}
 SUPPORTED = sorted([*_LLAMA_STYLE, "gpt2"])
 
 

@@ -83,3 +83,28 @@ def save_tiny_mixtral(directory) -> None:
                                         max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
     transformers.MixtralForCausalLM(config).save_pretrained(directory)
+
+
+def save_tiny_gemma(directory, tie_word_embeddings: bool = True) -> None:
+    """A 2-layer Gemma: its embedding module scales the rows by sqrt(hidden) in its own forward
+    (an nn.Embedding subclass); the head tied to it (Gemma's default) or not."""
+    import transformers
+
+    config = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+                                      max_position_embeddings=64, tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(0)
+    transformers.GemmaForCausalLM(config).save_pretrained(directory)
+
+
+def save_tiny_phi3(directory) -> None:
+    """A 2-layer Phi-3: q, k, v packed in one `qkv_proj` and gate, up in one `gate_up_proj` (in the
+    model and in the files), a sliding window of 4 tokens."""
+    import transformers
+
+    config = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                     max_position_embeddings=64, sliding_window=4, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Phi3ForCausalLM(config).save_pretrained(directory)

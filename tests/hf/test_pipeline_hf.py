@@ -8,7 +8,9 @@ final norm + head), position ids / rotary cos-sin / causal mask rebuilt on every
   With a padding attention mask (right and left padding) the stages give the model's logits
   for `model(input_ids, attention_mask=...)`, and the loss pair for padded batches its loss;
 - at pp=2 (1F1B, 2 microbatches) and pp=2 x tp=2 (the published TP plan), Llama (untied and
-  tied head), Qwen2 (biased q/k/v) and GPT-2 (head tied to wte, so the tie crosses stages) train 3 SGD steps to the
+  tied head), Qwen2 (biased q/k/v) and GPT-2 (head tied to wte, so the tie crosses stages), and
+  Phi-3 (packed qkv / gate_up, sliding window) at pp=2 and an untied Gemma (a vocabulary-parallel
+  embedding that scales its rows in its own forward) at pp=2 x tp=2, train 3 SGD steps to the
   losses and parameters of the plain model loaded from the same directory (one full batch
   without a mask, then two padded batches whose microbatches count different tokens, with
   their attention masks), and `hf.save_pretrained` from the pipelined layout reloads in plain
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama, save_tiny_qwen2
+from tests.hf._tiny import save_tiny_gemma, save_tiny_gpt2, save_tiny_llama, save_tiny_phi3, save_tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,6 +69,21 @@ def _tiny_config(family):
         return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     if family == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=8)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the tiny vocabulary
+    others = {  # the Llama-style families whose forward is Llama's but for the mask (pipeline/hf.py)
+        "gemma": lambda: transformers.GemmaConfig(**common, head_dim=8),
+        "olmo": lambda: transformers.OlmoConfig(**common, clip_qkv=0.5, **ids),
+        "olmo2": lambda: transformers.Olmo2Config(**common, **ids),
+        "glm4": lambda: transformers.Glm4Config(**common, head_dim=8, **ids),
+        "nemotron": lambda: transformers.NemotronConfig(**common, head_dim=8, **ids),
+        "phi3": lambda: transformers.Phi3Config(**common, sliding_window=4, **ids),
+        "smollm3": lambda: transformers.SmolLM3Config(**common, **ids),
+        # layers 0 and 2 sliding, layer 1 full (config.layer_types)
+        "exaone4": lambda: transformers.Exaone4Config(**common, sliding_window=4, sliding_window_pattern=2,
+                                                      head_dim=8, **ids),
+    }
+    if family in others:
+        return others[family]()
     return transformers.MistralConfig(**common, sliding_window=4)
 
 
@@ -84,9 +101,14 @@ def _save(directory, family):
         save_tiny_llama(directory, tie_word_embeddings=family == "llama-tied")
     elif family == "qwen2":  # saved for the distributed runs; the one-process test builds its own (_load)
         save_tiny_qwen2(directory)
+    elif family == "gemma-untied":  # its scaled embedding vocabulary-parallel under TP
+        save_tiny_gemma(directory, tie_word_embeddings=False)
+    elif family == "phi3":
+        save_tiny_phi3(directory)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-tied", "gpt2", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "gpt2", "qwen2", "qwen3", "mistral", "gemma", "olmo",
+                                    "olmo2", "glm4", "nemotron", "phi3", "smollm3", "exaone4"])
 def test_layers_in_a_row_are_the_model(tmp_path, family):
     from parallel_layers.pipeline import PipelineStages
     from parallel_layers.pipeline.hf import causal_lm_loss, causal_lm_loss_sum, causal_lm_tokens, decoder_layers
@@ -120,11 +142,12 @@ def test_layers_in_a_row_are_the_model(tmp_path, family):
 def test_unsupported_models_are_refused():
     from parallel_layers.pipeline.hf import SUPPORTED, decoder_layers
 
-    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=8, vocab_size=32))  # scales its embedding by sqrt(hidden) in its forward: not ours to guess
-    with pytest.raises(ValueError, match=r"model_type 'gemma'") as e:
-        decoder_layers(gemma)
+        vocab_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    # its forward multiplies the embeddings and divides the logits by config values: not ours to guess
+    with pytest.raises(ValueError, match=r"model_type 'granite'") as e:
+        decoder_layers(granite)
     assert all(family in str(e.value) for family in SUPPORTED)
     with pytest.raises(ValueError, match="GPT2Model"):  # the base model has no head
         decoder_layers(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
@@ -197,7 +220,7 @@ def _reference(directory):
 
 
 # tp -> the families trained at pp=2 x tp (tied: the head is the input embedding, on the other stage)
-LAYOUTS = {1: ("llama", "llama-tied", "gpt2", "qwen2"), 2: ("llama", "gpt2", "qwen2")}
+LAYOUTS = {1: ("llama", "llama-tied", "gpt2", "qwen2", "phi3"), 2: ("llama", "gpt2", "qwen2", "gemma-untied")}
 
 
 @pytest.mark.parametrize("tp", list(LAYOUTS), ids=lambda tp: "pp2" if tp == 1 else f"pp2-tp{tp}")
