@@ -204,11 +204,13 @@ class ModelSpec:
 #     intermediate_size of a gated SwiGLU MLP (gate, up, down), vocab_size, RMSNorm (weight only)
 #     twice per layer and once at the end, no position table (rotary), tie_word_embeddings
 #     (absent: False for these families). Biases: llama's attention_bias on q, k, v and o,
-#     mlp_bias on gate, up and down; qwen2 always on q, k and v (never o); mistral none.
+#     mlp_bias on gate, up and down; qwen2 always on q, k and v (never o); mistral none. qwen3 is
+#     llama's (attention_bias on q, k, v and o; no mlp_bias) plus a head_dim RMSNorm on q and on k
+#     in every layer (q_norm, k_norm).
 #   gpt2: n_embd, n_layer, n_head, n_inner (null: 4 * n_embd) of a GeLU MLP, n_positions rows of
 #     learned positions, LayerNorm (weight and bias) twice per layer and at the end, biases on
 #     every Conv1D, the head tied to the token embedding.
-_GATED = {"llama": "attention_bias", "mistral": None, "qwen2": "qkv"}
+_GATED = {"llama": "attention_bias", "mistral": None, "qwen2": "qkv", "qwen3": "attention_bias"}
 # ffn-wide tensors GPT-2's MLP keeps for backward a token, by activation_function: torch's fused
 # gelu keeps its input (and c_proj its output); transformers' "gelu_new" (NewGELUActivation) is
 # 0.5 * x * (1 + tanh(...)) in elementwise ops, which keep x, the tanh, 0.5 * x, 1 + tanh and
@@ -279,6 +281,8 @@ def hf_config_spec(path: str | os.PathLike | dict, seq: int) -> ModelSpec:
         attention += q + 2 * k + h
     elif _GATED[family] == "qkv":
         attention += q + 2 * k
+    if family == "qwen3":
+        attention += 2 * hd  # q_norm, k_norm
     mlp = 3 * h * ffn + (2 * ffn + h if cfg.get("mlp_bias") and family == "llama" else 0)
     params = layers * (attention + mlp + 2 * h) + h + vocab * h * (1 if tied else 2)  # 2 RMSNorms, final norm
     return ModelSpec(params, layers, h, seq, heads, vocab, ffn, kv, hd, "swiglu", tied, 0, dropout, family)

@@ -1,5 +1,5 @@
 """The planner's Hugging Face config input (parallel_layers.plan.hf_config_spec): config.json
-files written by transformers for Llama, Qwen2, Mistral and GPT-2 are parsed as JSON, and the
+files written by transformers for Llama, Qwen2, Qwen3, Mistral and GPT-2 are parsed as JSON, and the
 parameter count from the shape equals sum(p.numel()) of the model transformers builds from the
 same config (on the meta device: no memory, no weights)."""
 
@@ -30,6 +30,13 @@ CONFIGS = {
     "qwen2-tied": lambda: transformers.Qwen2Config(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=1500,
                                                    tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(hidden_size=256, intermediate_size=704, num_hidden_layers=3,
+                                              num_attention_heads=8, num_key_value_heads=2, head_dim=48,
+                                              vocab_size=1500),
+    "qwen3-bias-tied": lambda: transformers.Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                                                        num_attention_heads=4, num_key_value_heads=2,
+                                                        vocab_size=1500, attention_bias=True,
+                                                        tie_word_embeddings=True),
     "mistral": lambda: transformers.MistralConfig(hidden_size=256, intermediate_size=896, num_hidden_layers=3,
                                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
     "gpt2": lambda: transformers.GPT2Config(n_embd=192, n_layer=3, n_head=6, vocab_size=1000, n_positions=512),
@@ -113,7 +120,7 @@ def test_errors_name_the_values(tmp_path, capsys):
         ModelSpec.from_hf_config(tmp_path, seq=128)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
     with pytest.raises(ValueError, match=re.escape("model_type 'bert' is not supported by the planner; supported: "
-                                                   "['gpt2', 'llama', 'mistral', 'qwen2']")):
+                                                   "['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3']")):
         ModelSpec.from_hf_config(tmp_path, seq=128)
     with pytest.raises(ValueError, match=re.escape("lacks 'num_hidden_layers'")):
         ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64}, seq=128)
