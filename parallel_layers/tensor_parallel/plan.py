@@ -34,7 +34,8 @@ per-rank head bookkeeping is fixed where it is stored: `num_heads` is divided by
 GPT-2 style `split_size` (the width at which the fused QKV output is split) becomes the
 local width. Llama-style attention reshapes with -1 heads and needs nothing.
 
-Everything that is not in the plan stays replicated. A replicated parameter that reads the
+Everything that is not in the plan stays replicated, but for the per-head parameters of Note
+[per-head parameters], which parallelize finds itself. A replicated parameter that reads the
 replicated activations (the norms between the layers, the embedding without VocabParallel) gets
 the same gradient on every rank and stays in sync. One that reads a column layer's sharded
 output sees only this rank's heads or features, so its gradient is this rank's part of the sum:
@@ -332,7 +333,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
         setattr(parent, child, layer)
     if tp > 1:
-        _shard_per_head_parameters(model, modules, targets, column_outputs, tp_group)
+        _per_head_parameters(model, modules, targets, column_outputs, tp_group)
     if fused_kernels:  # before the SP hooks, which then land on the fused modules
         fused_modules.fuse(model)
     if sp_layout is not None:
@@ -354,14 +355,20 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
 # column layer (same parent) whose output is neither gathered nor fused, with 2 or more dims, as
 # many elements as that column layer has output features (its output, laid out [heads, ...]), and
 # dim 0 divisible by tp. Their gradients need no sum: each rank's rows see only its own heads, and
-# under sequence parallelism the column layer's input is the gathered sequence. A 1-D parameter is
-# left alone: a per-head-dim norm shared by all heads (Qwen3's) is replicated, its gradient summed
-# (Replicated, as its published plan asks).
-def _shard_per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_outputs: dict[str, set[int]],
-                               tp_group) -> None:
+# under sequence parallelism the column layer's input is the gathered sequence.
+# A 1-D parameter of head_dim elements in such a module, inside attention (the parent has
+# `head_dim`), is a norm shared by all heads and applied to each (Qwen3's and Gemma 3's q_norm /
+# k_norm; Phi's q_layernorm / k_layernorm with qk_layernorm=True): it stays whole, and since each
+# rank applies it to its own heads only, its gradient is summed over tp (reduce_grad_over_tp, as
+# for Replicated()). Qwen3 and Gemma 3 publish that ("replicated_with_grad_allreduce"); Phi does
+# not, and its replicas drifted apart silently at tp=2 before this rule. A norm of the region's
+# input has hidden elements, not head_dim (heads > 1), so it is never taken for one.
+def _per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_outputs: dict[str, set[int]],
+                         tp_group) -> None:
     tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     for parent_name, outputs in column_outputs.items():
         parent = modules[parent_name] if parent_name else model
+        head_dim = getattr(parent, "head_dim", None)
         for child_name, child in parent.named_children():
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if (name in targets or len(child._modules) or isinstance(child, (nn.Linear, nn.Embedding))
@@ -371,6 +378,8 @@ def _shard_per_head_parameters(model: nn.Module, modules: dict, targets: dict, c
                 if p.dim() >= 2 and p.numel() in outputs and p.shape[0] % tp == 0 and not hasattr(p, "tp_shard"):
                     shard = sharded_parameter(p.detach(), 0, tp, rank)
                     setattr(child, param_name, shard.requires_grad_(p.requires_grad))
+                elif p.dim() == 1 and isinstance(head_dim, int) and p.numel() == head_dim:
+                    reduce_grad_over_tp(p, tp_group)
 
 
 def _check_splits(model: nn.Module, modules: dict, name: str, spec: Column | Row, tp: int) -> None:

@@ -53,6 +53,8 @@ def _build(kind):
                                                                             tie_word_embeddings=False)), None
     if kind == "cohere_qk_norm":  # q_norm / k_norm: LayerNorms with a [heads, head_dim] weight; tied head
         return transformers.CohereForCausalLM(transformers.CohereConfig(**small, use_qk_norm=True)), None
+    if kind == "phi_qk_norm":  # q_layernorm / k_layernorm of head_dim on each head; its plan does not name them
+        return transformers.PhiForCausalLM(transformers.PhiConfig(**small, qk_layernorm=True)), None
     if kind == "qwen3":  # per-head RMSNorms q_norm / k_norm on q_proj's and k_proj's sharded heads
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)), \
             {**LLAMA_PLAN, "model.layers.*.self_attn.[qk]_norm": "replicated"}
@@ -131,10 +133,12 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
 # untied head's too. Gemma 3 (no region layout of hf_sequence_parallel's, a GeGLU MLP that
 # SwiGLUMLP does not take): q, k, v, gate and up one each, and the two norms', per layer.
 # Cohere (no region layout either): q, k, v and SwiGLUMLP's one per layer; its per-head norms are
-# sharded with the heads, so nothing is summed for them (Note [per-head parameters]).
+# sharded with the heads, so nothing is summed for them (Note [per-head parameters]). Phi with
+# qk_layernorm: q, k, v and fc1 one each, and the weight and bias of q_layernorm and k_layernorm
+# (head_dim each, summed: Note [per-head parameters]) per layer, and the untied head's.
 BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5, "qwen3": 8,
                         "qwen3_plan_free": 9, "gemma3_plan_free": 14, "gemma3_untied_plan_free": 15,
-                        "cohere_qk_norm_plan_free": 8}
+                        "cohere_qk_norm_plan_free": 8, "phi_qk_norm_plan_free": 17}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
@@ -156,7 +160,7 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied",
-                                  "cohere_qk_norm"])
+                                  "cohere_qk_norm", "phi_qk_norm"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
     # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
