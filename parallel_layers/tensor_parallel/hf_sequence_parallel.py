@@ -193,10 +193,7 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
     modules = dict(model.named_modules())
     first = modules[layout.layers[0]]
     embedding = modules.get(layout.embedding) if layout.embedding else None
-    # Not for an embedding that runs its own forward after the lookup (Note [nn.Embedding
-    # subclasses]): that forward must see summed rows.
-    plain = isinstance(embedding, VocabParallelEmbedding) and type(embedding).forward is VocabParallelEmbedding.forward
-    partial = plain and comm.group_size(tp_group) > 1
+    partial = isinstance(embedding, VocabParallelEmbedding) and comm.group_size(tp_group) > 1
     if partial:  # its partial sums are reduce-scattered at layer 0 (Note [hf sequence parallel boundaries])
         embedding.partial_output = True
     first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0], partial)),

@@ -78,7 +78,7 @@ from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import hf_sequence_parallel
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.sharding import sharded_parameter
-from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
+from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding, subclass_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +293,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             _check_fused_activation(model, name, modules[name], targets)
         elif isinstance(spec, (Column, Row)):
             _check_splits(model, modules, name, spec, tp)
+        elif isinstance(spec, VocabParallel):
+            _check_embedding(model, name, modules[name])
     if tp > 1 and sp_layout is None:  # at tp=1 nothing is sharded; sequence parallelism sums them itself
         _check_grad_sums_kept(model, modules, targets)
     if sp_layout is not None:
@@ -432,8 +434,8 @@ def _check_grad_sums_kept(model: nn.Module, modules: dict, targets: dict) -> Non
             f"{entries} to the plan, or use the published plan (tp_plan='auto')")
 
 
-def _convert_embedding(model: nn.Module, name: str, module: nn.Module, spec: VocabParallel, tp_group) -> None:
-    """VocabParallel(): replace the embedding wherever the model holds it (a tied head holds it too)."""
+def _check_embedding(model: nn.Module, name: str, module: nn.Module) -> None:
+    """What VocabParallel() needs of the module it converts."""
     if not isinstance(module, nn.Embedding):
         raise TypeError(f"parallelize: VocabParallel() needs an nn.Embedding, but {name} is {type(module).__name__}")
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
@@ -445,6 +447,12 @@ def _convert_embedding(model: nn.Module, name: str, module: nn.Module, spec: Voc
         raise ValueError(f"parallelize: VocabParallel() on {name} would untie it from {holders}, which hold its weight "
                          "as their own parameter (a tied head); leave the embedding replicated, or have the head read "
                          "the embedding module through tensor_parallel.tied_logits (Note [vocab-parallel head])")
+    if problem := subclass_problem(module):
+        raise ValueError(f"parallelize: {name}: {problem}")
+
+
+def _convert_embedding(model: nn.Module, name: str, module: nn.Module, spec: VocabParallel, tp_group) -> None:
+    """VocabParallel(): replace the embedding wherever the model holds it (a tied head holds it too)."""
     layer = VocabParallelEmbedding.from_embedding(module, sequence_parallel=spec.sequence_parallel, tp_group=tp_group)
     for parent in model.modules():
         for child, m in list(parent.named_children()):

@@ -73,9 +73,7 @@ class VocabParallelEmbedding(nn.Module):
         if ids.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got values in "
                              f"[{ids.min().item()}, {ids.max().item()}]")
-        local_pad = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.rows_per_rank:
-            local_pad = self.padding_idx - self.vocab_start
+        local_pad = self._local_padding_idx()
         if comm.group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight, local_pad)
         local = ids - self.vocab_start
@@ -88,10 +86,18 @@ class VocabParallelEmbedding(nn.Module):
             return comm.reduce_scatter_to_sp(out, self.tp_group)
         return comm.reduce_from_tp(out, self.tp_group)
 
+    def _local_padding_idx(self) -> int | None:
+        """The padding row's index among this rank's rows; None where another rank holds it."""
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.rows_per_rank:
+            return self.padding_idx - self.vocab_start
+        return None
+
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> VocabParallelEmbedding:
         """Shard an existing nn.Embedding (weights copied; its padding_idx kept). A subclass with
         its own forward keeps it (Note [nn.Embedding subclasses])."""
+        if problem := subclass_problem(embedding):
+            raise ValueError(problem)
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
                     _full=embedding.weight.detach(), **kwargs)
         if type(embedding).forward is not nn.Embedding.forward:
@@ -115,15 +121,38 @@ class VocabParallelEmbedding(nn.Module):
 # the subclass and nn.Embedding), the vocabulary-parallel lookup, whose rows are already summed
 # over tp (or reduce-scattered) when the subclass's own math sees them. The subclass's buffers
 # (embed_scale) and plain attributes come along; parameters besides the weight and submodules
-# are refused (the lookup's reduction would not cover them). A subclass forward that indexes
-# self.weight itself instead of calling nn.Embedding.forward would read the shard with global
-# ids: every call checks that the lookup ran and raises otherwise.
+# are refused (supporting them would mean deciding, per subclass, how their gradients add up
+# over tp). A subclass forward that indexes self.weight itself instead of calling
+# nn.Embedding.forward reads the shard with global ids: it fails on its first call, with an
+# IndexError where an id falls outside this rank's rows (a device-side assert on CUDA), else
+# with the check after the call that the lookup ran. The layer is an nn.Embedding now, and code
+# written for one (nn.Embedding.reset_parameters, transformers' _init_weights zeroing
+# weight[padding_idx]) sees its local table: its padding_idx is the padding row's local index,
+# None on the ranks that do not hold it.
 class _Lookup(VocabParallelEmbedding, nn.Embedding):
     """The vocabulary-parallel lookup where an nn.Embedding subclass's super().forward lands."""
 
     def forward(self, ids: Tensor) -> Tensor:
         self._pl_looked_up = True
         return VocabParallelEmbedding.forward(self, ids)
+
+    def _local_padding_idx(self) -> int | None:
+        return self.padding_idx  # already local (see the Note)
+
+
+def subclass_problem(embedding: nn.Embedding) -> str | None:
+    """Why VocabParallel() cannot take this nn.Embedding subclass, or None (Note [nn.Embedding
+    subclasses]); parallelize asks before it converts anything."""
+    cls = type(embedding)
+    if cls.forward is nn.Embedding.forward:
+        return None
+    extra = [n for n, _ in embedding.named_parameters(recurse=False) if n != "weight"]
+    if not extra and not embedding._modules:
+        return None
+    held = f"parameters {extra}" if extra else f"submodules {list(embedding._modules)}"
+    return (f"VocabParallelEmbedding: {cls.__name__} has its own forward and holds {held} besides its weight; keep "
+            "this embedding replicated (leave it out of the plan): VocabParallel() takes an nn.Embedding subclass "
+            "whose only parameter is its weight")
 
 
 _SUBCLASS_LAYERS: dict[type, type] = {}
@@ -133,12 +162,6 @@ def _keep_own_forward(layer: VocabParallelEmbedding, embedding: nn.Embedding) ->
     """Make `layer` (just sharded from `embedding`) run embedding's own forward around the
     vocabulary-parallel lookup (Note [nn.Embedding subclasses])."""
     cls = type(embedding)
-    extra = [n for n, _ in embedding.named_parameters(recurse=False) if n != "weight"]
-    if extra or len(embedding._modules):
-        raise ValueError(f"VocabParallelEmbedding: {cls.__name__} has its own forward and holds "
-                         f"{'parameters ' + str(extra) if extra else 'submodules ' + str(list(embedding._modules))} "
-                         "besides its weight, which the vocabulary-parallel lookup would not reduce; keep this "
-                         "embedding replicated (leave it out of the plan)")
     if cls not in _SUBCLASS_LAYERS:
         own_forward = cls.forward
 
@@ -153,6 +176,7 @@ def _keep_own_forward(layer: VocabParallelEmbedding, embedding: nn.Embedding) ->
 
         _SUBCLASS_LAYERS[cls] = type(f"VocabParallel{cls.__name__}", (cls, _Lookup), {"forward": forward})
     state = {k: v for k, v in vars(embedding).items() if not k.startswith("_") and k not in vars(layer)}
+    layer.padding_idx = layer._local_padding_idx()  # before the class changes what that returns
     layer.__class__ = _SUBCLASS_LAYERS[cls]
     vars(layer).update(state)
     for name, buf in embedding.named_buffers(recurse=False):

@@ -7,7 +7,8 @@ from a sharded `model.safetensors.index.json` (first, one rank's error raised on
 through the composing `parallelize`: Llama at tp=2 x dp=2 with ZeRO-3, GPT-2 (Conv1D weights
 stored [in, out], head tied) at tp=2 x dp=2 with ZeRO-1 (master shards that are views of the full
 parameters), Qwen2 at dp=2 with DataParallel, Qwen3 (per-head q / k norms whose gradients
-are summed over tp) at tp=2 x dp=2 with ZeRO-3; cut into pipeline stages (pipeline_layers='auto'):
+are summed over tp) and an untied Gemma (its embedding, which scales the rows in its own forward,
+vocabulary-parallel) at tp=2 x dp=2 with ZeRO-3; cut into pipeline stages (pipeline_layers='auto'):
 a Llama with a tied head and Mistral at pp=2, the tied Llama and an untied one at pp=2 x tp=2,
 every stage's pieces checked against the files and every parameter after the steps. In one process: every family (Llama, Qwen2,
 Mistral, GPT-2) unparallelized, so the rotary buffers no file holds are checked per family; the
@@ -32,7 +33,9 @@ CASES = {"llama-tp2-index": ("llama", 2, 1, None, "tensor_parallel", True),
          "gpt2-tp2-dp2-zero1": ("gpt2", 2, 2, 1, "parallelize", False),
          "qwen2-dp2-dataparallel": ("qwen2", 1, 2, 0, "parallelize", False),
          # q_norm / k_norm: replicated, gradients summed over tp (its published plan), under ZeRO-3
-         "qwen3-tp2-dp2-zero3": ("qwen3", 2, 2, 3, "parallelize", False)}
+         "qwen3-tp2-dp2-zero3": ("qwen3", 2, 2, 3, "parallelize", False),
+         # its embedding scales the rows in its own forward (an nn.Embedding subclass), vocabulary-parallel
+         "gemma-untied-tp2-dp2-zero3": ("gemma-untied", 2, 2, 3, "parallelize", False)}
 
 
 def _batches():
@@ -56,6 +59,8 @@ def _adamw(params):
 def _save(family, directory, sharded=False):
     if family == "llama-tied":  # the head is the input embedding's weight
         _tiny.save_tiny_llama(directory, tie_word_embeddings=True)
+    elif family == "gemma-untied":
+        _tiny.save_tiny_gemma(directory, tie_word_embeddings=False)
     else:
         getattr(_tiny, f"save_tiny_{family}")(directory)
     if sharded:  # the same weights cut into several files under model.safetensors.index.json
@@ -106,7 +111,7 @@ def _meta_load_and_train(rank, world, directory, tp, dp, stage, api):
         losses.append(mean.item() / world)
     with torch.no_grad():
         logits.append(net(_probe()).logits.tolist())
-    vocab_parallel = type(model.get_input_embeddings()).__name__ == "VocabParallelEmbedding"
+    vocab_parallel = isinstance(model.get_input_embeddings(), tensor_parallel.VocabParallelEmbedding)
     return logits, losses, one_bad_rank if api == "tensor_parallel" else None, vocab_parallel
 
 
@@ -263,7 +268,7 @@ def _meta_load_pipelined(rank, world, directories, tp):
             losses.append(par.forward_backward(ids, ids).item())
             par.step()
             par.zero_grad()
-        vocab_parallel = type(model.get_input_embeddings()).__name__ == "VocabParallelEmbedding"
+        vocab_parallel = isinstance(model.get_input_embeddings(), tensor_parallel.VocabParallelEmbedding)
         out[family] = (loaded, buffers, losses, _pieces(par), vocab_parallel)
     return out
 

@@ -111,7 +111,7 @@ class _Biased(_Scaled):
 
 def _subclass_parity(rank, ws, sequence_parallel):
     torch.manual_seed(0)
-    ref = _Scaled(VOCAB, DIM, padding_idx=7, scale=DIM ** 0.5)
+    ref = _Scaled(VOCAB, DIM, padding_idx=30, scale=DIM ** 0.5)  # row 30: rank 1's local row 5 at tp=2
     emb = VocabParallelEmbedding.from_embedding(ref, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
     ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=torch.Generator().manual_seed(1))
     out_ref = ref(ids)
@@ -121,9 +121,15 @@ def _subclass_parity(rank, ws, sequence_parallel):
     if sequence_parallel:
         out = all_gather(out.detach(), 0, dist.group.WORLD)
     grad = gather_full(emb.weight.grad, dist.group.WORLD, emb.weight.tp_shard)[:VOCAB]
+    # As an nn.Embedding it is its local table: nn.Embedding's own re-initialisation zeroes the
+    # padding row of the rank that holds it, and only that row.
+    local_padding_idx = emb.padding_idx
+    emb.reset_parameters()
+    full = gather_full(emb.weight.detach(), dist.group.WORLD, emb.weight.tp_shard)[:VOCAB]
     return {"class": type(emb).__name__, "is scaled": isinstance(emb, _Scaled),
             "buffers": sorted(emb.state_dict()), "output": _rel(out, out_ref.detach()),
-            "grad": _rel(grad, ref.weight.grad)}
+            "grad": _rel(grad, ref.weight.grad), "local padding_idx": local_padding_idx,
+            "zero rows after reset": (full.abs().sum(-1) == 0).nonzero().flatten().tolist()}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -132,12 +138,19 @@ def test_embedding_subclass_keeps_its_forward(sequence_parallel):
     for rank, r in enumerate(run_distributed(_subclass_parity, 2, args=(sequence_parallel,))):
         assert (r["class"], r["is scaled"], r["buffers"]) == ("VocabParallel_Scaled", True, ["weight"]), r
         assert r["output"] < RTOL and r["grad"] < RTOL, (rank, r)
+        assert r["local padding_idx"] == [None, 30 - VOCAB // 2][rank] and r["zero rows after reset"] == [30], r
 
 
 def test_embedding_subclass_refusals():
+    from parallel_layers.tensor_parallel import VocabParallel, parallelize
+
     with pytest.raises(ValueError, match=r"_Biased has its own forward and holds parameters \['bias'\] besides its "
-                                         r"weight.*keep this embedding replicated"):
+                                         r"weight; keep this embedding replicated"):
         VocabParallelEmbedding.from_embedding(_Biased(VOCAB, DIM, scale=2.0))
+    model = nn.ModuleDict({"fc": nn.Linear(DIM, DIM), "emb": _Biased(VOCAB, DIM, scale=2.0)})
+    with pytest.raises(ValueError, match=r"parallelize: emb: VocabParallelEmbedding: _Biased has its own forward"):
+        parallelize(model, {"fc": "column", "emb": VocabParallel()})
+    assert type(model["fc"]) is nn.Linear  # refused before anything was converted
     own = VocabParallelEmbedding.from_embedding(_OwnLookup(VOCAB, DIM))
     with pytest.raises(RuntimeError, match=r"_OwnLookup.forward does not call nn.Embedding.forward"):
         own(torch.tensor([0, 1]))
