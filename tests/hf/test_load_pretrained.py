@@ -250,7 +250,7 @@ def _pieces(par):
 
 def _meta_load_pipelined(rank, world, directories, tp):
     """Every family of one layout in the same processes (one start-up: imports dominate)."""
-    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers import hf, init_parallel, parallelize, tensor_parallel
     from parallel_layers.pipeline.hf import causal_lm_loss
 
     ctx = init_parallel(tp=tp, pp=2, device="cpu")
