@@ -61,6 +61,7 @@ from torch import Tensor
 
 from parallel_layers import activation_checkpointing as activation_checkpointing_module
 from parallel_layers import fused, meta
+from parallel_layers._accumulation import token_divisor
 from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.parallel_dims import ParallelContext
@@ -86,7 +87,8 @@ class Parallelized:
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """Forward and backward of this replica's batch, gradients reduced over dp; returns its
-        loss (detached; with a pipeline, on every pipeline rank). attention_mask: a padded
+        loss (detached; with a pipeline, on every pipeline rank; with token_count, its sum over the
+        count of the dp replicas' batches / dp, whose mean over dp is the whole batch's loss). attention_mask: a padded
         batch's [batch, seq] mask, for a model (or pipeline layers) that takes one."""
         if not self._materialized:  # once: the first step of a model built on the meta device
             if meta.has_meta(self.module):  # every rank built it so: every rank raises
@@ -100,10 +102,14 @@ class Parallelized:
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
         out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)
         loss = self.loss_fn(out, targets)
-        if self.token_count is not None:  # loss_fn returned a sum
-            loss = loss / self.token_count(targets)
+        if self.token_count is not None:  # loss_fn returned a sum: the batch's count over dp divides it
+            loss = loss / token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)
         loss.backward()
         return loss.detach()
+
+    def _dp_group(self):
+        """The group the wrapper averages gradients over; None without one."""
+        return self.module.group if isinstance(self.module, (ZeRO, DataParallel)) else None
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip by the global norm over every axis (tp, pp, the dp shards); call after backward."""
@@ -138,8 +144,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
 
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
     targets) -> the batch mean; or, with token_count(targets) -> how many items it sums, the
-    sum, divided by the whole batch's count (exact over microbatches of unequal counts, e.g.
-    padded batches: pipeline.hf.causal_lm_loss_sum with causal_lm_tokens). tp_plan: module-name pattern -> style, as for
+    sum, divided by the whole batch's count, over the microbatches and the dp replicas (exact
+    for parts of unequal counts, e.g. padded batches: pipeline.hf.causal_lm_loss_sum with
+    causal_lm_tokens; Note [token mean over data parallelism]). tp_plan: module-name pattern -> style, as for
     `tensor_parallel.parallelize`; "auto": the plan a Hugging Face model publishes; None: no
     conversion (the model is used as built). activation_checkpointing: None, "full" or
     "selective", per block: the modules `wrap` selects (parallel_layers/activation_checkpointing.py).

@@ -12,9 +12,10 @@ are split on dim 0 into `microbatches` equal parts. A padded batch's `attention_
 with the inputs, to the layers that take it (Note [side inputs] in stages.py). The loss is normalised once for the whole
 batch: `loss_fn` returns a microbatch mean and is scaled by 1 / m, or, with
 `token_count=fn`, returns a microbatch sum and is divided by the sum of `token_count(target)`
-over all microbatches (e.g. the number of non-ignored tokens), so microbatches of unequal
-weight are averaged exactly. Gradient accumulation over microbatches therefore matches one
-big batch, and the data-parallel wrapper averages over replicas on top.
+over all microbatches (e.g. the number of non-ignored tokens) and over the data-parallel
+replicas (Note [token mean over data parallelism] in _accumulation.py), so microbatches and
+replicas of unequal weight are averaged exactly. Gradient accumulation over microbatches
+therefore matches one big batch, and so does the data-parallel wrapper's average over replicas.
 
 Each step: the batch sizes are checked on every pipeline rank (one small all-gather), the
 schedule's actions run (Note [schedule construction] in schedule.py; messages in batched
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel_layers import fault
+from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
 from parallel_layers.pipeline.schedule import BATCH, FORWARD, RECV_B, RECV_F, SEND_F, build_schedule, check_arguments
@@ -155,7 +157,11 @@ class PipelineParallel:
         y_mb = list(targets.chunk(m)) if self.rank == self.last_rank else None
         scale = None
         if y_mb is not None:
-            scale = 1.0 / (sum(int(self.token_count(t)) for t in y_mb) if self.token_count else m)
+            if self.token_count is None:
+                scale = 1.0 / m
+            else:  # the batch's count over the dp replicas' last stages (Note [token mean over data parallelism])
+                count = sum(int(self.token_count(t)) for t in y_mb)
+                scale = 1.0 / float(token_divisor(count, getattr(self.data_parallel, "group", None), self.device))
         msg = self.messenger
         msg.begin(sig)
         sync = self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()

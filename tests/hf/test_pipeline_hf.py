@@ -259,3 +259,53 @@ def _check_family(family, source, export, results):
         got, want, before = (m(input_ids=ids).logits for m in (exported, ref, pretrained))
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), family
     assert not torch.allclose(got, before, atol=1e-3)  # trained weights, not the pretrained ones
+
+
+def _train_dp(rank, world, directory, exports):
+    """dp=2 over padded batches whose halves count different tokens: DataParallel, ZeRO-3, and the
+    pipeline runtime (2 microbatches at pp=1) over ZeRO-1."""
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+
+    ctx = init_parallel(dp=2, device="cpu")
+    dp_rank = ctx.coordinate("dp")
+    out = {}
+    for name, kwargs in (("dataparallel", dict(zero_stage=0)), ("zero3", dict(zero_stage=3)),
+                         ("pipeline-runtime-zero1", dict(zero_stage=1, pipeline_layers="auto", microbatches=2))):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        piped = "pipeline_layers" in kwargs
+        loss_fn = causal_lm_loss_sum if piped else (lambda o, labels: causal_lm_loss_sum(o.logits, labels))
+        par = parallelize(model, ctx, optimizer=_sgd, loss_fn=loss_fn, token_count=causal_lm_tokens, **kwargs)
+        losses, counts = [], []
+        for step, ids in enumerate(_batches()):
+            mask = _padding(step)
+            mine = ids.chunk(2)[dp_rank]
+            mine_mask = None if mask is None else mask.chunk(2)[dp_rank]
+            labels = _labels(mine, mine_mask)
+            counts.append(int(causal_lm_tokens(labels)))
+            loss = par.forward_backward(mine, labels, attention_mask=mine_mask).clone()
+            torch.distributed.all_reduce(loss)  # the replicas' mean: the whole batch's token mean
+            losses.append(loss.item() / 2)
+            par.step()
+            par.zero_grad()
+        hf.save_pretrained(par.module, f"{exports}/{name}")
+        out[name] = (losses, counts)
+    return out
+
+
+def test_token_mean_over_data_parallel_replicas(tmp_path):
+    # Note [token mean over data parallelism]: each replica's sum is divided by the count of the
+    # whole batch, so the step is Hugging Face's loss of the whole padded batch, not the mean of
+    # the replicas' means (1.6e-3 off that loss and 1e-1 off its parameters before).
+    _save(tmp_path, "llama")
+    ref_losses, ref = _reference(str(tmp_path))
+    results = run_distributed(_train_dp, 2, args=(str(tmp_path), str(tmp_path / "out")), timeout_s=300)
+    ref_state = ref.state_dict()
+    for name in results[0]:
+        for r in results:
+            assert r[name][0] == pytest.approx(ref_losses, rel=1e-5), name
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / name).state_dict()
+        for key, value in ref_state.items():
+            assert torch.allclose(exported[key], value, rtol=1e-4, atol=1e-6), (name, key)
+    counts = [r["dataparallel"][1] for r in results]
+    assert counts[0][1:] != counts[1][1:]  # the premise: the padded halves count different tokens
