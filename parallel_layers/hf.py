@@ -390,7 +390,8 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
     mine = None
     try:
         if meta.has_meta(module):
-            meta.materialize(module, device if device is not None else ctx_device or default_device())
+            meta.materialize(module, device if device is not None else ctx_device or default_device(),
+                             warn_unfilled_buffers=False)  # _buffers_from_reference fills them below
             described = placement.describe(module)  # the same tensors, now with storage
         _read_pieces(described, sources, files)
         _buffers_from_reference(hf_model, module, reference, {n for n, s in sources.items() if not s.from_reference})
@@ -402,4 +403,21 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
     return model
 
 
-__all__ = ["load_pretrained", "save_pretrained"]
+def materialize(model, *, device: torch.device | str | None = None):
+    """Give a transformers model built on the meta device (at any layout, or the `Parallelized`
+    of `parallelize`) storage, without pretrained weights: to resume from a checkpoint
+    (`checkpoint.load` next) or to initialise yourself. Parameters and persistent buffers are
+    zeros; the non-persistent buffers no checkpoint holds (rotary inv_freq, Gemma's
+    embed_scale) get the values the model's constructor computes (Note [buffers not in the
+    files]). `device` as for load_pretrained. Not a collective. Returns `model`."""
+    from parallel_layers.parallel_dims import default_device
+
+    module, ctx_device = _unwrap(model)
+    hf_model = _hf_model(module, "hf.materialize")
+    meta.materialize(module, device if device is not None else ctx_device or default_device(),
+                     warn_unfilled_buffers=False)
+    _buffers_from_reference(hf_model, module, _reference(hf_model), set())
+    return model
+
+
+__all__ = ["load_pretrained", "materialize", "save_pretrained"]

@@ -29,6 +29,7 @@ new one. Nothing may have run backward on the meta tensors (it cannot: they hold
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 import torch.nn as nn
@@ -88,16 +89,30 @@ def materialize_module(module: nn.Module, device: torch.device | str, skip: set[
             pack()
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> None:
+def materialize(model: nn.Module, device: torch.device | str, *, warn_unfilled_buffers: bool = True) -> None:
     """Give every meta tensor of `model` (plain, tensor parallel, or wrapped by ZeRO or
     DataParallel) zero-filled storage on `device`, in place (Note [materialize in place]);
     every reference to them - optimizer, wrappers, hooks, ties - stays valid. Wrappers implement
-    `materialize(device)`; other modules get `materialize_module`."""
+    `materialize(device)`; other modules get `materialize_module`.
+
+    Non-persistent buffers (a rotary embedding's inv_freq, Gemma's embed_scale) are in no
+    checkpoint, so zeros would stay: they are warned about, unless the caller computes them
+    (hf.materialize and hf.load_pretrained do, from the model's constructor)."""
+    unfilled = _meta_non_persistent_buffers(model) if warn_unfilled_buffers else []
     hook = getattr(model, "materialize", None)
     if callable(hook):
         hook(device)
     else:
         materialize_module(model, device)
+    if unfilled:
+        warnings.warn(f"meta.materialize: {len(unfilled)} non-persistent buffer(s) are zeros now and no checkpoint "
+                      f"holds them: {unfilled[:4]}; compute them before training (hf.materialize(model) does so for a "
+                      "Hugging Face model)", RuntimeWarning, stacklevel=2)
+
+
+def _meta_non_persistent_buffers(model: nn.Module) -> list[str]:
+    return [f"{name}.{b}" if name else b for name, m in model.named_modules() for b, t in m._buffers.items()
+            if t is not None and t.is_meta and b in m._non_persistent_buffers_set]
 
 
 __all__ = ["has_meta", "materialize", "materialize_module", "swap_in"]

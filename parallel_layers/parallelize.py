@@ -95,8 +95,9 @@ class Parallelized:
                 raise RuntimeError(
                     "parallelize: the model still has tensors on the meta device (it was built under "
                     "torch.device('meta')), so there is nothing to train yet. Give them storage and values first: "
-                    "hf.load_pretrained(directory, par) for a Hugging Face model, or "
-                    "parallel_layers.meta.materialize(par.module, device) and your own initialisation")
+                    "hf.load_pretrained(directory, par) for a Hugging Face model; to resume from a checkpoint, "
+                    "hf.materialize(par) then checkpoint.load(...); or parallel_layers.meta.materialize(par.module, "
+                    "device) and your own initialisation")
             self._materialized = True
         if self.pipeline is not None:
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask)

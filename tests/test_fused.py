@@ -257,7 +257,8 @@ def test_packing_survives_a_move_and_a_meta_build(tmp_path):
     with torch.device("meta"):
         on_meta = transformers.AutoModelForCausalLM.from_config(config)
     fused.fuse(on_meta)
-    meta.materialize(on_meta, "cpu")
+    with pytest.warns(RuntimeWarning, match=r"rotary_emb\.inv_freq"):  # zeros: hf.materialize computes them
+        meta.materialize(on_meta, "cpu")
     assert all(_packed(layer.mlp) for layer in on_meta.model.layers)
 
 

@@ -72,6 +72,14 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
                 raise ValueError(f"checkpoint {path} is corrupt: {'; '.join(found)}")
         saved = _model_keys(metadata)
         described = describe(model, prefix)
+        on_meta = [name for name, tp in described.tensors.items() if tp.local.is_meta]
+        if on_meta:
+            raise ValueError(
+                f"checkpoint load: the model still has tensors on the meta device ({len(on_meta)}, e.g. "
+                f"{on_meta[:3]}): it was built under torch.device('meta') and has no storage to load into. Give it "
+                "storage first: hf.materialize(model) for a Hugging Face model (it also computes the buffers no "
+                "checkpoint holds, such as the rotary inv_freq), else parallel_layers.meta.materialize(model, device) "
+                "and compute such buffers yourself")
         _check(path, saved, described, optimizer, metadata)
         signature = layout_signature(described, world)
     except Exception as e:  # noqa: BLE001 - raised on every rank below

@@ -372,3 +372,51 @@ def _load_with_one_bad_rank(rank, model, directory):
     except Exception as e:  # noqa: BLE001 - what each rank raised comes back
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _resume_from_meta(rank, world, directory, root):
+    import warnings
+
+    from parallel_layers import checkpoint, hf, init_parallel, meta, parallelize
+
+    ctx = init_parallel(tp=2, device="cpu")
+
+    def build():  # what a resumed job builds: nothing allocated until the checkpoint is read
+        return parallelize(_on_meta(directory), ctx, optimizer=_adamw, loss_fn=_loss, tp_plan="auto")
+
+    par = build()
+    hf.load_pretrained(directory, par)
+    ids = _batches()[0]
+    par.forward_backward(ids, ids)
+    par.step()
+    path = checkpoint.save(root, 1, par.module, par.optimizer, prefix=par.prefix)
+    with torch.no_grad():
+        want = par.module(_probe()).logits
+
+    resumed = build()
+    try:  # still on the meta device: refused, naming the fix
+        checkpoint.load(path, resumed.module, resumed.optimizer, prefix=resumed.prefix)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    with warnings.catch_warnings(record=True) as caught:  # zeros where no checkpoint holds a value
+        warnings.simplefilter("always")
+        meta.materialize(build().module, "cpu")
+    hf.materialize(resumed)  # the constructor's rotary inv_freq and embed_scale
+    checkpoint.load(path, resumed.module, resumed.optimizer, prefix=resumed.prefix)
+    with torch.no_grad():
+        got = resumed.module(_probe()).logits
+    return refusal, [str(w.message) for w in caught], (got - want).abs().max().item()
+
+
+def test_a_meta_built_model_resumes_from_a_checkpoint(tmp_path):
+    # Before hf.materialize, meta.materialize left the rotary inv_freq and Gemma's embed_scale at
+    # zero (no checkpoint holds them) and the resumed logits were 1.0 (relative) off, silently.
+    _save("gemma-untied", tmp_path / "src")
+    for refusal, warned, diff in run_distributed(_resume_from_meta, 2, args=(str(tmp_path / "src"),
+                                                                              str(tmp_path / "ckpt")), timeout_s=240):
+        assert refusal.startswith("checkpoint load: the model still has tensors on the meta device") and \
+            "hf.materialize(model)" in refusal, refusal
+        assert any("non-persistent buffer(s) are zeros now" in w and "embed_scale" in w and "inv_freq" in w
+                   for w in warned), warned
+        assert diff == 0.0
