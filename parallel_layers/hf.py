@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from parallel_layers import checkpoint, meta, placement
 from parallel_layers.checkpoint._dist import all_gather, broadcast, describe_error, raise_if_any, rank_world
+from parallel_layers.tensor_parallel.plan import is_hf_conv1d
 
 
 def _hf_model(model: nn.Module, what: str = "hf.save_pretrained") -> nn.Module:
@@ -56,10 +57,6 @@ def _hf_model(model: nn.Module, what: str = "hf.save_pretrained") -> nn.Module:
         raise TypeError(f"{what} needs a transformers model (with .config), possibly wrapped by ZeRO or "
                         f"DataParallel; got {type(model).__name__}")
     return seen
-
-
-def _is_conv1d(module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
 def _to_hf_layout(state: dict[str, torch.Tensor], plain: nn.Module, held: nn.Module) -> dict[str, torch.Tensor]:
@@ -76,7 +73,7 @@ def _to_hf_layout(state: dict[str, torch.Tensor], plain: nn.Module, held: nn.Mod
     out = {}
     for key, value in state.items():
         owner, _, leaf = key.rpartition(".")
-        if leaf == "weight" and _is_conv1d(plain_modules.get(owner)) and not _is_conv1d(held_modules.get(owner)):
+        if leaf == "weight" and is_hf_conv1d(plain_modules.get(owner)) and not is_hf_conv1d(held_modules.get(owner)):
             value = value.t().contiguous()
         if tuple(value.shape) != expected[key]:
             raise ValueError(f"hf.save_pretrained: {key} is {tuple(value.shape)}, {type(plain).__name__} expects "
@@ -253,8 +250,8 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
             continue
         name, key = found
         owner, _, leaf = name.rpartition(".")
-        transpose = (leaf == "weight" and _is_conv1d(plain_modules.get(owner))
-                     and not _is_conv1d(held_modules.get(owner)))
+        transpose = (leaf == "weight" and is_hf_conv1d(plain_modules.get(owner))
+                     and not is_hf_conv1d(held_modules.get(owner)))
         logical = tuple(described.tensors[name].shape)
         expected = logical[::-1] if transpose else logical
         if shapes[key] != expected:

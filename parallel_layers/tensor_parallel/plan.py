@@ -198,11 +198,16 @@ def _tied_to_input_embedding(model: nn.Module) -> set[str]:
     return {n for n, m in model.named_modules() if m is not embedding and getattr(m, "weight", None) is weight}
 
 
+def is_hf_conv1d(module) -> bool:
+    """transformers' Conv1D (GPT-2's layers): a linear layer whose weight is stored [in, out]."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
 def _as_linear_weights(module: nn.Module):
     """(weight [out, in], bias or None) of an nn.Linear or a HF Conv1D, without copying."""
     if isinstance(module, nn.Linear):
         return module.weight.detach(), module.bias.detach() if module.bias is not None else None
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
+    if is_hf_conv1d(module):
         return module.weight.detach().t(), module.bias.detach() if module.bias is not None else None
     raise TypeError(f"parallelize: {type(module).__name__} is not supported; plan entries must name nn.Linear or "
                     "Hugging Face Conv1D modules")
@@ -373,8 +378,8 @@ def _per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_
         head_dim = getattr(parent, "head_dim", None)
         for child_name, child in parent.named_children():
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if (name in targets or len(child._modules) or isinstance(child, (nn.Linear, nn.Embedding))
-                    or type(child).__name__ == "Conv1D"):
+            linear = isinstance(child, (nn.Linear, nn.Embedding)) or is_hf_conv1d(child)
+            if name in targets or len(child._modules) or linear:
                 continue
             for param_name, p in list(child.named_parameters(recurse=False)):
                 if p.dim() >= 2 and p.numel() in outputs and p.shape[0] % tp == 0 and not hasattr(p, "tp_shard"):
