@@ -92,11 +92,20 @@ FAMILIES = {
     "qwen2": ("layers", "norm"),
     "qwen3": ("layers", "norm"),  # Qwen2's model and decoder layer; q_norm / k_norm in attention
     "gpt2": ("h", "ln_f"),
+    # Llama's model forward (diffed, transformers 5.23) and decoder layers whose only other ops are
+    # per-position: Gemma's (1 + weight) RMSNorm, OLMo's clip_qkv clamp inside attention and its
+    # parameter-free LayerNorm, Nemotron's LayerNorm1P, SmolLM3's no-RoPE layers, EXAONE 4's
+    # norms after attention and MLP and its q / k norms.
+    "gemma": ("layers", "norm"), "olmo": ("layers", "norm"), "nemotron": ("layers", "norm"),
+    "smollm3": ("layers", "norm"), "exaone4": ("layers", "norm"),
 }
 # model_type -> the base model's input embedding, for the families whose forward passes its
 # output to decoder layer 0 unchanged (Note [hf sequence parallel boundaries]).
 _EMBEDDING_FEEDS_LAYER_0 = {"llama": "embed_tokens", "mistral": "embed_tokens", "qwen2": "embed_tokens",
-                            "qwen3": "embed_tokens"}
+                            "qwen3": "embed_tokens", "olmo": "embed_tokens", "nemotron": "embed_tokens",
+                            "smollm3": "embed_tokens", "exaone4": "embed_tokens"}
+# Not Gemma: its embedding scales the rows in its own forward (an nn.Embedding subclass, Note
+# [nn.Embedding subclasses]); a vocabulary-parallel one all-reduces before that forward sees them.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,16 @@ def _build(kind):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)), LLAMA_PLAN
     if kind == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**small)), LLAMA_PLAN
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the vocabulary
+    others = {  # Llama-style families with sequence parallelism (hf_sequence_parallel.FAMILIES)
+        "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**small, head_dim=8)),
+        "olmo": lambda: transformers.OlmoForCausalLM(transformers.OlmoConfig(**small, clip_qkv=0.5, **ids)),
+        "nemotron": lambda: transformers.NemotronForCausalLM(transformers.NemotronConfig(**small, head_dim=8, **ids)),
+        "smollm3": lambda: transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**small, **ids)),
+        "exaone4": lambda: transformers.Exaone4ForCausalLM(transformers.Exaone4Config(**small, head_dim=8, **ids)),
+    }
+    if kind in others:
+        return others[kind](), None
     if kind == "gemma3":  # the same per-head norms (Gemma's 1 + weight form), GeGLU MLP, tied head
         return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**small, head_dim=8)), None
     if kind == "gemma3_untied":  # its embedding vocabulary-parallel: a subclass that scales the rows

@@ -1,6 +1,7 @@
 """Sequence parallelism on Hugging Face decoders ([batch, seq, hidden]): plan-free
 `tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
-Qwen2, Mistral, GPT-2 and Qwen3 loaded with from_pretrained gives the plain transformers model's
+Qwen2, Mistral, GPT-2, Qwen3, Gemma, OLMo, Nemotron, SmolLM3 and EXAONE 4 loaded with
+from_pretrained gives the plain transformers model's
 logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
 decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a forward
 issues no all-reduce (the vocabulary-parallel embedding's partial sums are reduce-scattered at
@@ -21,7 +22,8 @@ from tests.tensor_parallel.test_parallelize import _build
 
 transformers = pytest.importorskip("transformers")
 
-KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3")
+KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4")
+TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: both stay replicated
 TP, BATCH, SEQ, STEPS, VOCAB = 2, 2, 16, 3, 96  # _build's models: vocabulary 96, 32 positions
 # float32; the reduce-scatters and the summed norm gradients add in another order than one
 # process does. The issue's parity tolerance.
@@ -150,7 +152,7 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
             # Llama, Qwen2, Mistral: the published plan's vocabulary-parallel embedding, its partial
             # sums reduce-scattered at layer 0 (Megatron's), not all-reduced and then split; GPT-2's
             # embedding is tied to its head, so replicated. No all-reduce anywhere in the forward.
-            assert vocab_parallel == (kind != "gpt2"), kind
+            assert vocab_parallel == (kind not in TIED), kind
             assert counts["all_reduce"] == 0, (kind, counts)
             assert counts["reduce_scatter_single"] == 2 * layers + vocab_parallel, (kind, counts)  # + o / down_proj
             layer = "transformer.h.0" if kind == "gpt2" else "model.layers.0"
@@ -216,7 +218,8 @@ def test_refusals_before_any_conversion():
     bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError, match=r"sequence_parallel=True supports the Hugging Face decoders whose forward "
-                                         r"was checked for it, model_type in \['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'\]; "
+                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'gpt2', 'llama', 'mistral', 'nemotron', "
+                                         r"'olmo', 'qwen2', 'qwen3', 'smollm3'\]; "
                                          r"BertForMaskedLM has model_type 'bert'"):
         parallelize(bert, {"bert.encoder.layer.*.intermediate.dense": "column"}, sequence_parallel=True)
     model, _ = _build("llama")
