@@ -53,6 +53,22 @@ def _build(kind):
         "nemotron": lambda: transformers.NemotronForCausalLM(transformers.NemotronConfig(**small, head_dim=8, **ids)),
         "smollm3": lambda: transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**small, **ids)),
         "exaone4": lambda: transformers.Exaone4ForCausalLM(transformers.Exaone4Config(**small, head_dim=8, **ids)),
+        # and families whose published plans take other paths: gathered q / k / v outputs (OLMo 2,
+        # GLM-4, Phi-3's packed qkv_proj and gate_up_proj), multipliers (Granite), soft-capping and
+        # sliding windows (Gemma 2), a fused per-head QKV and a renamed head (GPT-NeoX), biases and
+        # a LayerNorm MLP (StarCoder2)
+        "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**small, **ids)),
+        "glm4": lambda: transformers.Glm4ForCausalLM(transformers.Glm4Config(**small, head_dim=8, **ids)),
+        "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**small, **ids)),
+        "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
+            **small, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.3,
+            **ids)),
+        "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **small, head_dim=8, sliding_window=8, final_logit_softcapping=5.0, attn_logit_softcapping=10.0)),
+        "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+            max_position_embeddings=32, tie_word_embeddings=False, **ids)),
+        "starcoder2": lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**small, **ids)),
     }
     if kind in others:
         return others[kind](), None
@@ -148,7 +164,14 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
 # (head_dim each, summed: Note [per-head parameters]) per layer, and the untied head's.
 BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5, "qwen3": 8,
                         "qwen3_plan_free": 9, "gemma3_plan_free": 14, "gemma3_untied_plan_free": 15,
-                        "cohere_qk_norm_plan_free": 8, "phi_qk_norm_plan_free": 17}
+                        "cohere_qk_norm_plan_free": 8, "phi_qk_norm_plan_free": 17,
+                        # with a region layout (hf_sequence_parallel.FAMILIES): two a layer, + the untied head's
+                        "gemma_plan_free": 4, "smollm3_plan_free": 4, "olmo_plan_free": 5, "nemotron_plan_free": 5,
+                        "exaone4_plan_free": 9,  # + q_norm and k_norm's sums
+                        # without one: each column layer's own (q, k, v; the MLP's one), + the head's
+                        "gemma2_plan_free": 10,  # GeGLU: gate and up apart
+                        "olmo2_plan_free": 9, "glm4_plan_free": 9, "granite_plan_free": 9, "starcoder2_plan_free": 8,
+                        "phi3_plan_free": 5, "gpt_neox_plan_free": 5}  # packed qkv: one
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
@@ -170,7 +193,8 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied",
-                                  "cohere_qk_norm", "phi_qk_norm"])
+                                  "cohere_qk_norm", "phi_qk_norm", "gemma", "gemma2", "olmo", "olmo2", "glm4",
+                                  "nemotron", "phi3", "smollm3", "exaone4", "granite", "gpt_neox", "starcoder2"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
     # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
@@ -180,13 +204,18 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # weights) = 12 (row biases stay replicated; its head is tied, so its embedding too).
     _build(kind)[0].save_pretrained(tmp_path)
     # Qwen3 and Gemma 3 publish "replicated_with_grad_allreduce" for q_norm / k_norm (Replicated());
+    # The other families: 2 layers x their sharded weights (and column biases), + an untied
+    # head and its embedding (Gemma, Gemma 2, SmolLM3 and StarCoder2 tie them; GPT-NeoX's plan
+    # shards its head only; Phi-3 and GLM-4 pack q/k/v or gate/up into one weight).
     # Cohere with use_qk_norm (tied head): 14, and its [heads, head_dim] q_norm / k_norm weights
     # sharded with the heads, 18 (Note [per-head parameters]).
     # Gemma 3's head is tied, so its embedding and head stay replicated: 14 sharded weights. Untied,
     # its scaled embedding (an nn.Embedding subclass) is vocabulary-parallel: 16, and one more
     # all-reduce, the head's (Note [nn.Embedding subclasses]).
     _check_parity(_hf_parity, (kind, 3, str(tmp_path), True),
-                  min_sharded={"gpt2": 12, "gemma3": 14, "cohere_qk_norm": 18}.get(kind, 16),
+                  min_sharded={"gpt2": 12, "gemma3": 14, "cohere_qk_norm": 18, "gemma": 14, "gemma2": 14,
+                               "smollm3": 14, "nemotron": 14, "glm4": 20, "starcoder2": 20, "phi3": 10,
+                               "gpt_neox": 13}.get(kind, 16),
                   all_reduces=BACKWARD_ALL_REDUCES.get(f"{kind}_plan_free", BACKWARD_ALL_REDUCES["plan_free"])
                   if kind != "gpt2" else BACKWARD_ALL_REDUCES["gpt2"])
 
