@@ -359,9 +359,9 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
 # keeps rows [r * H / tp, (r + 1) * H / tp), a TP shard on dim 0 like a column layer's weight, so
 # checkpoints, hf.load_pretrained and the export see the [H, head_dim] tensor. Which parameters: those
 # of a module the plan leaves whole (no children; not a linear layer or an embedding) beside a
-# column layer (same parent) whose output is neither gathered nor fused, with 2 or more dims, as
-# many elements as that column layer has output features (its output, laid out [heads, ...]), and
-# dim 0 divisible by tp. Their gradients need no sum: each rank's rows see only its own heads, and
+# column layer (same parent, which has `head_dim`: attention) whose output is neither gathered
+# nor fused, with 2 or more dims, the last of head_dim, as many elements as that column layer has
+# output features (its output, laid out [heads, ..., head_dim]), and dim 0 divisible by tp. Their gradients need no sum: each rank's rows see only its own heads, and
 # under sequence parallelism the column layer's input is the gathered sequence.
 # A 1-D parameter of head_dim elements in such a module, inside attention (the parent has
 # `head_dim`), is a norm shared by all heads and applied to each (Qwen3's and Gemma 3's q_norm /
@@ -382,7 +382,8 @@ def _per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_
             if name in targets or len(child._modules) or linear:
                 continue
             for param_name, p in list(child.named_parameters(recurse=False)):
-                if p.dim() >= 2 and p.numel() in outputs and p.shape[0] % tp == 0 and not hasattr(p, "tp_shard"):
+                per_head = p.dim() >= 2 and p.shape[-1] == head_dim and p.numel() in outputs
+                if per_head and p.shape[0] % tp == 0 and not hasattr(p, "tp_shard"):
                     shard = sharded_parameter(p.detach(), 0, tp, rank)
                     setattr(child, param_name, shard.requires_grad_(p.requires_grad))
                 elif p.dim() == 1 and isinstance(head_dim, int) and p.numel() == head_dim:
