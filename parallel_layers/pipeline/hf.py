@@ -37,8 +37,8 @@ in the first and the last adapter, which `PipelineStages` ties across ranks (Not
 parameters]).
 
 Families: the forward of each supported `model_type` was read and its parity tested
-(tests/hf/test_pipeline_hf.py); another family's forward may do more (Granite scales the
-embeddings and logits, Gemma 2 soft-caps logits), so it is refused by name rather than run wrongly.
+(tests/hf/test_pipeline_hf.py); another family's forward may do more (Gemma 2 soft-caps
+logits, others add cross-attention), so it is refused by name rather than run wrongly.
 The choice follows torchtitan / PiPPy in cutting at module boundaries (torchtitan deletes the
 modules a stage does not own from a model written to tolerate that; a Hugging Face forward is
 not, hence adapters that call the modules as its forward does).
@@ -59,7 +59,14 @@ from torch import Tensor
 # layers and the others' per-layer differences are inside their decoder layers.
 _LLAMA_STYLE = {"llama": "causal", "mistral": "sliding_window_if_set", "qwen2": "layer_types", "qwen3": "layer_types",
                 "gemma": "causal", "olmo": "causal", "olmo2": "causal", "glm4": "causal", "nemotron": "causal",
-                "phi3": "sliding_window_if_set", "smollm3": "layer_types", "exaone4": "layer_types"}
+                "phi3": "sliding_window_if_set", "smollm3": "layer_types", "exaone4": "layer_types",
+                "granite": "causal", "cohere": "causal"}
+# Llama's forwards but for scalars from the config: Granite multiplies the embeddings by
+# embedding_multiplier (its model's forward) and divides the logits by logits_scaling, Cohere
+# multiplies the logits by logit_scale (their causal LMs' forwards); the adapters do the same, in
+# the same order.
+_EMBEDDING_MULTIPLIER = {"granite": "embedding_multiplier"}
+_LOGITS_SCALE = {"granite": ("logits_scaling", "divide"), "cohere": ("logit_scale", "multiply")}
 SUPPORTED = sorted([*_LLAMA_STYLE, "gpt2"])
 
 
@@ -111,7 +118,9 @@ class Embedding(_Layer):
     def forward(self, ids: Tensor) -> Tensor:
         m = self.get_submodule(self.base)
         if not self.gpt2:
-            return m.embed_tokens(ids)
+            hidden = m.embed_tokens(ids)
+            multiplier = _EMBEDDING_MULTIPLIER.get(self.config.model_type)
+            return hidden * getattr(self.config, multiplier) if multiplier else hidden
         hidden = m.wte(ids)
         return m.drop(hidden + m.wpe(_positions(hidden)).to(hidden.device))
 
@@ -166,7 +175,12 @@ class Head(_Layer):
         _mount(self, "lm_head", model.lm_head)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.get_submodule(self.norm_path)(hidden))
+        logits = self.lm_head(self.get_submodule(self.norm_path)(hidden))
+        scale = _LOGITS_SCALE.get(self.config.model_type)
+        if scale is None:
+            return logits
+        value = getattr(self.config, scale[0])
+        return logits / value if scale[1] == "divide" else logits * value
 
 
 def _mask_kinds(config, family: str, n: int) -> list[str]:

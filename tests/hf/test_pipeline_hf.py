@@ -81,6 +81,11 @@ def _tiny_config(family):
         # layers 0 and 2 sliding, layer 1 full (config.layer_types)
         "exaone4": lambda: transformers.Exaone4Config(**common, sliding_window=4, sliding_window_pattern=2,
                                                       head_dim=8, **ids),
+        # scalars from the config: the embeddings times embedding_multiplier, the logits over
+        # logits_scaling (Granite) or times logit_scale (Cohere)
+        "granite": lambda: transformers.GraniteConfig(**common, embedding_multiplier=3.0, logits_scaling=4.0,
+                                                      residual_multiplier=0.5, attention_multiplier=0.3, **ids),
+        "cohere": lambda: transformers.CohereConfig(**common, logit_scale=0.5, **ids),
     }
     if family in others:
         return others[family]()
@@ -108,7 +113,8 @@ def _save(directory, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-tied", "gpt2", "qwen2", "qwen3", "mistral", "gemma", "olmo",
-                                    "olmo2", "glm4", "nemotron", "phi3", "smollm3", "exaone4"])
+                                    "olmo2", "glm4", "nemotron", "phi3", "smollm3", "exaone4", "granite",
+                                    "cohere"])
 def test_layers_in_a_row_are_the_model(tmp_path, family):
     from parallel_layers.pipeline import PipelineStages
     from parallel_layers.pipeline.hf import causal_lm_loss, causal_lm_loss_sum, causal_lm_tokens, decoder_layers
@@ -142,12 +148,12 @@ def test_layers_in_a_row_are_the_model(tmp_path, family):
 def test_unsupported_models_are_refused():
     from parallel_layers.pipeline.hf import SUPPORTED, decoder_layers
 
-    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2))
-    # its forward multiplies the embeddings and divides the logits by config values: not ours to guess
-    with pytest.raises(ValueError, match=r"model_type 'granite'") as e:
-        decoder_layers(granite)
+        head_dim=8, vocab_size=32))
+    # its causal LM soft-caps the logits (tanh) after the head: not ours to guess
+    with pytest.raises(ValueError, match=r"model_type 'gemma2'") as e:
+        decoder_layers(gemma2)
     assert all(family in str(e.value) for family in SUPPORTED)
     with pytest.raises(ValueError, match="GPT2Model"):  # the base model has no head
         decoder_layers(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
