@@ -10,6 +10,7 @@ from parallel_layers.tensor_parallel.comm import (
     scatter_to_sp,
     scatter_to_tp,
 )
+from parallel_layers.tensor_parallel.experts import Experts
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.plan import Column, Replicated, Row, VocabParallel, parallelize, published_plan
 from parallel_layers.tensor_parallel.sharding import TPShard, gather_full
@@ -22,7 +23,7 @@ from parallel_layers.tensor_parallel.vocab import (
 )
 
 __all__ = [
-    "Column", "ColumnParallelLinear", "Row", "RowParallelLinear", "TPShard", "copy_to_tp", "gather_from_sp",
+    "Column", "ColumnParallelLinear", "Experts", "Row", "RowParallelLinear", "TPShard", "copy_to_tp", "gather_from_sp",
     "gather_from_tp", "gather_full", "parallelize", "published_plan", "reduce_from_tp", "reduce_grad_over_tp",
     "Replicated", "reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp", "tied_cross_entropy", "tied_logits", "VocabParallel",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_logits",

@@ -28,6 +28,13 @@ Fused projections: Column(fused=k) splits the weight into k equal logical sub-ma
 (e.g. Q, K, V) and shards each one, so rank r computes [q_r, k_r, v_r]; Column(fused=(a, b))
 gives unequal sizes. A naive split of a fused weight would be silently wrong.
 
+Experts() ("experts"; transformers' "moe_tp_experts") on a mixture-of-experts module whose
+experts are stacked 3-D parameters (gate_up_proj [experts, 2 * intermediate, hidden], down_proj
+[experts, hidden, intermediate]) splits every expert as its SwiGLU MLP, all-reducing the
+module's output (tensor_parallel/experts.py). The published plans also name those two
+parameters ("packed_colwise", "rowwise"): entries naming parameters are accepted when they say
+what the Experts() entry of their module does, and refused otherwise.
+
 Attention modules: a column-sharded projection inside a module that has `head_dim` must
 cover whole heads on every rank (heads % tp == 0), else the plan is refused. The parent's
 per-rank head bookkeeping is fixed where it is stored: `num_heads` is divided by tp and a
@@ -75,7 +82,9 @@ import torch.nn as nn
 from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel import experts as moe
 from parallel_layers.tensor_parallel import hf_sequence_parallel
+from parallel_layers.tensor_parallel.experts import Experts
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.sharding import sharded_parameter
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding, subclass_problem
@@ -107,7 +116,8 @@ class VocabParallel:
 
 
 _FUSED = "fused"  # an activation module applied by the Column(activation=...) before it
-_STYLES = {"column": Column(), "row": Row(), "vocab_parallel": VocabParallel(), "replicated": Replicated()}
+_STYLES = {"column": Column(), "row": Row(), "vocab_parallel": VocabParallel(), "replicated": Replicated(),
+           "experts": Experts()}
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 # Note [published plans]: Hugging Face configs publish `base_model_tp_plan` (keys relative to
@@ -132,6 +142,7 @@ HF_STYLES = {
     "rowwise_split_input": Row(input_is_parallel=False),
     "embedding_rowwise": VocabParallel(),  # rows = the vocabulary
     "replicated_with_grad_allreduce": Replicated(),  # Qwen3's and Gemma 3's q_norm / k_norm
+    "moe_tp_experts": Experts(),  # stacked experts, each split as its MLP (tensor_parallel/experts.py)
 }
 _GRAD_SUM_STYLE = "replicated_with_grad_allreduce"
 _REPLICATED = ("embedding_colwise",)
@@ -171,11 +182,14 @@ def published_plan(model: nn.Module) -> dict:
                          f"(built-in: {sorted(BUILTIN_PLANS)}); pass an explicit plan (tp_plan= to "
                          "parallel_layers.parallelize, plan= to tensor_parallel.parallelize)")
     modules = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters()]
     tied = _tied_to_input_embedding(model)
     out = {}
     for pattern, style in plan.items():
         if style in _REPLICATED:
             continue
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in (*modules, *params) if n):
+            continue  # a plan written for the family's every variant: Qwen2-MoE's dense-MLP entries
         if style not in HF_STYLES:
             names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)][:3]
             raise ValueError(f"parallelize: {type(model).__name__}'s published plan asks {style!r} for {pattern!r} "
@@ -281,18 +295,21 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
                         f"{{'layers.*.fc1': 'column'}}), got {type(plan).__name__}")
     tp = comm.group_size(tp_group)
     modules = dict(model.named_modules())
-    targets: dict[str, Column | Row | VocabParallel | Replicated | str] = {}
+    targets: dict[str, Column | Row | VocabParallel | Replicated | Experts | str] = {}
+    parameter_entries = {}
     for pattern, style in plan.items():
         spec = (_STYLES.get(style) or HF_STYLES.get(style, style)) if isinstance(style, str) else style
-        if not isinstance(spec, (Column, Row, VocabParallel, Replicated)) and spec != _FUSED:
+        if not isinstance(spec, (Column, Row, VocabParallel, Replicated, Experts)) and spec != _FUSED:
             raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; use 'column', 'row', 'replicated', "
-                             f"Column(...), Row(...), VocabParallel(...), Replicated() or 'fused', or a Hugging Face "
-                             f"style: {sorted(HF_STYLES)}")
+                             f"'experts', Column(...), Row(...), VocabParallel(...), Replicated(), Experts(...) or "
+                             f"'fused', or a Hugging Face style: {sorted(HF_STYLES)}")
         matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not matched:
-            raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}")
+            parameter_entries[pattern] = (style, spec)
         for name in matched:
             targets[name] = spec
+    for pattern, (style, spec) in parameter_entries.items():
+        _check_expert_parameters(model, pattern, style, spec, targets)
     for name, spec in targets.items():  # checked before any module is replaced
         if spec == _FUSED:
             _check_fused_activation(model, name, modules[name], targets)
@@ -300,6 +317,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             _check_splits(model, modules, name, spec, tp)
         elif isinstance(spec, VocabParallel):
             _check_embedding(model, name, modules[name])
+        elif isinstance(spec, Experts) and (problem := moe.layout_problem(modules[name], spec, tp)):
+            raise ValueError(f"parallelize: {name}: {problem}")
     if tp > 1 and sp_layout is None:  # at tp=1 nothing is sharded; sequence parallelism sums them itself
         _check_grad_sums_kept(model, modules, targets)
     if sp_layout is not None:
@@ -316,6 +335,9 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             continue
         if isinstance(spec, VocabParallel):
             _convert_embedding(model, name, module, spec, tp_group)
+            continue
+        if isinstance(spec, Experts):
+            moe.convert(module, spec, tp_group)
             continue
         if isinstance(spec, Replicated):  # the module stays; its gradients are summed over tp
             for p in module.parameters():
@@ -388,6 +410,29 @@ def _per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_
                     setattr(child, param_name, shard.requires_grad_(p.requires_grad))
                 elif p.dim() == 1 and isinstance(head_dim, int) and p.numel() == head_dim:
                     reduce_grad_over_tp(p, tp_group)
+
+
+def _check_expert_parameters(model: nn.Module, pattern: str, style, spec, targets: dict) -> None:
+    """A plan entry that names parameters, not modules, is accepted only as transformers'
+    spelling of what an Experts() entry on their module does (its published plans say
+    'packed_colwise' for experts.gate_up_proj and 'rowwise' for experts.down_proj beside
+    'moe_tp_experts' for experts); anything else matches no module and is refused."""
+    named = [n for n, _ in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+    if not named:
+        raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}")
+    for name in named:
+        owner, _, leaf = name.rpartition(".")
+        experts = targets.get(owner)
+        if not isinstance(experts, Experts):
+            raise ValueError(f"parallelize: plan pattern {pattern!r} names parameters ({name}), not modules; a plan "
+                             "names modules, except for the expert weights of a module it marks Experts() "
+                             "('moe_tp_experts'), which that entry splits")
+        does = {experts.column: Column(fused=experts.packed), experts.row: Row()}.get(leaf)
+        if does != spec:
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}, but {owner} is Experts() ({experts}), "
+                             f"which splits {experts.column} packed-column-wise ('packed_colwise') and {experts.row} "
+                             f"row-wise ('rowwise'); {name} would be split otherwise. Drop the entry, or leave "
+                             f"{owner} out of the plan")
 
 
 def _check_splits(model: nn.Module, modules: dict, name: str, spec: Column | Row, tp: int) -> None:

@@ -69,6 +69,17 @@ def _build(kind):
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
             max_position_embeddings=32, tie_word_embeddings=False, **ids)),
         "starcoder2": lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**small, **ids)),
+        # mixtures of experts (tensor_parallel/experts.py): 4 experts, 2 per token, each split as its MLP
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **small, num_local_experts=4, num_experts_per_tok=2, **ids)),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **small, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **ids)),
+        # a shared expert beside the routed ones, and layer 1 a dense MLP (mlp_only_layers)
+        "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **small, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+            num_experts_per_tok=2, mlp_only_layers=[1], **ids)),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **small, num_experts=4, num_experts_per_tok=2, **ids)),
     }
     if kind in others:
         return others[kind](), None
@@ -171,7 +182,13 @@ BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab"
                         # without one: each column layer's own (q, k, v; the MLP's one), + the head's
                         "gemma2_plan_free": 10,  # GeGLU: gate and up apart
                         "olmo2_plan_free": 9, "glm4_plan_free": 9, "granite_plan_free": 9, "starcoder2_plan_free": 8,
-                        "phi3_plan_free": 5, "gpt_neox_plan_free": 5}  # packed qkv: one
+                        "phi3_plan_free": 5, "gpt_neox_plan_free": 5,  # packed qkv: one
+                        # mixtures of experts: q, k, v one each, and the experts' two, their inputs' (the
+                        # hidden states' and the routing weights'; Note [experts split like their MLP]) a
+                        # layer, + the head's; Qwen3-MoE + q_norm and k_norm's sums; Qwen2-MoE's layer 1 is
+                        # dense (SwiGLUMLP's one) and its shared expert stays whole (its plan names none)
+                        "mixtral_plan_free": 11, "olmoe_plan_free": 11, "qwen3_moe_plan_free": 15,
+                        "qwen2_moe_plan_free": 10}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
@@ -194,7 +211,8 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied",
                                   "cohere_qk_norm", "phi_qk_norm", "gemma", "gemma2", "olmo", "olmo2", "glm4",
-                                  "nemotron", "phi3", "smollm3", "exaone4", "granite", "gpt_neox", "starcoder2"])
+                                  "nemotron", "phi3", "smollm3", "exaone4", "granite", "gpt_neox", "starcoder2",
+                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
     # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
@@ -209,13 +227,17 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # shards its head only; Phi-3 and GLM-4 pack q/k/v or gate/up into one weight).
     # Cohere with use_qk_norm (tied head): 14, and its [heads, head_dim] q_norm / k_norm weights
     # sharded with the heads, 18 (Note [per-head parameters]).
+    # Mixtures of experts: 2 layers x (q, k, v, o, the experts' gate_up_proj and down_proj), + head
+    # and embedding: 14; Qwen2-MoE: + q, k, v biases, its dense layer 1's gate, up and down for
+    # layer 1's experts: 21.
     # Gemma 3's head is tied, so its embedding and head stay replicated: 14 sharded weights. Untied,
     # its scaled embedding (an nn.Embedding subclass) is vocabulary-parallel: 16, and one more
     # all-reduce, the head's (Note [nn.Embedding subclasses]).
     _check_parity(_hf_parity, (kind, 3, str(tmp_path), True),
                   min_sharded={"gpt2": 12, "gemma3": 14, "cohere_qk_norm": 18, "gemma": 14, "gemma2": 14,
                                "smollm3": 14, "nemotron": 14, "glm4": 20, "starcoder2": 20, "phi3": 10,
-                               "gpt_neox": 13}.get(kind, 16),
+                               "gpt_neox": 13, "mixtral": 14, "qwen3_moe": 14, "olmoe": 14,
+                               "qwen2_moe": 21}.get(kind, 16),
                   all_reduces=BACKWARD_ALL_REDUCES.get(f"{kind}_plan_free", BACKWARD_ALL_REDUCES["plan_free"])
                   if kind != "gpt2" else BACKWARD_ALL_REDUCES["gpt2"])
 
@@ -321,9 +343,9 @@ def test_a_vocabulary_tp_does_not_divide_names_the_head_and_the_padding():
 
 
 def test_bad_style():
-    with pytest.raises(ValueError, match="use 'column', 'row', 'replicated', Column\\(...\\), Row\\(...\\), "
-                                         "VocabParallel\\(...\\), Replicated\\(\\) or 'fused', or a Hugging Face "
-                                         "style"):
+    with pytest.raises(ValueError, match="use 'column', 'row', 'replicated', 'experts', Column\\(...\\), "
+                                         "Row\\(...\\), VocabParallel\\(...\\), Replicated\\(\\), "
+                                         "Experts\\(...\\) or 'fused', or a Hugging Face style"):
         parallelize(nn.Sequential(nn.Linear(2, 2)), {"0": "diagonal"})
 
 
@@ -370,3 +392,50 @@ def test_which_regions_share_one_input_reduction():
         assert shared("llama", sequence_parallel=True, fused_kernels=False) == mlp + attention
     finally:
         dist.destroy_process_group()
+
+
+def _expert_refusals(rank, ws):
+    messages = []
+    model, _ = _build("mixtral")
+    group = dist.group.WORLD
+    for plan in ({"model.layers.*.mlp.experts": "experts"},  # 64 intermediate features per expert, tp=3
+                 {"model.layers.*.mlp.experts.down_proj": "rowwise"},  # a parameter, without its module's entry
+                 {"model.layers.*.mlp.experts": "moe_tp_experts", "model.layers.*.mlp.experts.down_proj": "colwise"}):
+        try:
+            parallelize(copy.deepcopy(model), plan, tp_group=group)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_experts_refusals_name_the_values():
+    """Mixtures of experts (tensor_parallel/experts.py): what Experts() cannot split is refused
+    on every rank, before anything is converted."""
+    for messages in run_distributed(_expert_refusals, 3, timeout_s=300):
+        assert len(messages) == 3
+        assert messages[0] == ("parallelize: model.layers.0.mlp.experts: MixtralExperts has intermediate size 64 per "
+                               "expert, which does not divide by tp=3; valid tensor-parallel sizes for it are "
+                               "[1, 2, 4, 8, 16, 32, 64]")
+        assert messages[1].startswith("parallelize: plan pattern 'model.layers.*.mlp.experts.down_proj' names "
+                                      "parameters (model.layers.0.mlp.experts.down_proj), not modules")
+        assert messages[2].startswith("parallelize: plan['model.layers.*.mlp.experts.down_proj'] = 'colwise', but "
+                                      "model.layers.0.mlp.experts is Experts(")
+    # the matching spelling of transformers' published plan is accepted, and a layout Experts() does
+    # not split (GPT-OSS: experts stored transposed, with biases, gate and up interleaved) is refused
+    model, _ = _build("mixtral")
+    parallelize(model, {"model.layers.*.mlp.experts": "moe_tp_experts",
+                        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                        "model.layers.*.mlp.experts.down_proj": "rowwise"})
+    assert type(model.model.layers[0].mlp.experts).__name__ == "TensorParallelMixtralExperts"
+    oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match=r"parallelize: model.layers.0.mlp.experts: GptOssExperts holds parameters "
+                                         r"\['down_proj', 'down_proj_bias', 'gate_up_proj', 'gate_up_proj_bias'\]"):
+        parallelize(oss, {"model.layers.*.mlp.experts": "experts"})
+    model, _ = _build("mixtral")
+    model.model.layers[1].mlp.experts.is_transposed = True  # [experts, in, out]: what the flag says
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts: MixtralExperts has \{'is_transposed': True\}; "
+                                         r"Experts\(\) supports"):
+        parallelize(model, {"model.layers.*.mlp.experts": "experts"})
+    assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"  # nothing converted

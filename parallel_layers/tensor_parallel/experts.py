@@ -1,0 +1,113 @@
+"""Tensor parallelism for a mixture-of-experts layer whose experts are stacked 3-D parameters,
+as transformers 5 holds them (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3, ...):
+
+    experts.gate_up_proj  [num_experts, 2 * intermediate, hidden]   [gate; up] packed on dim 1
+    experts.down_proj     [num_experts, hidden, intermediate]
+
+Note [experts split like their MLP]: every expert is a SwiGLU MLP, and is split the way
+Megatron splits one: rank r holds rows [r * I / tp, (r + 1) * I / tp) of each expert's gate
+and of its up projection (dim 1, each packed block split on its own, so the local
+`chunk(2, dim=-1)` of transformers' forward still yields matching gate and up halves) and
+the same columns of its down projection (dim 2). Each rank then computes, for every token
+its router sends to an expert, that expert's partial output over this rank's intermediate
+features; the module's output - the routing-weighted sum of the experts' outputs - is a
+partial sum, all-reduced once in the forward (as a row layer's output). In the backward, the
+gradients of the module's inputs are partial sums too: the hidden states' (each rank back-
+propagates through its features only) and the routing weights' (each rank's partial output
+times the output gradient); both are all-reduced (copy_to_tp on every floating input), and
+the router before them, replicated, gets the whole gradient on every rank, so it stays in
+sync without a sum of its own. Routing is the same on every rank because its input is: the
+residual stream is replicated, bitwise, by the all-reduces that produce it.
+
+This is transformers' published "moe_tp_experts" style (with "packed_colwise" for
+gate_up_proj and "rowwise" for down_proj), and what its own tp_plan="auto" does. Splitting
+the experts themselves over ranks (expert parallelism, all-to-all dispatch) is another
+layout, not this one.
+
+The module keeps its class's forward (and transformers' expert kernels, chosen by
+`config._experts_implementation`): it becomes an instance of TensorParallel<Name>(<Name>),
+whose forward wraps the original one with the two collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from parallel_layers.parallel_dims import divisors
+from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel.sharding import sharded_parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """A module holding every expert's weights as 3-D parameters: `column` [experts,
+    packed * intermediate, hidden] ([gate; up] packed on dim 1) and `row` [experts, hidden,
+    intermediate]; each expert split as a SwiGLU MLP is (Note [experts split like their MLP])."""
+
+    column: str = "gate_up_proj"
+    row: str = "down_proj"
+    packed: int = 2
+
+
+def layout_problem(module: nn.Module, spec: Experts, tp: int) -> str | None:
+    """Why `module` cannot be split as `spec` over tp ranks; None if it can."""
+    params = dict(module.named_parameters())
+    names = sorted(params)
+    if sorted((spec.column, spec.row)) != names:
+        return (f"{type(module).__name__} holds parameters {names}; Experts() splits a module holding exactly "
+                f"{spec.column!r} [experts, {spec.packed} * intermediate, hidden] and {spec.row!r} [experts, hidden, "
+                "intermediate] (biases and other layouts are not supported)")
+    # what transformers' @use_experts_implementation says of the layout
+    flags = {"is_transposed": False, "has_bias": False, "has_post_expert_norm": False, "has_gate": True,
+             "is_concatenated": True}
+    other = {k: getattr(module, k) for k, v in flags.items() if getattr(module, k, v) is not v}
+    if other:
+        return (f"{type(module).__name__} has {other}; Experts() supports {flags}: [experts, out, in] weights "
+                "without biases, gate and up concatenated")
+    column, row = params[spec.column], params[spec.row]
+    if column.dim() != 3 or row.dim() != 3 or column.shape[1] % spec.packed:
+        return (f"{type(module).__name__}.{spec.column} is {tuple(column.shape)} and .{spec.row} is "
+                f"{tuple(row.shape)}; Experts() needs [experts, {spec.packed} * intermediate, hidden] and "
+                "[experts, hidden, intermediate]")
+    inter = column.shape[1] // spec.packed
+    if tuple(row.shape) != (column.shape[0], column.shape[2], inter):
+        return (f"{type(module).__name__}.{spec.row} is {tuple(row.shape)}, but {spec.column} "
+                f"{tuple(column.shape)} needs it {(column.shape[0], column.shape[2], inter)}")
+    if inter % tp:
+        return (f"{type(module).__name__} has intermediate size {inter} per expert, which does not divide by "
+                f"tp={tp}; valid tensor-parallel sizes for it are {divisors(inter, 64)}")
+    return None
+
+
+_TP_CLASSES: dict[type, type] = {}
+
+
+def convert(module: nn.Module, spec: Experts, tp_group) -> None:
+    """Shard `module`'s expert weights in place and wrap its forward with the collectives
+    (Note [experts split like their MLP]); `layout_problem` must have passed."""
+    tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    column, row = getattr(module, spec.column), getattr(module, spec.row)
+    inter = column.shape[1] // spec.packed
+    setattr(module, spec.column, sharded_parameter(column.detach(), 1, tp, rank, fused=(inter,) * spec.packed)
+            .requires_grad_(column.requires_grad))
+    setattr(module, spec.row, sharded_parameter(row.detach(), 2, tp, rank).requires_grad_(row.requires_grad))
+    cls = type(module)
+    if cls not in _TP_CLASSES:
+        own_forward = cls.forward
+
+        def forward(self, *args, **kwargs):
+            group = self.tp_group
+            args = tuple(comm.copy_to_tp(a, group) if _floating(a) else a for a in args)
+            kwargs = {k: comm.copy_to_tp(v, group) if _floating(v) else v for k, v in kwargs.items()}
+            return comm.reduce_from_tp(own_forward(self, *args, **kwargs), group)
+
+        _TP_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {"forward": forward})
+    module.__class__ = _TP_CLASSES[cls]
+    module.tp_group = tp_group
+
+
+def _floating(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
