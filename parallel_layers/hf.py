@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -199,14 +200,32 @@ def _unwrap(model) -> tuple[nn.Module, torch.device | None]:
     return model, None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stacked:
+    """A model tensor that transformers stacks from per-expert tensors of the files (Note
+    [experts stacked at load]): keys[j][e] is source pattern j's tensor for expert e; the
+    patterns' stacks are concatenated along `dim` of the model's tensor (None: one pattern)."""
+    keys: tuple[tuple[str, ...], ...]
+    dim: int | None
+    sizes: tuple[int, ...]  # each pattern's extent along `dim`
+    shape: tuple[int, ...]  # the model tensor's
+
+
 @dataclasses.dataclass
 class _Source:
     """Where one logical tensor comes from: a name in the files (read as boxes, transposed for
-    a Conv1D weight our layers hold [out, in]); nowhere, for a tied entry written through the
-    other name of its tensor; or the reference model, for a buffer the files lack."""
+    a Conv1D weight our layers hold [out, in]); per-expert tensors of the files, stacked;
+    nowhere, for a tied entry written through the other name of its tensor; or the reference
+    model, for a buffer the files lack."""
     key: str | None
     transpose: bool = False
     from_reference: bool = False
+    stacked: _Stacked | None = None
+
+    def file_keys(self) -> set[str]:
+        if self.stacked is not None:
+            return {k for keys in self.stacked.keys for k in keys}
+        return {self.key} if self.key is not None else set()
 
 
 def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, reference: nn.Module,
@@ -226,12 +245,12 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
         names_of.setdefault(id(p), []).append(name)
     aliases = {name: names for names in names_of.values() for name in names}
 
-    renamed, converted = _checkpoint_renamings(reference, shapes)
+    renamed, stacked, converted, unstacked = _checkpoint_renamings(reference, shapes)
 
     def in_files(name):  # transformers also reads a base model's file into a model with a head
         for alias in aliases.get(name, [name]):
             for candidate in (alias, alias[len(base) + 1:] if base and alias.startswith(base + ".") else None):
-                if candidate in shapes:
+                if candidate in shapes or candidate in stacked:
                     return candidate
                 if candidate in renamed:
                     return renamed[candidate]
@@ -254,19 +273,22 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
                      and not is_hf_conv1d(held_modules.get(owner)))
         logical = tuple(described.tensors[name].shape)
         expected = logical[::-1] if transpose else logical
-        if shapes[key] != expected:
-            wrong.append(f"{key}: {shapes[key]} in {os.path.basename(files[key])}, the model's {name} expects "
+        held = stacked[key].shape if key in stacked else shapes[key]
+        if held != expected:
+            where = os.path.basename(files[key]) if key in files else "the files' per-expert tensors, stacked"
+            wrong.append(f"{key}: {held} in {where}, the model's {name} expects "
                          f"{expected}" + (" (the transpose of its [out, in] weight: Conv1D stores [in, out])"
                                           if transpose else ""))
-        sources[name] = _Source(key, transpose)
+        sources[name] = _Source(key, transpose, stacked=stacked.get(key))
         sources.update({n: _Source(None) for n in names if n != name})  # written through `name`'s local
     if missing:
-        why = ""
+        why = "".join(f"; the per-expert tensors of {name} do not stack: {reason}"
+                      for name, reason in list(unstacked.items())[:3])
         if converted:
-            why = (f"; transformers converts {len(converted)} of the files' tensors at load (e.g. {converted[:3]}: "
+            why += (f"; transformers converts {len(converted)} of the files' tensors at load (e.g. {converted[:3]}: "
                    f"merged or split by the conversion mapping of {type(reference).__name__}), which "
-                   "hf.load_pretrained does not do: build the model with from_pretrained on every rank, then "
-                   "parallelize it")
+                   "hf.load_pretrained does not do beyond stacking experts (Note [experts stacked at load]): build "
+                   "the model with from_pretrained on every rank, then parallelize it")
         raise KeyError(f"hf.load_pretrained: the files hold no tensor for {missing[:10]}"
                        f"{' ...' if len(missing) > 10 else ''} ({len(missing)} missing); they hold {len(shapes)} "
                        f"tensors, e.g. {sorted(shapes)[:5]}{why}")
@@ -279,29 +301,94 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
 # than its modules' (its conversion mapping, applied in from_pretrained and reversed in
 # save_pretrained): GPT-NeoX's head is `embed_out` in the files and `lm_head` in the model; the
 # "legacy" renamings apply to every model. A key that a renaming maps to a model name is read
-# under its file name, so such directories load as transformers loads them. Mapping entries
-# that merge or split tensors (WeightConverter: Mixtral's and Qwen3-MoE's experts stored one per
-# expert, stacked in the model) are not renamings of one tensor: the missing-tensor error names
-# them instead.
-def _checkpoint_renamings(reference: nn.Module, shapes: dict) -> tuple[dict[str, str], list[str]]:
-    """(model name -> file key) for the files' keys that transformers renames at load, and the
-    file keys it would convert (merge or split) instead."""
+# under its file name, so such directories load as transformers loads them.
+#
+# Note [experts stacked at load]: mixtures of experts are stored one tensor per expert
+# (Mixtral's `block_sparse_moe.experts.3.w1.weight`, Qwen3-MoE's `mlp.experts.3.gate_proj.weight`)
+# and held stacked (`mlp.experts.gate_up_proj` [experts, 2 * intermediate, hidden]): the mapping's
+# WeightConverter stacks each source pattern's tensors over the expert index (MergeModulelist,
+# dim 0) and, with several patterns, concatenates the stacks (Concatenate: w1 then w3, gate then
+# up, along dim 1). Those two are read as what they are, a piecewise layout: a box of the model's
+# tensor - a tensor-parallel shard of each packed block, a ZeRO flat piece - is, for each expert
+# in it and each pattern it overlaps, a box of one per-expert tensor in the files, and only those
+# boxes are read. Other conversions (splits, permutations, quantized formats) are not done: the
+# missing-tensor error names them.
+def _checkpoint_renamings(reference: nn.Module, shapes: dict
+                          ) -> tuple[dict[str, str], dict[str, _Stacked], list[str], dict[str, str]]:
+    """(model name -> file key) for the files' keys that transformers renames at load, (model
+    name -> _Stacked) for the experts it stacks, the file keys it would convert otherwise, and
+    (model name -> why) for experts that do not stack."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:  # transformers before 5: files and modules share names
-        return {}, []
+        return {}, {}, [], {}
     transforms = get_model_conversion_mapping(reference)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamed, converted = {}, []
+    experts: dict[str, dict[str, dict[int, str]]] = {}  # model name -> source pattern -> expert -> file key
+    how: dict[str, tuple] = {}  # model name -> (the converter's source patterns, its concatenation dim)
     for key in shapes:
-        new, converter = rename_source_key(key, renamings, converters)
-        if converter is not None:
+        new, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            if new != key:
+                renamed[new] = key
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        dim = _stacking_dim(converter)
+        index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), rename_source_key(key, renamings, [])[0])
+        if dim is False or index is None or not index.groups():
             converted.append(key)
-        elif new != key:
-            renamed[new] = key
-    return renamed, converted
+            continue
+        experts.setdefault(new, {}).setdefault(pattern, {})[int(index.group(index.lastindex))] = key
+        how[new] = (tuple(converter.source_patterns), dim)
+    stacked, unstacked = {}, {}
+    for name, by_pattern in experts.items():
+        patterns, dim = how[name]
+        found = _stack([by_pattern.get(p, {}) for p in patterns], patterns, dim, shapes)
+        if isinstance(found, _Stacked):
+            stacked[name] = found
+        else:
+            unstacked[name] = found
+    return renamed, stacked, converted, unstacked
+
+
+def _stacking_dim(converter) -> int | None | bool:
+    """The concatenation dim of a converter that stacks experts (MergeModulelist(dim=0), then
+    Concatenate(dim >= 1) with several patterns): None with one pattern, False if it does more."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    if ops == [("MergeModulelist", 0)] and len(converter.source_patterns) == 1:
+        return None
+    if len(ops) == 2 and ops[0] == ("MergeModulelist", 0) and ops[1][0] == "Concatenate" and ops[1][1] >= 1 \
+            and len(converter.source_patterns) > 1:
+        return ops[1][1]
+    return False
+
+
+def _stack(by_pattern: list[dict[int, str]], patterns: tuple[str, ...], dim: int | None,
+           shapes: dict) -> _Stacked | str:
+    """The _Stacked from each pattern's expert -> file key; why not, if they do not stack (an
+    expert missing, shapes that differ)."""
+    count = max(len(experts) for experts in by_pattern)
+    for pattern, experts in zip(patterns, by_pattern):
+        if sorted(experts) != list(range(count)):
+            absent = sorted(set(range(count)) - set(experts))
+            return f"the files hold {pattern!r} for experts {sorted(experts)}, not for {absent}"
+    per_expert = [{shapes[k] for k in experts.values()} for experts in by_pattern]
+    for pattern, found in zip(patterns, per_expert):
+        if len(found) != 1:
+            return f"the experts' {pattern!r} tensors differ in shape: {sorted(found)}"
+    parts = [next(iter(s)) for s in per_expert]
+    if dim is None:
+        sizes, shape = (), (count, *parts[0])
+    else:
+        rest = {p[:dim - 1] + p[dim:] for p in parts}
+        if len(rest) != 1 or len(parts[0]) < dim:
+            return f"{dict(zip(patterns, parts))} do not concatenate along dim {dim - 1}"
+        sizes = tuple(p[dim - 1] for p in parts)
+        shape = (count, *parts[0][:dim - 1], sum(sizes), *parts[0][dim:])
+    return _Stacked(tuple(tuple(experts[e] for e in range(count)) for experts in by_pattern), dim, sizes, shape)
 
 
 def _box(offsets, sizes, transpose: bool) -> tuple:
@@ -310,11 +397,41 @@ def _box(offsets, sizes, transpose: bool) -> tuple:
     return index[::-1] if transpose else index
 
 
+def _read_stacked(tp, stacked: _Stacked, files: dict[str, str]) -> None:
+    """Copy the pieces of a tensor stacked from per-expert ones (Note [experts stacked at
+    load]): for each expert in a piece and each source pattern it overlaps, one box of one file
+    tensor."""
+    from safetensors import safe_open
+    d = stacked.dim
+    with contextlib.ExitStack() as opened, torch.no_grad():
+        handles = {}
+        for piece in tp.pieces:
+            dest, o, n = piece.view(tp.local), piece.global_offsets, piece.sizes
+            starts = [sum(stacked.sizes[:j]) for j in range(len(stacked.sizes))] if d is not None else [0]
+            for e in range(o[0], o[0] + n[0]):
+                for keys, start, size in zip(stacked.keys, starts, stacked.sizes or (None,)):
+                    box = [slice(a, a + b) for a, b in zip(o[1:], n[1:])]
+                    out = dest[e - o[0]]
+                    if d is not None:  # this pattern's part of the piece along the concatenation dim
+                        lo, hi = max(o[d], start), min(o[d] + n[d], start + size)
+                        if lo >= hi:
+                            continue
+                        box[d - 1] = slice(lo - start, hi - start)
+                        out = out.narrow(d - 1, lo - o[d], hi - lo)
+                    key = keys[e]
+                    if files[key] not in handles:
+                        handles[files[key]] = opened.enter_context(safe_open(files[key], framework="pt"))
+                    out.copy_(handles[files[key]].get_slice(key)[tuple(box)])
+
+
 def _read_pieces(described: placement.ModelPlacement, sources: dict[str, _Source], files: dict[str, str]) -> None:
     """Copy every piece this rank holds from the files into its local tensor."""
     from safetensors import safe_open
     for name, tp in described.tensors.items():
         source = sources[name]
+        if source.stacked is not None and tp.pieces:
+            _read_stacked(tp, source.stacked, files)
+            continue
         if source.key is None or not tp.pieces:
             continue
         # One open file per tensor: the pages of the memory-mapped file a rank reads stay
@@ -372,7 +489,7 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
         reference = _reference(hf_model)
         described = placement.describe(module)
         sources = _plan_sources(described, hf_model, reference, shapes, files)
-        used = {s.key for s in sources.values() if s.key is not None}
+        used = set().union(*(s.file_keys() for s in sources.values()))
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
     reports = all_gather((describe_error(mine) if mine else None, used), group)

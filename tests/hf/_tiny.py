@@ -85,6 +85,18 @@ def save_tiny_mixtral(directory) -> None:
     transformers.MixtralForCausalLM(config).save_pretrained(directory)
 
 
+def save_tiny_qwen3_moe(directory) -> None:
+    """A 2-layer Qwen3-MoE (4 experts, 2 per token; per-head q / k norms): one tensor per expert's
+    gate, up and down projection in the files, stacked in the model."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+                                         max_position_embeddings=64, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(directory)
+
+
 def save_tiny_gemma(directory, tie_word_embeddings: bool = True) -> None:
     """A 2-layer Gemma: its embedding module scales the rows by sqrt(hidden) in its own forward
     (an nn.Embedding subclass); the head tied to it (Gemma's default) or not."""

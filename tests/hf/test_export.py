@@ -1,18 +1,20 @@
 """hf.save_pretrained from any layout writes a directory that plain
 `transformers.AutoModelForCausalLM.from_pretrained` loads with the parallel model's logits and
 weights: a Llama (grouped-query attention, untied head) at tp=2 and tp=2 x dp=2 with ZeRO-3,
-and a GPT-2 (Conv1D weights stored [in, out], tied head) at tp=2, each after a training step.
-Real gloo processes."""
+a GPT-2 (Conv1D weights stored [in, out], tied head) at tp=2, and a Mixtral (experts stacked
+in the model, each split as its MLP, one tensor per expert in the files) at tp=2 x dp=2 with
+ZeRO-3, each after a training step. Real gloo processes."""
 
 import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama
+from tests.hf import _tiny
 
 transformers = pytest.importorskip("transformers")
 
-CASES = {"llama-tp2": ("llama", 2, 1, 0), "llama-tp2dp2-zero3": ("llama", 2, 2, 3), "gpt2-tp2": ("gpt2", 2, 1, 0)}
+CASES = {"llama-tp2": ("llama", 2, 1, 0), "llama-tp2dp2-zero3": ("llama", 2, 2, 3), "gpt2-tp2": ("gpt2", 2, 1, 0),
+         "mixtral-tp2dp2-zero3": ("mixtral", 2, 2, 3)}
 
 
 def _ids(seed):
@@ -46,7 +48,7 @@ def _train_and_export(rank, world, source, target, tp, dp, stage):
 @pytest.mark.parametrize("case", list(CASES))
 def test_export_loads_in_plain_transformers(tmp_path, case):
     family, tp, dp, stage = CASES[case]
-    (save_tiny_llama if family == "llama" else save_tiny_gpt2)(tmp_path / "src")
+    getattr(_tiny, f"save_tiny_{family}")(tmp_path / "src")
     results = run_distributed(_train_and_export, tp * dp, args=(str(tmp_path / "src"), str(tmp_path / "out"), tp,
                                                                 dp, stage), timeout_s=240)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -59,3 +61,7 @@ def test_export_loads_in_plain_transformers(tmp_path, case):
         assert torch.allclose(got, torch.tensor(logits), rtol=1e-5, atol=1e-5), (got - torch.tensor(logits)).abs().max()
     assert not torch.allclose(got, before, atol=1e-3)  # the trained weights, not the pretrained ones
     assert not any(f.startswith(".parallel_layers") for f in (p.name for p in (tmp_path / "out").iterdir()))
+    if family == "mixtral":  # written as transformers writes it: one tensor per expert
+        from safetensors import safe_open
+        with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+            assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in f.keys()

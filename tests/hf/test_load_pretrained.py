@@ -35,7 +35,12 @@ CASES = {"llama-tp2-index": ("llama", 2, 1, None, "tensor_parallel", True),
          # q_norm / k_norm: replicated, gradients summed over tp (its published plan), under ZeRO-3
          "qwen3-tp2-dp2-zero3": ("qwen3", 2, 2, 3, "parallelize", False),
          # its embedding scales the rows in its own forward (an nn.Embedding subclass), vocabulary-parallel
-         "gemma-untied-tp2-dp2-zero3": ("gemma-untied", 2, 2, 3, "parallelize", False)}
+         "gemma-untied-tp2-dp2-zero3": ("gemma-untied", 2, 2, 3, "parallelize", False),
+         # experts one tensor per expert in the files, stacked in the model (Note [experts stacked at
+         # load]), each split as its MLP over tp (tensor_parallel/experts.py); ZeRO-3's flat pieces cut
+         # them anywhere
+         "mixtral-tp2-dp2-zero3": ("mixtral", 2, 2, 3, "parallelize", False),
+         "qwen3_moe-tp2-index": ("qwen3_moe", 2, 1, None, "tensor_parallel", True)}
 
 
 def _batches():
@@ -155,11 +160,13 @@ def test_meta_built_model_loads_and_trains_like_from_pretrained(tmp_path, case):
                                     "FileNotFoundError"), errors[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "gpt_neox", "mixtral", "qwen3_moe"])
 def test_every_family_loads_unparallelized_from_meta(tmp_path, family):
     """One process, no torch.distributed: the rotary buffers (`inv_freq`, not in the files; Mistral's
     rope_theta is not the default) come from the model's constructor. GPT-NeoX's files name its
-    head `embed_out`, the model `lm_head` (Note [checkpoint key renamings])."""
+    head `embed_out`, the model `lm_head` (Note [checkpoint key renamings]). Mixtral's and
+    Qwen3-MoE's files hold one tensor per expert, the model one stack (Note [experts stacked at
+    load])."""
     from safetensors import safe_open
 
     from parallel_layers import hf
@@ -198,11 +205,15 @@ def test_errors_name_the_values(tmp_path):
     with pytest.raises(KeyError, match=r"no tensor for \['model\.layers\.1\.mlp\.up_proj\.weight'\]"):
         hf.load_pretrained(tmp_path / "llama", _on_meta(tmp_path / "llama"), device="cpu")
 
-    # tensors that transformers merges at load (Mixtral's experts, one per expert in the files)
+    # per-expert tensors that do not stack (Note [experts stacked at load]): expert 3's w1 is missing
     _save("mixtral", tmp_path / "mixtral")
-    with pytest.raises(KeyError, match=r"no tensor for \[.*experts.*transformers converts \d+ of the files' tensors "
-                                       r"at load \(e\.g\. \['model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight'.*"
-                                       r"build the model with from_pretrained on every rank"):
+    state = load_file(tmp_path / "mixtral" / "model.safetensors")
+    del state["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
+    save_file(state, tmp_path / "mixtral" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=r"no tensor for \['model\.layers\.0\.mlp\.experts\.gate_up_proj'\] \(1 "
+                                       r"missing\).*the per-expert tensors of model\.layers\.0\.mlp\.experts\.gate_up_proj "
+                                       r"do not stack: the files hold '\.experts\.\*\.w1\.weight' for experts \[0, 1, 2\], "
+                                       r"not for \[3\]\W*$"):
         hf.load_pretrained(tmp_path / "mixtral", _on_meta(tmp_path / "mixtral"), device="cpu")
 
     # a model whose shapes differ from the file's
