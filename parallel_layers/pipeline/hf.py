@@ -60,7 +60,12 @@ from torch import Tensor
 _LLAMA_STYLE = {"llama": "causal", "mistral": "sliding_window_if_set", "qwen2": "layer_types", "qwen3": "layer_types",
                 "gemma": "causal", "olmo": "causal", "olmo2": "causal", "glm4": "causal", "nemotron": "causal",
                 "phi3": "sliding_window_if_set", "smollm3": "layer_types", "exaone4": "layer_types",
-                "granite": "causal", "cohere": "causal"}
+                "granite": "causal", "cohere": "causal",
+                # mixtures of experts: Mistral's (Mixtral, Qwen3-MoE), Qwen2's (Qwen2-MoE) and Llama's
+                # (OLMoE) model forwards; their causal LMs add the routers' load-balancing loss only
+                # with config.output_router_logits, refused below
+                "mixtral": "sliding_window_if_set", "qwen3_moe": "sliding_window_if_set", "qwen2_moe": "layer_types",
+                "olmoe": "causal"}
 # Llama's forwards but for scalars from the config: Granite multiplies the embeddings by
 # embedding_multiplier (its model's forward) and divides the logits by logits_scaling, Cohere
 # multiplies the logits by logit_scale (their causal LMs' forwards); the adapters do the same, in
@@ -208,6 +213,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
                          f"with an lm_head) of model_type {SUPPORTED}; got {type(model).__name__} (model_type "
                          f"{family!r}). For another model, pass pipeline_layers= the name of its list of "
                          "one-tensor-in, one-tensor-out layers")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"pipeline_layers='auto': {type(model).__name__} has config.output_router_logits=True: its "
+                         "loss adds the routers' load-balancing loss over every layer's router logits, which the "
+                         "stages do not carry (each sends one tensor, the hidden states). Set "
+                         "model.config.output_router_logits = False before parallelize (the loss is then the LM "
+                         "loss alone, as with the published defaults), or train without a pipeline")
     gpt2 = family == "gpt2"
     base = getattr(model, "base_model_prefix", "") or ("transformer" if gpt2 else "model")
     if gpt2 and getattr(config, "add_cross_attention", False):

@@ -211,9 +211,9 @@ def test_errors_name_the_values(tmp_path):
     del state["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
     save_file(state, tmp_path / "mixtral" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match=r"no tensor for \['model\.layers\.0\.mlp\.experts\.gate_up_proj'\] \(1 "
-                                       r"missing\).*the per-expert tensors of model\.layers\.0\.mlp\.experts\.gate_up_proj "
-                                       r"do not stack: the files hold '\.experts\.\*\.w1\.weight' for experts \[0, 1, 2\], "
-                                       r"not for \[3\]\W*$"):
+                                       r"missing\).*the per-expert tensors of "
+                                       r"model\.layers\.0\.mlp\.experts\.gate_up_proj do not stack: the files hold "
+                                       r"'\.experts\.\*\.w1\.weight' for experts \[0, 1, 2\], not for \[3\]\W*$"):
         hf.load_pretrained(tmp_path / "mixtral", _on_meta(tmp_path / "mixtral"), device="cpu")
 
     # a model whose shapes differ from the file's

@@ -9,8 +9,9 @@ final norm + head), position ids / rotary cos-sin / causal mask rebuilt on every
   for `model(input_ids, attention_mask=...)`, and the loss pair for padded batches its loss;
 - at pp=2 (1F1B, 2 microbatches) and pp=2 x tp=2 (the published TP plan), Llama (untied and
   tied head), Qwen2 (biased q/k/v) and GPT-2 (head tied to wte, so the tie crosses stages), and
-  Phi-3 (packed qkv / gate_up, sliding window) at pp=2 and an untied Gemma (a vocabulary-parallel
-  embedding that scales its rows in its own forward) at pp=2 x tp=2, train 3 SGD steps to the
+  Phi-3 (packed qkv / gate_up, sliding window) at pp=2, and an untied Gemma (a vocabulary-parallel
+  embedding that scales its rows in its own forward) and Mixtral (experts split as their MLPs) at
+  pp=2 x tp=2, train 3 SGD steps to the
   losses and parameters of the plain model loaded from the same directory (one full batch
   without a mask, then two padded batches whose microbatches count different tokens, with
   their attention masks), and `hf.save_pretrained` from the pipelined layout reloads in plain
@@ -24,7 +25,8 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.hf._tiny import save_tiny_gemma, save_tiny_gpt2, save_tiny_llama, save_tiny_phi3, save_tiny_qwen2
+from tests.hf._tiny import (save_tiny_gemma, save_tiny_gpt2, save_tiny_llama, save_tiny_mixtral, save_tiny_phi3,
+                            save_tiny_qwen2)
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,6 +88,18 @@ def _tiny_config(family):
         "granite": lambda: transformers.GraniteConfig(**common, embedding_multiplier=3.0, logits_scaling=4.0,
                                                       residual_multiplier=0.5, attention_multiplier=0.3, **ids),
         "cohere": lambda: transformers.CohereConfig(**common, logit_scale=0.5, **ids),
+        # mixtures of experts (4 experts, 2 per token): Mistral's forward (sliding window), Qwen2's
+        # (layer 0 full attention, 1-2 sliding; layer 1 a dense MLP) and Llama's
+        "mixtral": lambda: transformers.MixtralConfig(**common, sliding_window=4, num_local_experts=4,
+                                                      num_experts_per_tok=2, **ids),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, head_dim=8, use_sliding_window=True,
+                                                         sliding_window=4, moe_intermediate_size=32, num_experts=4,
+                                                         num_experts_per_tok=2, **ids),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**common, use_sliding_window=True, sliding_window=4,
+                                                         max_window_layers=1, moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=48, num_experts=4,
+                                                         num_experts_per_tok=2, mlp_only_layers=[1], **ids),
+        "olmoe": lambda: transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2, **ids),
     }
     if family in others:
         return others[family]()
@@ -110,11 +124,13 @@ def _save(directory, family):
         save_tiny_gemma(directory, tie_word_embeddings=False)
     elif family == "phi3":
         save_tiny_phi3(directory)
+    elif family == "mixtral":  # its experts split as their MLPs under TP (tensor_parallel/experts.py)
+        save_tiny_mixtral(directory)
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-tied", "gpt2", "qwen2", "qwen3", "mistral", "gemma", "olmo",
                                     "olmo2", "glm4", "nemotron", "phi3", "smollm3", "exaone4", "granite",
-                                    "cohere"])
+                                    "cohere", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
 def test_layers_in_a_row_are_the_model(tmp_path, family):
     from parallel_layers.pipeline import PipelineStages
     from parallel_layers.pipeline.hf import causal_lm_loss, causal_lm_loss_sum, causal_lm_tokens, decoder_layers
@@ -155,6 +171,13 @@ def test_unsupported_models_are_refused():
     with pytest.raises(ValueError, match=r"model_type 'gemma2'") as e:
         decoder_layers(gemma2)
     assert all(family in str(e.value) for family in SUPPORTED)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=32, num_local_experts=2, output_router_logits=True))
+    # its loss would add the routers' load-balancing loss over every layer: not carried between stages
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM has config.output_router_logits=True: .*Set "
+                                         r"model.config.output_router_logits = False before parallelize"):
+        decoder_layers(mixtral)
     with pytest.raises(ValueError, match="GPT2Model"):  # the base model has no head
         decoder_layers(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
 
@@ -226,7 +249,8 @@ def _reference(directory):
 
 
 # tp -> the families trained at pp=2 x tp (tied: the head is the input embedding, on the other stage)
-LAYOUTS = {1: ("llama", "llama-tied", "gpt2", "qwen2", "phi3"), 2: ("llama", "gpt2", "qwen2", "gemma-untied")}
+LAYOUTS = {1: ("llama", "llama-tied", "gpt2", "qwen2", "phi3"),
+           2: ("llama", "gpt2", "qwen2", "gemma-untied", "mixtral")}
 
 
 @pytest.mark.parametrize("tp", list(LAYOUTS), ids=lambda tp: "pp2" if tp == 1 else f"pp2-tp{tp}")
