@@ -27,6 +27,11 @@ layout, not this one.
 The module keeps its class's forward (and transformers' expert kernels, chosen by
 `config._experts_implementation`): it becomes an instance of TensorParallel<Name>(<Name>),
 whose forward wraps the original one with the two collectives.
+
+Under sequence parallelism (hf_sequence_parallel.py, Note [experts under sequence
+parallelism] there) the module issues no collective: the MoE block around it gathers the
+sequence at its entry and reduce-scatters the block's output, and the routing weights'
+gradient stays a partial sum, which the router turns into partial sums of its own.
 """
 
 from __future__ import annotations
@@ -85,9 +90,10 @@ def layout_problem(module: nn.Module, spec: Experts, tp: int) -> str | None:
 _TP_CLASSES: dict[type, type] = {}
 
 
-def convert(module: nn.Module, spec: Experts, tp_group) -> None:
+def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool = False) -> None:
     """Shard `module`'s expert weights in place and wrap its forward with the collectives
-    (Note [experts split like their MLP]); `layout_problem` must have passed."""
+    (Note [experts split like their MLP]; with sequence_parallel, none: the block around it
+    communicates); `layout_problem` must have passed."""
     tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     column, row = getattr(module, spec.column), getattr(module, spec.row)
     inter = column.shape[1] // spec.packed
@@ -100,13 +106,19 @@ def convert(module: nn.Module, spec: Experts, tp_group) -> None:
 
         def forward(self, *args, **kwargs):
             group = self.tp_group
+            if self.sequence_parallel:  # a partial sum, reduce-scattered by the block's hook
+                return own_forward(self, *args, **kwargs)
             args = tuple(comm.copy_to_tp(a, group) if _floating(a) else a for a in args)
             kwargs = {k: comm.copy_to_tp(v, group) if _floating(v) else v for k, v in kwargs.items()}
             return comm.reduce_from_tp(own_forward(self, *args, **kwargs), group)
 
         _TP_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {"forward": forward})
     module.__class__ = _TP_CLASSES[cls]
-    module.tp_group = tp_group
+    module.tp_group, module.sequence_parallel = tp_group, sequence_parallel
+
+
+def is_tensor_parallel_experts(module: nn.Module) -> bool:
+    return type(module) in _TP_CLASSES.values()
 
 
 def _floating(x) -> bool:

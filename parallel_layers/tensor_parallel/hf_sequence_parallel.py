@@ -98,12 +98,19 @@ FAMILIES = {
     # norms after attention and MLP and its q / k norms.
     "gemma": ("layers", "norm"), "olmo": ("layers", "norm"), "nemotron": ("layers", "norm"),
     "smollm3": ("layers", "norm"), "exaone4": ("layers", "norm"),
+    # mixtures of experts with Mistral's model forward (Note [experts under sequence parallelism])
+    "mixtral": ("layers", "norm"), "qwen3_moe": ("layers", "norm"),
 }
+# model_type -> what its MoE block returns: the experts' output, reshaped to [batch, seq,
+# hidden], and nothing added (read in transformers 5.23). Qwen2-MoE adds a shared expert's
+# output, OLMoE's plan gathers attention's outputs: neither is here.
+_EXPERTS_BLOCK_RETURNS_EXPERTS = ("mixtral", "qwen3_moe")
 # model_type -> the base model's input embedding, for the families whose forward passes its
 # output to decoder layer 0 unchanged (Note [hf sequence parallel boundaries]).
 _EMBEDDING_FEEDS_LAYER_0 = {"llama": "embed_tokens", "mistral": "embed_tokens", "qwen2": "embed_tokens",
                             "qwen3": "embed_tokens", "olmo": "embed_tokens", "nemotron": "embed_tokens",
-                            "smollm3": "embed_tokens", "exaone4": "embed_tokens"}
+                            "smollm3": "embed_tokens", "exaone4": "embed_tokens", "mixtral": "embed_tokens",
+                            "qwen3_moe": "embed_tokens"}
 # Not Gemma: its embedding scales the rows in its own forward (an nn.Embedding subclass, Note
 # [nn.Embedding subclasses]); a vocabulary-parallel one all-reduces before that forward sees them.
 
@@ -163,10 +170,21 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_row) -> None:
+def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_row, is_experts=lambda spec: False
+               ) -> None:
     """Before any conversion: every linear of the decoder layers is in the plan, and each column
-    layer's parent (its region) sits below the decoder layer and holds row layers too."""
+    layer's parent (its region) sits below the decoder layer and holds row layers too; an
+    Experts() module sits in a MoE block whose output is its own (Note [experts under sequence
+    parallelism])."""
     modules = dict(model.named_modules())
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    for name, spec in targets.items():
+        if layout.holds(name) and is_experts(spec):
+            parent = name.rpartition(".")[0]
+            if family not in _EXPERTS_BLOCK_RETURNS_EXPERTS or parent in layout.layers:
+                raise ValueError(f"parallelize: sequence_parallel=True splits the experts of a MoE block whose output "
+                                 f"is theirs alone, in model_type {list(_EXPERTS_BLOCK_RETURNS_EXPERTS)}; {name} is in "
+                                 f"{type(model).__name__} (model_type {family!r}). Use sequence_parallel=False")
     for name, module in modules.items():
         if layout.holds(name) and _is_linear(module) and name not in targets:
             raise ValueError(f"parallelize: sequence_parallel=True needs every linear layer of the decoder layers in "
@@ -210,6 +228,10 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
     for region in sorted(_regions(modules, layout)):
         modules[region].register_forward_pre_hook(
             _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)
+    for block in sorted(_experts_blocks(modules, layout)):  # Note [experts under sequence parallelism]
+        modules[block].register_forward_pre_hook(
+            _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)
+        modules[block].register_forward_hook(lambda m, args, out: comm.reduce_scatter_to_sp(out, tp_group, SEQ_DIM))
     modules[layout.final_norm].register_forward_hook(
         lambda m, args, out: comm.gather_from_sp(out, tp_group, SEQ_DIM, replicated_consumer=True))
     for name in (*layout.layers, layout.final_norm):
@@ -227,6 +249,25 @@ def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLine
         if layout.holds(name) and isinstance(m, ColumnParallelLinear):
             regions.setdefault(name.rpartition(".")[0], []).append(m)
     return regions
+
+
+# Note [experts under sequence parallelism]: a MoE block (Mixtral's, Qwen3-MoE's) is a region
+# too: its router and its experts (tensor_parallel/experts.py) read the block's input, and it
+# returns the experts' output, reshaped. Its entry gathers the sequence, as attention's does;
+# its output, the experts' partial sums over this rank's intermediate features, is
+# reduce-scattered on the sequence by a forward hook on the block (not inside the experts, whose
+# [tokens, hidden] rows are batch-major: a split of them is not a split of the sequence). The
+# experts then need no collective of their own. In the backward the gather reduce-scatters the
+# sum of what the block's input received: the experts' partial input gradients, and the
+# router's - partial too, since the routing weights' gradient is left partial (each rank's
+# experts' share) and the router is linear in it; the router's weight gradient is a partial sum
+# like every replicated parameter of the decoder layers, and summed with them. The router reads
+# the gathered, identical sequence on every rank, so routing agrees.
+def _experts_blocks(modules: dict, layout: Layout) -> list[str]:
+    """The modules inside the decoder layers that hold tensor-parallel experts."""
+    from parallel_layers.tensor_parallel.experts import is_tensor_parallel_experts
+    return sorted({name.rpartition(".")[0] for name, m in modules.items()
+                   if layout.holds(name) and is_tensor_parallel_experts(m)})
 
 
 # Note [one reduction per region]: a column layer's input gradient is a partial sum on each

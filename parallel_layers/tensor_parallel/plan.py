@@ -323,7 +323,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         _check_grad_sums_kept(model, modules, targets)
     if sp_layout is not None:
         hf_sequence_parallel.check_plan(model, sp_layout, targets, lambda spec: isinstance(spec, Column),
-                                        lambda spec: isinstance(spec, Row))
+                                        lambda spec: isinstance(spec, Row), lambda spec: isinstance(spec, Experts))
     fixed_parents: set = set()
     column_outputs: dict[str, set[int]] = {}  # parent -> output features of its sharded, ungathered columns
     for name, spec in targets.items():
@@ -336,8 +336,12 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         if isinstance(spec, VocabParallel):
             _convert_embedding(model, name, module, spec, tp_group)
             continue
+        # inside a decoder layer under SP: the region gathers the sequence for its column layers,
+        # the row layers reduce-scatter it (Note [hf sequence parallel boundaries])
+        sp = dict(sequence_parallel=True, seq_dim=hf_sequence_parallel.SEQ_DIM) \
+            if sp_layout is not None and sp_layout.holds(name) else {}
         if isinstance(spec, Experts):
-            moe.convert(module, spec, tp_group)
+            moe.convert(module, spec, tp_group, sequence_parallel=bool(sp))
             continue
         if isinstance(spec, Replicated):  # the module stays; its gradients are summed over tp
             for p in module.parameters():
@@ -345,10 +349,6 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             continue
         weight, bias = _as_linear_weights(module)
         out_features, in_features = weight.shape
-        # inside a decoder layer under SP: the region gathers the sequence for its column layers,
-        # the row layers reduce-scatter it (Note [hf sequence parallel boundaries])
-        sp = dict(sequence_parallel=True, seq_dim=hf_sequence_parallel.SEQ_DIM) \
-            if sp_layout is not None and sp_layout.holds(name) else {}
         if isinstance(spec, Column):
             fused = _fused_sizes(spec.fused, out_features, name)
             _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)

@@ -183,11 +183,12 @@ BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab"
                         "gemma2_plan_free": 10,  # GeGLU: gate and up apart
                         "olmo2_plan_free": 9, "glm4_plan_free": 9, "granite_plan_free": 9, "starcoder2_plan_free": 8,
                         "phi3_plan_free": 5, "gpt_neox_plan_free": 5,  # packed qkv: one
-                        # mixtures of experts: q, k, v one each, and the experts' two, their inputs' (the
-                        # hidden states' and the routing weights'; Note [experts split like their MLP]) a
-                        # layer, + the head's; Qwen3-MoE + q_norm and k_norm's sums; Qwen2-MoE's layer 1 is
-                        # dense (SwiGLUMLP's one) and its shared expert stays whole (its plan names none)
-                        "mixtral_plan_free": 11, "olmoe_plan_free": 11, "qwen3_moe_plan_free": 15,
+                        # mixtures of experts: the experts' two, their inputs' (the hidden states' and the
+                        # routing weights'; Note [experts split like their MLP]) a layer, and attention's:
+                        # one for q, k and v with a region layout (Mixtral, Qwen3-MoE), else one each; + the
+                        # head's. Qwen3-MoE + q_norm and k_norm's sums; Qwen2-MoE's layer 1 is dense
+                        # (SwiGLUMLP's one) and its shared expert stays whole (its plan names none)
+                        "mixtral_plan_free": 7, "qwen3_moe_plan_free": 11, "olmoe_plan_free": 11,
                         "qwen2_moe_plan_free": 10}
 
 

@@ -1,6 +1,7 @@
 """Sequence parallelism on Hugging Face decoders ([batch, seq, hidden]): plan-free
 `tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
-Qwen2, Mistral, GPT-2, Qwen3, Gemma, OLMo, Nemotron, SmolLM3 and EXAONE 4 loaded with
+Qwen2, Mistral, GPT-2, Qwen3, Gemma, OLMo, Nemotron, SmolLM3, EXAONE 4, Mixtral and Qwen3-MoE
+(their MoE blocks gather the sequence and reduce-scatter their output) loaded with
 from_pretrained gives the plain transformers model's
 logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
 decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a forward
@@ -22,7 +23,8 @@ from tests.tensor_parallel.test_parallelize import _build
 
 transformers = pytest.importorskip("transformers")
 
-KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4")
+KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4", "mixtral",
+         "qwen3_moe")
 TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: both stay replicated
 TP, BATCH, SEQ, STEPS, VOCAB = 2, 2, 16, 3, 96  # _build's models: vocabulary 96, 32 positions
 # float32; the reduce-scatters and the summed norm gradients add in another order than one
@@ -214,12 +216,12 @@ def test_composing_parallelize_passes_sequence_parallel_through(tmp_path):
                            "pipeline_layers='model.layers'")
 
 
-def test_refusals_before_any_conversion():
+def test_refusals_before_any_conversion(monkeypatch):
     bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError, match=r"sequence_parallel=True supports the Hugging Face decoders whose forward "
-                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'gpt2', 'llama', 'mistral', 'nemotron', "
-                                         r"'olmo', 'qwen2', 'qwen3', 'smollm3'\]; "
+                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'gpt2', 'llama', 'mistral', "
+                                         r"'mixtral', 'nemotron', 'olmo', 'qwen2', 'qwen3', 'qwen3_moe', 'smollm3'\]; "
                                          r"BertForMaskedLM has model_type 'bert'"):
         parallelize(bert, {"bert.encoder.layer.*.intermediate.dense": "column"}, sequence_parallel=True)
     model, _ = _build("llama")
@@ -234,6 +236,15 @@ def test_refusals_before_any_conversion():
     assert {n: type(m) for n, m in model.named_modules()} == before  # nothing was converted
     with pytest.raises(TypeError, match="sequence_parallel must be True or False, got 'yes'"):
         parallelize(model, sequence_parallel="yes")
+    # a MoE block whose output is not the experts' alone (as if Mixtral's added a shared expert's)
+    from parallel_layers.tensor_parallel import hf_sequence_parallel
+    mixtral, _ = _build("mixtral")
+    monkeypatch.setattr(hf_sequence_parallel, "_EXPERTS_BLOCK_RETURNS_EXPERTS", ("qwen3_moe",))
+    with pytest.raises(ValueError, match=r"sequence_parallel=True splits the experts of a MoE block whose output is "
+                                         r"theirs alone, in model_type \['qwen3_moe'\]; model.layers.0.mlp.experts is in "
+                                         r"MixtralForCausalLM \(model_type 'mixtral'\)"):
+        parallelize(mixtral, sequence_parallel=True)
+    assert type(mixtral.model.layers[0].mlp.experts).__name__ == "MixtralExperts"  # nothing converted
 
 
 def test_sequence_layer_arguments():
