@@ -2,7 +2,7 @@
 
     python benchmarks/bench_hf.py [--hidden 512 1024] [--layers 4] [--dtypes float32 bfloat16]
                                   [--batch 1 --seq 256] [--reps 6] [--trials 3]
-                                  [--adamw fused|foreach|default]
+                                  [--adamw fused|foreach|default] [--model llama|mixtral]
 
 The model, for each --hidden h: a transformers LlamaConfig with h / 64 heads and h / 256
 key-value heads (grouped-query attention; at least 4 and 2), a SwiGLU MLP of 8h/3 rounded up to
@@ -49,6 +49,9 @@ fused kernels refuse to mix with its DTensors: for those two, each variant's DTe
 parameters go in separate parameter groups (as a user of that plan would have to).
 Writes benchmarks/results/bench_hf.json (every trial's times) and bench_hf.png.
 Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15.
+--model mixtral: the same step on a Mixtral of the same attention, with 8 experts of the Llama's
+MLP width and 2 per token (Mixtral 8x7B's shape: experts of 3.5 x hidden); at tp=2 ours splits
+each expert as its MLP (tensor_parallel/experts.py), as transformers' "moe_tp_experts" does.
 """
 
 from __future__ import annotations
@@ -82,6 +85,20 @@ def llama_config(hidden: int, layers: int, vocab: int, seq: int):
                                     num_hidden_layers=layers, num_attention_heads=heads,
                                     num_key_value_heads=max(2, heads // 4), vocab_size=vocab,
                                     max_position_embeddings=max(seq, 512), tie_word_embeddings=False)
+
+
+def mixtral_config(hidden: int, layers: int, vocab: int, seq: int):
+    import transformers
+
+    llama = llama_config(hidden, layers, vocab, seq)
+    return transformers.MixtralConfig(hidden_size=hidden, intermediate_size=llama.intermediate_size,
+                                      num_hidden_layers=layers, num_attention_heads=llama.num_attention_heads,
+                                      num_key_value_heads=llama.num_key_value_heads, vocab_size=vocab,
+                                      max_position_embeddings=llama.max_position_embeddings,
+                                      tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2)
+
+
+CONFIGS = {"llama": llama_config, "mixtral": mixtral_config}
 
 
 def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed", adamw_impl: str = "fused",
@@ -168,7 +185,7 @@ def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, revers
     return times
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, model: str = "llama") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -184,7 +201,7 @@ def plot(results: dict, path: Path) -> None:
             ax.hlines(target, x - width / 2, x + width / 2, colors="k", linestyles="dashed", lw=1, zorder=3)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(configs)), configs)
-    ax.set(ylabel="step time ratio (lower: ours faster)", title="Hugging Face Llama step, 2 ranks")
+    ax.set(ylabel="step time ratio (lower: ours faster)", title=f"Hugging Face {model.capitalize()} step, 2 ranks")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -208,6 +225,7 @@ def main(argv=None):
                          "AdamW(params, lr) picks, the for-loop one on CPU)")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--trials", type=int, default=3, help="fresh process pairs; ratios are medians over them")
+    ap.add_argument("--model", choices=list(CONFIGS), default="llama")
     ap.add_argument("--name", default="bench_hf", help="result file name under benchmarks/results/")
     args = ap.parse_args(argv)
     results = {}
@@ -215,9 +233,10 @@ def main(argv=None):
         for hidden in args.hidden:
             import transformers
 
-            model_dir = os.path.join(tmp, f"llama-{hidden}")
+            model_dir = os.path.join(tmp, f"{args.model}-{hidden}")
             torch.manual_seed(0)
-            model = transformers.LlamaForCausalLM(llama_config(hidden, args.layers, args.vocab, args.seq))
+            model = transformers.AutoModelForCausalLM.from_config(
+                CONFIGS[args.model](hidden, args.layers, args.vocab, args.seq))
             params = sum(p.numel() for p in model.parameters())
             model.save_pretrained(model_dir)
             del model
@@ -238,7 +257,7 @@ def main(argv=None):
                 step_s = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
                 results[config] = {"hidden": hidden, "dtype": dtype, "params": params, "step_s": step_s,
                                    "trials": trials, "trial_ratios": trial_ratios, "ratios": ratios}
-                print(f"Llama h={hidden} x {args.layers} layers ({params / 1e6:.1f}M params), {dtype}, "
+                print(f"{args.model} h={hidden} x {args.layers} layers ({params / 1e6:.1f}M params), {dtype}, "
                       f"[{args.batch}x{args.seq}] tokens, ms per step over {args.trials} trials:")
                 for kind in step_s:
                     print(f"  {kind:6s} " + "  ".join(f"{t[kind] * 1e3:8.1f}" for t in trials))
@@ -249,7 +268,7 @@ def main(argv=None):
     load = os.getloadavg()
     path = write_json(args.name, {"benchmark": "hf", "machine": {**machine(), "loadavg_after": load},
                                   "args": vars(args), "results": results})
-    plot(results, RESULTS / f"{args.name}.png")
+    plot(results, RESULTS / f"{args.name}.png", args.model)
     print(f"load average after the run {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; wrote {path}")
 
 

@@ -61,6 +61,8 @@ def layout_problem(module: nn.Module, spec: Experts, tp: int) -> str | None:
     """Why `module` cannot be split as `spec` over tp ranks; None if it can."""
     params = dict(module.named_parameters())
     names = sorted(params)
+    if is_tensor_parallel_experts(module) or any(hasattr(p, "tp_shard") for p in params.values()):
+        return f"{type(module).__name__} is split over tensor-parallel ranks already (parallelize ran on it)"
     if sorted((spec.column, spec.row)) != names:
         return (f"{type(module).__name__} holds parameters {names}; Experts() splits a module holding exactly "
                 f"{spec.column!r} [experts, {spec.packed} * intermediate, hidden] and {spec.row!r} [experts, hidden, "
@@ -100,6 +102,8 @@ def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool 
     setattr(module, spec.column, sharded_parameter(column.detach(), 1, tp, rank, fused=(inter,) * spec.packed)
             .requires_grad_(column.requires_grad))
     setattr(module, spec.row, sharded_parameter(row.detach(), 2, tp, rank).requires_grad_(row.requires_grad))
+    if isinstance(getattr(module, "intermediate_dim", None), int):  # per-rank bookkeeping, as attention's num_heads
+        module.intermediate_dim = inter // tp
     cls = type(module)
     if cls not in _TP_CLASSES:
         own_forward = cls.forward

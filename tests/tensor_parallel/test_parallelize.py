@@ -440,3 +440,9 @@ def test_experts_refusals_name_the_values():
                                          r"Experts\(\) supports"):
         parallelize(model, {"model.layers.*.mlp.experts": "experts"})
     assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"  # nothing converted
+    # parallelize run twice would split the split experts again: refused
+    model, _ = _build("mixtral")
+    parallelize(model, {"model.layers.*.mlp.experts": "experts"})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: TensorParallelMixtralExperts is split over "
+                                         r"tensor-parallel ranks already \(parallelize ran on it\)"):
+        parallelize(model, {"model.layers.*.mlp.experts": "experts"})
