@@ -20,9 +20,22 @@ sync without a sum of its own. Routing is the same on every rank because its inp
 residual stream is replicated, bitwise, by the all-reduces that produce it.
 
 This is transformers' published "moe_tp_experts" style (with "packed_colwise" for
-gate_up_proj and "rowwise" for down_proj), and what its own tp_plan="auto" does. Splitting
-the experts themselves over ranks (expert parallelism, all-to-all dispatch) is another
-layout, not this one.
+gate_up_proj and "rowwise" for down_proj), and what its own tp_plan="auto" does.
+
+Note [whole experts per rank]: Experts(split="experts") instead gives each rank of the TP
+group num_experts / tp whole experts (both parameters cut on dim 0): what suits many small
+experts (Qwen3-MoE's 128 of 768 features, where an intermediate split leaves each rank GEMMs
+of 384 / tp columns). Every rank still sees every token (the input is replicated over TP, as
+for any TP region), so no all-to-all is needed: the expert ids the router picked are renumbered
+to this rank's experts, and ids of other ranks' experts become the sentinel `num_experts`
+(local), which transformers' expert kernels skip - the eager loop, grouped_mm and batched_mm
+alike, as its own expert parallelism relies on (with `_is_expert_parallel` set, grouped_mm
+and batched_mm also zero the sentinel rows their GEMMs leave uninitialised). The output is this rank's experts' share of the
+routing-weighted sum, all-reduced as above; the routing weights of the skipped entries get no
+gradient here and theirs on the rank that holds the expert, so their gradient is again a sum
+over ranks. Each rank's work is the tokens routed to its experts: balanced only as far as the
+routing is. True expert parallelism - experts spread over data-parallel ranks, each with its own
+tokens, exchanged by all-to-all - is not this.
 
 The module keeps its class's forward (and transformers' expert kernels, chosen by
 `config._experts_implementation`): it becomes an instance of TensorParallel<Name>(<Name>),
@@ -55,6 +68,15 @@ class Experts:
     column: str = "gate_up_proj"
     row: str = "down_proj"
     packed: int = 2
+    split: str = "intermediate"  # or "experts": whole experts per rank (Note [whole experts per rank])
+
+    def __post_init__(self):
+        if self.split not in SPLITS:
+            raise ValueError(f"Experts(split={self.split!r}): split must be one of {list(SPLITS)} (each expert's "
+                             "intermediate features over the ranks, or whole experts per rank)")
+
+
+SPLITS = ("intermediate", "experts")
 
 
 def layout_problem(module: nn.Module, spec: Experts, tp: int) -> str | None:
@@ -83,6 +105,12 @@ def layout_problem(module: nn.Module, spec: Experts, tp: int) -> str | None:
     if tuple(row.shape) != (column.shape[0], column.shape[2], inter):
         return (f"{type(module).__name__}.{spec.row} is {tuple(row.shape)}, but {spec.column} "
                 f"{tuple(column.shape)} needs it {(column.shape[0], column.shape[2], inter)}")
+    if spec.split == "experts":
+        if column.shape[0] % tp or getattr(module, "num_experts", None) != column.shape[0]:
+            return (f"{type(module).__name__} has {column.shape[0]} experts (num_experts = "
+                    f"{getattr(module, 'num_experts', None)!r}); Experts(split='experts') needs num_experts to match and "
+                    f"to divide by tp={tp}; valid tensor-parallel sizes for it are {divisors(column.shape[0], 64)}")
+        return None
     if inter % tp:
         return (f"{type(module).__name__} has intermediate size {inter} per expert, which does not divide by "
                 f"tp={tp}; valid tensor-parallel sizes for it are {divisors(inter, 64)}")
@@ -99,17 +127,31 @@ def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool 
     tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     column, row = getattr(module, spec.column), getattr(module, spec.row)
     inter = column.shape[1] // spec.packed
-    setattr(module, spec.column, sharded_parameter(column.detach(), 1, tp, rank, fused=(inter,) * spec.packed)
-            .requires_grad_(column.requires_grad))
-    setattr(module, spec.row, sharded_parameter(row.detach(), 2, tp, rank).requires_grad_(row.requires_grad))
-    if isinstance(getattr(module, "intermediate_dim", None), int):  # per-rank bookkeeping, as attention's num_heads
-        module.intermediate_dim = inter // tp
+    if spec.split == "experts":  # Note [whole experts per rank]
+        local = column.shape[0] // tp
+        setattr(module, spec.column, sharded_parameter(column.detach(), 0, tp, rank)
+                .requires_grad_(column.requires_grad))
+        setattr(module, spec.row, sharded_parameter(row.detach(), 0, tp, rank).requires_grad_(row.requires_grad))
+        module.num_experts, module.expert_offset = local, rank * local
+        # transformers' grouped_mm and batched_mm kernels mask the sentinel rows (which they leave
+        # uninitialised, NaN possibly) only when told the experts are split this way
+        module._is_expert_parallel = True
+    else:
+        setattr(module, spec.column, sharded_parameter(column.detach(), 1, tp, rank, fused=(inter,) * spec.packed)
+                .requires_grad_(column.requires_grad))
+        setattr(module, spec.row, sharded_parameter(row.detach(), 2, tp, rank).requires_grad_(row.requires_grad))
+        module.expert_offset = None
+        if isinstance(getattr(module, "intermediate_dim", None), int):  # per-rank bookkeeping, as num_heads
+            module.intermediate_dim = inter // tp
     cls = type(module)
     if cls not in _TP_CLASSES:
         own_forward = cls.forward
 
         def forward(self, *args, **kwargs):
             group = self.tp_group
+            if self.expert_offset is not None:  # the router's expert ids, renumbered to this rank's experts
+                args = tuple(_local_ids(a, self.expert_offset, self.num_experts) for a in args)
+                kwargs = {k: _local_ids(v, self.expert_offset, self.num_experts) for k, v in kwargs.items()}
             if self.sequence_parallel:  # a partial sum, reduce-scattered by the block's hook
                 return own_forward(self, *args, **kwargs)
             args = tuple(comm.copy_to_tp(a, group) if _floating(a) else a for a in args)
@@ -123,6 +165,16 @@ def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool 
 
 def is_tensor_parallel_experts(module: nn.Module) -> bool:
     return type(module) in _TP_CLASSES.values()
+
+
+def _local_ids(x, offset: int, count: int):
+    """Expert ids (an integer tensor) as this rank's: offset..offset + count - 1 -> 0..count - 1,
+    any other -> count, the sentinel transformers' expert kernels skip (Note [whole experts per
+    rank]); anything else as it is."""
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.dtype == torch.bool:
+        return x
+    local = x - offset
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
 
 
 def _floating(x) -> bool:

@@ -145,6 +145,8 @@ HF_STYLES = {
     "moe_tp_experts": Experts(),  # stacked experts, each split as its MLP (tensor_parallel/experts.py)
 }
 _GRAD_SUM_STYLE = "replicated_with_grad_allreduce"
+# how transformers' plans spell what Experts() does to the stacked expert parameters
+_EXPERT_PARAMETER_STYLES = {Experts().column: "packed_colwise", Experts().row: "rowwise"}
 _REPLICATED = ("embedding_colwise",)
 BUILTIN_PLANS = {
     "gpt2": {
@@ -184,12 +186,18 @@ def published_plan(model: nn.Module) -> dict:
     modules = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters()]
     tied = _tied_to_input_embedding(model)
+    experts = [n for n in modules if any(fnmatch.fnmatchcase(n, p) for p, s in plan.items() if s == "moe_tp_experts")]
     out = {}
     for pattern, style in plan.items():
         if style in _REPLICATED:
             continue
         if not any(fnmatch.fnmatchcase(n, pattern) for n in (*modules, *params) if n):
             continue  # a plan written for the family's every variant: Qwen2-MoE's dense-MLP entries
+        named = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
+        if named and not any(fnmatch.fnmatchcase(n, pattern) for n in modules if n) and \
+                all(n.rpartition(".")[0] in experts and _EXPERT_PARAMETER_STYLES.get(n.rpartition(".")[2]) == style
+                    for n in named):
+            continue  # what the Experts() entry of their module does (its parameters' spelling)
         if style not in HF_STYLES:
             names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)][:3]
             raise ValueError(f"parallelize: {type(model).__name__}'s published plan asks {style!r} for {pattern!r} "
@@ -428,11 +436,12 @@ def _check_expert_parameters(model: nn.Module, pattern: str, style, spec, target
                              "names modules, except for the expert weights of a module it marks Experts() "
                              "('moe_tp_experts'), which that entry splits")
         does = {experts.column: Column(fused=experts.packed), experts.row: Row()}.get(leaf)
-        if does != spec:
-            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}, but {owner} is Experts() ({experts}), "
-                             f"which splits {experts.column} packed-column-wise ('packed_colwise') and {experts.row} "
-                             f"row-wise ('rowwise'); {name} would be split otherwise. Drop the entry, or leave "
-                             f"{owner} out of the plan")
+        if does != spec or experts.split != "intermediate":
+            how = (f"splits {experts.column} packed-column-wise ('packed_colwise') and {experts.row} row-wise "
+                   "('rowwise')") if experts.split == "intermediate" else "gives each rank whole experts (both " \
+                "parameters cut on dim 0)"
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}, but {owner} is {experts}, which {how}; "
+                             f"{name} would be split otherwise. Drop the entry, or leave {owner} out of the plan")
 
 
 def _check_splits(model: nn.Module, modules: dict, name: str, spec: Column | Row, tp: int) -> None:

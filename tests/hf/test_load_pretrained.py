@@ -40,7 +40,9 @@ CASES = {"llama-tp2-index": ("llama", 2, 1, None, "tensor_parallel", True),
          # load]), each split as its MLP over tp (tensor_parallel/experts.py); ZeRO-3's flat pieces cut
          # them anywhere
          "mixtral-tp2-dp2-zero3": ("mixtral", 2, 2, 3, "parallelize", False),
-         "qwen3_moe-tp2-index": ("qwen3_moe", 2, 1, None, "tensor_parallel", True)}
+         "qwen3_moe-tp2-index": ("qwen3_moe", 2, 1, None, "tensor_parallel", True),
+         # each rank whole experts (Note [whole experts per rank]): boxes cut on the expert dim
+         "qwen3_moe-whole-experts-tp2-index": ("qwen3_moe-whole-experts", 2, 1, None, "tensor_parallel", True)}
 
 
 def _batches():
@@ -66,6 +68,8 @@ def _save(family, directory, sharded=False):
         _tiny.save_tiny_llama(directory, tie_word_embeddings=True)
     elif family == "gemma-untied":
         _tiny.save_tiny_gemma(directory, tie_word_embeddings=False)
+    elif family == "qwen3_moe-whole-experts":
+        _tiny.save_tiny_qwen3_moe(directory)
     else:
         getattr(_tiny, f"save_tiny_{family}")(directory)
     if sharded:  # the same weights cut into several files under model.safetensors.index.json
@@ -80,13 +84,19 @@ def _on_meta(directory):
         return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
 
 
-def _meta_load_and_train(rank, world, directory, tp, dp, stage, api):
+def _meta_load_and_train(rank, world, directory, tp, dp, stage, api, family=None):
     from parallel_layers import hf, init_parallel, parallelize, tensor_parallel
 
     ctx = init_parallel(tp=tp, dp=dp, device="cpu")
     model = _on_meta(directory)
     if api == "tensor_parallel":
-        tensor_parallel.parallelize(model, tp_group=ctx.tp_group)  # the published plan
+        plan = tensor_parallel.published_plan(model)
+        if family == "qwen3_moe-whole-experts":
+            plan["model.layers.*.mlp.experts"] = tensor_parallel.Experts(split="experts")
+        tensor_parallel.parallelize(model, plan, tp_group=ctx.tp_group)  # the published plan
+        if family == "qwen3_moe-whole-experts":  # 2 of the 4 experts on each rank
+            assert model.model.layers[0].mlp.experts.gate_up_proj.tp_shard.dim == 0
+            assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 2
         one_bad_rank = _load_with_one_bad_rank(rank, model, directory)
         # built on the meta parameters, as parallelize() does: they keep their identity
         target, opt = model, _adamw(model.parameters())
@@ -143,7 +153,8 @@ def test_meta_built_model_loads_and_trains_like_from_pretrained(tmp_path, case):
     _save(family, tmp_path, sharded)
     (tmp_path / "no-weights").mkdir()
     (ref_before, ref_after), ref_losses, _ = _reference(tmp_path)
-    results = run_distributed(_meta_load_and_train, tp * dp, args=(str(tmp_path), tp, dp, stage, api), timeout_s=240)
+    results = run_distributed(_meta_load_and_train, tp * dp, args=(str(tmp_path), tp, dp, stage, api, family),
+                              timeout_s=240)
     for (before, after), losses, _, vocab_parallel in results:
         # the published plans of Llama and Qwen2 split an untied embedding on the vocabulary
         assert vocab_parallel == (tp > 1 and family != "gpt2")

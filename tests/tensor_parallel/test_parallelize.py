@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers.tensor_parallel import Column, VocabParallel, gather_full, parallelize
+from parallel_layers.tensor_parallel import Column, Experts, VocabParallel, gather_full, parallelize
 from tests.dist_harness import run_distributed
 from tests.tensor_parallel.test_layers import _count_collectives
 
@@ -83,6 +83,12 @@ def _build(kind):
     }
     if kind in others:
         return others[kind](), None
+    if kind.endswith("_whole_experts"):  # each rank whole experts (Note [whole experts per rank])
+        from parallel_layers.tensor_parallel import published_plan
+
+        model = others[kind.removesuffix("_whole_experts")]()
+        plan = published_plan(model)
+        return model, {**plan, "model.layers.*.mlp.experts": Experts(split="experts")}
     if kind == "gemma3":  # the same per-head norms (Gemma's 1 + weight form), GeGLU MLP, tied head
         return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**small, head_dim=8)), None
     if kind == "gemma3_untied":  # its embedding vocabulary-parallel: a subclass that scales the rows
@@ -189,11 +195,12 @@ BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab"
                         # head's. Qwen3-MoE + q_norm and k_norm's sums; Qwen2-MoE's layer 1 is dense
                         # (SwiGLUMLP's one) and its shared expert stays whole (its plan names none)
                         "mixtral_plan_free": 7, "qwen3_moe_plan_free": 11, "olmoe_plan_free": 11,
-                        "qwen2_moe_plan_free": 10}
+                        "qwen2_moe_plan_free": 10, "mixtral_whole_experts": 7, "qwen3_moe_whole_experts": 11}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),
-                                             ("llama_vocab", True), ("llama_unfused", False), ("qwen3", False)])
+                                             ("llama_vocab", True), ("llama_unfused", False), ("qwen3", False),
+                                             ("mixtral_whole_experts", True), ("qwen3_moe_whole_experts", True)])
 def test_hf_model_parallelized_matches_single_process(kind, pretrained, tmp_path):
     directory = None
     if pretrained:
@@ -400,6 +407,7 @@ def _expert_refusals(rank, ws):
     model, _ = _build("mixtral")
     group = dist.group.WORLD
     for plan in ({"model.layers.*.mlp.experts": "experts"},  # 64 intermediate features per expert, tp=3
+                 {"model.layers.*.mlp.experts": Experts(split="experts")},  # 4 experts, tp=3
                  {"model.layers.*.mlp.experts.down_proj": "rowwise"},  # a parameter, without its module's entry
                  {"model.layers.*.mlp.experts": "moe_tp_experts", "model.layers.*.mlp.experts.down_proj": "colwise"}):
         try:
@@ -413,10 +421,14 @@ def test_experts_refusals_name_the_values():
     """Mixtures of experts (tensor_parallel/experts.py): what Experts() cannot split is refused
     on every rank, before anything is converted."""
     for messages in run_distributed(_expert_refusals, 3, timeout_s=300):
-        assert len(messages) == 3
+        assert len(messages) == 4
         assert messages[0] == ("parallelize: model.layers.0.mlp.experts: MixtralExperts has intermediate size 64 per "
                                "expert, which does not divide by tp=3; valid tensor-parallel sizes for it are "
                                "[1, 2, 4, 8, 16, 32, 64]")
+        assert messages[1] == ("parallelize: model.layers.0.mlp.experts: MixtralExperts has 4 experts (num_experts = "
+                               "4); Experts(split='experts') needs num_experts to match and to divide by tp=3; valid "
+                               "tensor-parallel sizes for it are [1, 2, 4]")
+        messages = messages[:1] + messages[2:]
         assert messages[1].startswith("parallelize: plan pattern 'model.layers.*.mlp.experts.down_proj' names "
                                       "parameters (model.layers.0.mlp.experts.down_proj), not modules")
         assert messages[2].startswith("parallelize: plan['model.layers.*.mlp.experts.down_proj'] = 'colwise', but "
@@ -440,6 +452,8 @@ def test_experts_refusals_name_the_values():
                                          r"Experts\(\) supports"):
         parallelize(model, {"model.layers.*.mlp.experts": "experts"})
     assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"  # nothing converted
+    with pytest.raises(ValueError, match=r"Experts\(split='rows'\): split must be one of \['intermediate', 'experts'\]"):
+        Experts(split="rows")
     # parallelize run twice would split the split experts again: refused
     model, _ = _build("mixtral")
     parallelize(model, {"model.layers.*.mlp.experts": "experts"})

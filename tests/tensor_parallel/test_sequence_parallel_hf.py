@@ -1,7 +1,8 @@
 """Sequence parallelism on Hugging Face decoders ([batch, seq, hidden]): plan-free
 `tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
 Qwen2, Mistral, GPT-2, Qwen3, Gemma, OLMo, Nemotron, SmolLM3, EXAONE 4, Mixtral and Qwen3-MoE
-(their MoE blocks gather the sequence and reduce-scatter their output) loaded with
+(their MoE blocks gather the sequence and reduce-scatter their output; Mixtral also with whole
+experts per rank) loaded with
 from_pretrained gives the plain transformers model's
 logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
 decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a forward
@@ -24,7 +25,7 @@ from tests.tensor_parallel.test_parallelize import _build
 transformers = pytest.importorskip("transformers")
 
 KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4", "mixtral",
-         "qwen3_moe")
+         "qwen3_moe", "mixtral_whole_experts")
 TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: both stay replicated
 TP, BATCH, SEQ, STEPS, VOCAB = 2, 2, 16, 3, 96  # _build's models: vocabulary 96, 32 positions
 # float32; the reduce-scatters and the summed norm gradients add in another order than one
@@ -84,8 +85,12 @@ def _parity(rank, ws, directories):
     results = {}
     for kind, directory in directories.items():
         ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
-        par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), tp_group=group,
-                          sequence_parallel=True)
+        par = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        plan = None
+        if kind.endswith("_whole_experts"):  # each rank whole experts (Note [whole experts per rank])
+            from parallel_layers.tensor_parallel import Experts, published_plan
+            plan = {**published_plan(par), "model.layers.*.mlp.experts": Experts(split="experts")}
+        parallelize(par, plan, tp_group=group, sequence_parallel=True)
         ref.train()
         par.train()
         layout = find_layout(ref)
@@ -139,7 +144,7 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
     directories = {}
     for kind in KINDS:
         directories[kind] = str(tmp_path / kind)
-        _build(kind)[0].save_pretrained(directories[kind])
+        _build(kind.removesuffix("_whole_experts"))[0].save_pretrained(directories[kind])
     for rank, results in enumerate(run_distributed(_parity, TP, args=(directories,), timeout_s=300)):
         assert sorted(results) == sorted(KINDS)
         for kind, (worst, chunks, message, counts, vocab_parallel, layers) in results.items():
