@@ -115,6 +115,8 @@ class ModelSpec:
     dropout: bool = True  # the model's own dropout (GPT-2: 0.1; Llama: 0); TrainSpec may override
     name: str = ""
     mlp_kept: int | None = None  # ffn-wide tensors an MLP keeps for backward a token (default gelu 2, swiglu 4)
+    experts: int = 0  # a mixture of experts: MLPs per layer (each of width ffn), 0 for a dense model
+    experts_per_token: int = 0  # how many of them each token goes through (the router's top-k)
 
     def __post_init__(self):
         for name in ("layers", "hidden", "seq", "vocab"):
@@ -123,6 +125,10 @@ class ModelSpec:
         for name in ("heads", "ffn", "kv_heads", "head_dim", "mlp_kept"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"ModelSpec.{name} must be positive or None, got {getattr(self, name)!r}")
+        if self.experts or self.experts_per_token:
+            if not 0 < self.experts_per_token <= self.experts:
+                raise ValueError(f"ModelSpec: experts_per_token {self.experts_per_token} must be in 1..experts "
+                                 f"({self.experts}) for a mixture of experts (both 0 for a dense model)")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"ModelSpec.mlp must be one of {list(MLP_KINDS)}, got {self.mlp!r}")
         if self.n_heads % self.n_kv_heads:
@@ -182,19 +188,31 @@ class ModelSpec:
         """Parameters of one layer: everything but the embedding (and head), spread over the layers."""
         return (self.params - self.embedding_params) / self.layers
 
+    @property
+    def mlp_params(self) -> int:
+        """One MLP's matrices (one expert's, in a mixture of experts)."""
+        return (3 if self.mlp == "swiglu" else 2) * self.hidden * self.ffn_width
+
     def shape_params(self) -> int:
         """The parameter count of this shape without biases: attention (q, k, v, o), the MLP's
-        2 or 3 matrices, two norms per layer (weight and bias, as `_stage_params` assumes), the
-        final norm, embedding, untied head and position table."""
+        2 or 3 matrices (every expert's, and the router's [experts, hidden]), two norms per layer
+        (weight and bias, as `_stage_params` assumes), the final norm, embedding, untied head and
+        position table."""
         h = self.hidden
         attention = 2 * h * self.q_width + 2 * h * self.kv_width
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.ffn_width
+        mlp = self.experts * (self.mlp_params + h) if self.experts else self.mlp_params
         return self.layers * (attention + mlp + 4 * h) + 2 * h + int(self.embedding_params)
+
+    @property
+    def active_layer_params(self) -> float:
+        """The parameters of one layer that multiply a token: a mixture of experts' token goes
+        through experts_per_token of its experts only."""
+        return self.layer_params - (self.experts - self.experts_per_token) * self.mlp_params
 
     def matmul_params(self) -> float:
         """Parameters that multiply every token (6 flops each in training): the layers and the
         head; the embedding and position lookups cost none."""
-        return self.layers * self.layer_params + self.vocab * self.hidden
+        return self.layers * self.active_layer_params + self.vocab * self.hidden
 
 
 # ---- Hugging Face configs ---------------------------------------------------------------------
@@ -207,10 +225,20 @@ class ModelSpec:
 #     mlp_bias on gate, up and down; qwen2 always on q, k and v (never o); mistral none. qwen3 is
 #     llama's (attention_bias on q, k, v and o; no mlp_bias) plus a head_dim RMSNorm on q and on k
 #     in every layer (q_norm, k_norm).
+#   mixtral, qwen3_moe: mistral's and qwen3's attention; every layer's MLP a mixture of experts:
+#     num_local_experts (qwen3_moe: num_experts) SwiGLU experts of intermediate_size (qwen3_moe:
+#     moe_intermediate_size), num_experts_per_tok of them per token, and a router [experts,
+#     hidden] without bias. Qwen3-MoE layers listed in mlp_only_layers, or off its
+#     decoder_sparse_step, are dense MLPs: a model that mixes them is refused (one layer shape).
 #   gpt2: n_embd, n_layer, n_head, n_inner (null: 4 * n_embd) of a GeLU MLP, n_positions rows of
 #     learned positions, LayerNorm (weight and bias) twice per layer and at the end, biases on
 #     every Conv1D, the head tied to the token embedding.
-_GATED = {"llama": "attention_bias", "mistral": None, "qwen2": "qkv", "qwen3": "attention_bias"}
+_GATED = {"llama": "attention_bias", "mistral": None, "qwen2": "qkv", "qwen3": "attention_bias", "mixtral": None,
+          "qwen3_moe": "attention_bias"}
+# model_type -> its (experts, experts per token, expert width) keys; transformers 5 writes
+# Qwen3-MoE's expert count as num_local_experts, the published configs say num_experts
+_MOE_KEYS = {"mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+             "qwen3_moe": ("num_local_experts|num_experts", "num_experts_per_tok", "moe_intermediate_size")}
 # ffn-wide tensors GPT-2's MLP keeps for backward a token, by activation_function: torch's fused
 # gelu keeps its input (and c_proj its output); transformers' "gelu_new" (NewGELUActivation) is
 # 0.5 * x * (1 + tanh(...)) in elementwise ops, which keep x, the tanh, 0.5 * x, 1 + tanh and
@@ -267,7 +295,20 @@ def hf_config_spec(path: str | os.PathLike | dict, seq: int) -> ModelSpec:
                          f"{list(HF_FAMILIES)} (or give --params --layers --hidden --heads --ffn by hand)")
     h, layers, heads = (int(_need(cfg, k, family)) for k in ("hidden_size", "num_hidden_layers",
                                                               "num_attention_heads"))
-    vocab, ffn = int(_need(cfg, "vocab_size", family)), int(_need(cfg, "intermediate_size", family))
+    experts = per_token = 0
+    if family in _MOE_KEYS:
+        experts, per_token, ffn = (int(_need(cfg, next((k for k in keys.split("|") if cfg.get(k) is not None),
+                                                        keys.split("|")[-1]), family))
+                                   for keys in _MOE_KEYS[family])
+        dense = [i for i in range(int(_need(cfg, "num_hidden_layers", family)))
+                 if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % int(cfg.get("decoder_sparse_step") or 1)]
+        if dense:
+            raise ValueError(f"Hugging Face config of model_type {family!r}: layers {dense[:8]} have dense MLPs "
+                             f"(mlp_only_layers {cfg.get('mlp_only_layers')}, decoder_sparse_step "
+                             f"{cfg.get('decoder_sparse_step')}); the planner models every layer alike")
+    else:
+        ffn = int(_need(cfg, "intermediate_size", family))
+    vocab = int(_need(cfg, "vocab_size", family))
     kv = int(cfg.get("num_key_value_heads") or heads)
     hd = int(cfg.get("head_dim") or h // heads)
     tied = bool(cfg.get("tie_word_embeddings", False))
@@ -281,11 +322,14 @@ def hf_config_spec(path: str | os.PathLike | dict, seq: int) -> ModelSpec:
         attention += q + 2 * k + h
     elif _GATED[family] == "qkv":
         attention += q + 2 * k
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         attention += 2 * hd  # q_norm, k_norm
     mlp = 3 * h * ffn + (2 * ffn + h if cfg.get("mlp_bias") and family == "llama" else 0)
+    if experts:
+        mlp = experts * (mlp + h)  # every expert, and the router's row for it
     params = layers * (attention + mlp + 2 * h) + h + vocab * h * (1 if tied else 2)  # 2 RMSNorms, final norm
-    return ModelSpec(params, layers, h, seq, heads, vocab, ffn, kv, hd, "swiglu", tied, 0, dropout, family)
+    return ModelSpec(params, layers, h, seq, heads, vocab, ffn, kv, hd, "swiglu", tied, 0, dropout, family,
+                     experts=experts, experts_per_token=per_token)
 
 
 # ---- cluster ----------------------------------------------------------------------------------
@@ -453,7 +497,7 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
     if recompute == "full":
         return e * h / outside_tp
     per_token = (e * 4 * h + (2 * h if dropout else 0)) / outside_tp + 16
-    mlp = (model.mlp_kept or (4 if model.mlp == "swiglu" else 2)) * model.ffn_width
+    mlp = (model.mlp_kept or (4 if model.mlp == "swiglu" else 2)) * model.ffn_width * max(1, model.experts_per_token)
     per_token += e * (2 * model.q_width + 2 * model.kv_width + mlp) / tp
     if train.flash_attention:
         per_token += 4 * a / tp
@@ -489,9 +533,9 @@ def _token_flops(model: ModelSpec, train: TrainSpec, recompute: str) -> tuple[fl
     """(flops of one layer, of the head) per token in training: 6 per matmul parameter (forward
     2, backward 4), attention's QK^T and AV (12 * seq * q), and the recomputed forward."""
     attention_forward = 4 * model.seq * model.q_width
-    layer = 6 * model.layer_params + 3 * attention_forward
+    layer = 6 * model.active_layer_params + 3 * attention_forward
     if recompute == "full":  # one more forward of the layer (not of the head)
-        layer += 2 * model.layer_params + attention_forward
+        layer += 2 * model.active_layer_params + attention_forward
     elif recompute == "selective" and not train.flash_attention:  # QK^T, softmax, AV again
         layer += attention_forward
     return layer, 6 * model.vocab * model.hidden
@@ -881,7 +925,9 @@ def format_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, best: 
     unit, u = (GB, "GB") if cluster.gpu_mem_bytes >= 10 * GB else (1e6, "MB")  # a small machine's run: MB
     lines = [f"model: {model.name + ', ' if model.name else ''}{model.params / 1e9:.2f}B params, {model.layers} "
              f"layers, hidden {model.hidden}, {model.n_heads} heads ({model.n_kv_heads} kv, head dim {model.d_head}), "
-             f"{model.mlp} ffn {model.ffn_width}, vocab {model.vocab} ({'tied' if model.tied else 'untied'} head), "
+             f"{model.mlp} ffn {model.ffn_width}"
+             + (f" x {model.experts} experts ({model.experts_per_token} per token)" if model.experts else "")
+             + f", vocab {model.vocab} ({'tied' if model.tied else 'untied'} head), "
              f"seq {model.seq}",
              f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node}/node, {cluster.gpu_mem_bytes / GB:.3g} GB, "
              f"{cluster.flops / 1e12:.3g} TFLOP/s at {cluster.mfu:.0%}, {cluster.intra_node_bw / GB:.3g}/"

@@ -40,6 +40,14 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(hidden_size=256, intermediate_size=896, num_hidden_layers=3,
                                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
     "gpt2": lambda: transformers.GPT2Config(n_embd=192, n_layer=3, n_head=6, vocab_size=1000, n_positions=512),
+    # mixtures of experts: every expert's MLP and the router counted
+    "mixtral": lambda: transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                                                  num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=96, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                                                     vocab_size=1500, num_experts=16, num_experts_per_tok=4,
+                                                     attention_bias=True),
     "gpt2-n-inner": lambda: transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_inner=320, vocab_size=1000,
                                                     n_positions=256),
 }
@@ -120,7 +128,8 @@ def test_errors_name_the_values(tmp_path, capsys):
         ModelSpec.from_hf_config(tmp_path, seq=128)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
     with pytest.raises(ValueError, match=re.escape("model_type 'bert' is not supported by the planner; supported: "
-                                                   "['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3']")):
+                                                   "['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', "
+                                                   "'qwen3_moe']")):
         ModelSpec.from_hf_config(tmp_path, seq=128)
     with pytest.raises(ValueError, match=re.escape("lacks 'num_hidden_layers'")):
         ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64}, seq=128)
@@ -137,3 +146,32 @@ def test_tp_must_divide_the_kv_heads():
     best, rejected = recommend(model, ClusterSpec(8, 8, 80 * GB), TrainSpec(global_batch=64))
     tp8 = [e for e in rejected if e.layout.tp == 8]
     assert tp8 and all(e.reason.startswith("kv heads 2 not divisible by tp=8") for e in tp8)
+
+
+def test_a_mixture_of_experts_counts_every_expert_and_computes_with_its_top_k():
+    """Memory holds every expert; a token's flops and kept activations are its top-k experts';
+    a Qwen3-MoE that mixes dense and MoE layers is refused (one layer shape)."""
+    config = CONFIGS["mixtral"]()
+    moe = ModelSpec.from_hf_config(config.to_dict(), seq=512)
+    assert (moe.experts, moe.experts_per_token, moe.ffn_width) == (8, 2, 512)
+    dense = ModelSpec.from_hf_config(transformers.MistralConfig(  # the same shape with one MLP a layer
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=1000).to_dict(), seq=512)
+    expert = 3 * 256 * 512
+    # 7 more MLPs and the router [8, 256] a layer (the meta count: test_param_count_equals_the_real_model)
+    assert moe.params - dense.params == 2 * (7 * expert + 8 * 256)
+    assert moe.active_layer_params - dense.layer_params == expert + 8 * 256  # a token's 2 experts, the router
+    train = TrainSpec(flash_attention=True, dropout=False)
+    flops = [plan.step_flops(m, train, "none") for m in (moe, dense)]
+    assert flops[0] - flops[1] == 6 * (expert + 8 * 256) * 2 * train.global_batch * 512  # 2 layers, 6 a parameter
+    kept = [plan.activation_bytes(m, train, tp=1, tokens=1, layers=1, head=False) for m in (moe, dense)]
+    assert kept[0] - kept[1] == 2 * 4 * 512  # 16-bit, 4 SwiGLU tensors of one more expert per token
+    with pytest.raises(ValueError, match=re.escape("model_type 'qwen3_moe': layers [0] have dense MLPs "
+                                                   "(mlp_only_layers [0], decoder_sparse_step 1); the planner models "
+                                                   "every layer alike")):
+        ModelSpec.from_hf_config({**CONFIGS["qwen3_moe"]().to_dict(), "mlp_only_layers": [0]}, seq=128)
+    # the published configs' key for the expert count (transformers 5 writes num_local_experts)
+    published = {k: v for k, v in CONFIGS["qwen3_moe"]().to_dict().items() if k != "num_local_experts"}
+    assert ModelSpec.from_hf_config({**published, "num_experts": 16}, seq=128).experts == 16
+    with pytest.raises(ValueError, match=r"experts_per_token 3 must be in 1..experts \(2\)"):
+        ModelSpec(None, 2, 256, 512, ffn=512, mlp="swiglu", experts=2, experts_per_token=3)
