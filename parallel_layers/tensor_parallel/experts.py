@@ -34,7 +34,11 @@ and batched_mm also zero the sentinel rows their GEMMs leave uninitialised). The
 routing-weighted sum, all-reduced as above; the routing weights of the skipped entries get no
 gradient here and theirs on the rank that holds the expert, so their gradient is again a sum
 over ranks. Each rank's work is the tokens routed to its experts: balanced only as far as the
-routing is. True expert parallelism - experts spread over data-parallel ranks, each with its own
+routing is. A rank whose experts get no token at all computes nothing from its inputs
+(transformers' eager kernel returns zeros it never connects to them), and its backward would
+then skip the input-gradient all-reduces its peers run - a mismatched collective. So the output
+is joined to every floating input by `_Joined` (identity forward, zero gradients backward),
+and every rank reaches those all-reduces. True expert parallelism - experts spread over data-parallel ranks, each with its own
 tokens, exchanged by all-to-all - is not this.
 
 The module keeps its class's forward (and transformers' expert kernels, chosen by
@@ -152,11 +156,14 @@ def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool 
             if self.expert_offset is not None:  # the router's expert ids, renumbered to this rank's experts
                 args = tuple(_local_ids(a, self.expert_offset, self.num_experts) for a in args)
                 kwargs = {k: _local_ids(v, self.expert_offset, self.num_experts) for k, v in kwargs.items()}
-            if self.sequence_parallel:  # a partial sum, reduce-scattered by the block's hook
-                return own_forward(self, *args, **kwargs)
-            args = tuple(comm.copy_to_tp(a, group) if _floating(a) else a for a in args)
-            kwargs = {k: comm.copy_to_tp(v, group) if _floating(v) else v for k, v in kwargs.items()}
-            return comm.reduce_from_tp(own_forward(self, *args, **kwargs), group)
+            if not self.sequence_parallel:
+                args = tuple(comm.copy_to_tp(a, group) if _floating(a) else a for a in args)
+                kwargs = {k: comm.copy_to_tp(v, group) if _floating(v) else v for k, v in kwargs.items()}
+            out = own_forward(self, *args, **kwargs)
+            if self.expert_offset is not None and torch.is_grad_enabled():  # idle experts (see the Note)
+                out = _Joined.apply(out, *(a for a in (*args, *kwargs.values()) if _floating(a) and a.requires_grad))
+            # under sequence parallelism a partial sum, reduce-scattered by the block's hook
+            return out if self.sequence_parallel else comm.reduce_from_tp(out, group)
 
         _TP_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {"forward": forward})
     module.__class__ = _TP_CLASSES[cls]
@@ -165,6 +172,20 @@ def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool 
 
 def is_tensor_parallel_experts(module: nn.Module) -> bool:
     return type(module) in _TP_CLASSES.values()
+
+
+class _Joined(torch.autograd.Function):
+    """`out` as it is, with an autograd edge to each of `inputs` (a zero gradient): so that the
+    backward reaches them on every rank (Note [whole experts per rank])."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        ctx.inputs = [(x.shape, x.dtype, x.device) for x in inputs]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.inputs))
 
 
 def _local_ids(x, offset: int, count: int):
