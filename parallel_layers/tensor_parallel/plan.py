@@ -76,9 +76,11 @@ import fnmatch
 import math
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel_layers import fault
 from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
@@ -377,7 +379,40 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         hf_sequence_parallel.apply(model, sp_layout, tp_group)
     elif (layout := hf_sequence_parallel.known_layout(model)) is not None:
         hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
+    if tp > 1:
+        share_random_state(tp_group)
     return model
+
+
+# Note [one random stream per tensor-parallel group]: the ranks of a TP group compute the
+# replicated parts of the model (the residual stream, norms, routers) each for itself, and
+# must get the same values: any random draw there must be the same on every rank. Mixtral's
+# router jitter (`router_jitter_noise`, a uniform draw over the hidden states in training) and
+# dropout on the residual stream are such draws. With a different seed per rank (a common
+# pattern: torch.manual_seed(rank)) the ranks routed 10-12 of 144 tokens a layer to different
+# experts and their replicated router weights drifted apart with no error. So parallelize hands
+# the TP group one stream, as Megatron seeds every TP rank alike: each rank takes the CPU (and
+# current CUDA device's) random state of the group's first rank. Data-parallel replicas keep
+# their own streams, and checkpoints save and restore each rank's state, so a resumed group
+# stays in step. Draws inside a TP region (attention dropout over this rank's heads) then use
+# the same stream on every rank too: equal masks for the heads of different ranks, which
+# Megatron avoids with a second, per-rank stream for those regions; not done here.
+def share_random_state(tp_group) -> None:
+    """Every rank of the TP group takes its first rank's random state (Note [one random
+    stream per tensor-parallel group]); a collective of the group. The states are byte
+    tensors, broadcast as tensors (on the current CUDA device under NCCL): the fake process
+    group, which moves no data, then leaves each rank its own."""
+    nccl = "nccl" in str(dist.get_backend(tp_group))
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    src = dist.get_global_rank(tp_group, 0) if tp_group is not None else 0
+    generators = [(torch.get_rng_state, torch.set_rng_state)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # every TP rank alike: one device kind
+        generators.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    for get, put in generators:
+        state = get().to(device)
+        with fault.collective("broadcast of the random state", tp_group):
+            dist.broadcast(state, src=src, group=tp_group)
+        put(state.cpu())
 
 
 # Note [per-head parameters]: Cohere's q_norm / k_norm (use_qk_norm=True, as in Command R+) are

@@ -499,3 +499,51 @@ def test_whole_experts_when_a_rank_gets_no_token(impl, sequence_parallel):
     for (losses, param_error) in run_distributed(_idle_experts, 2, args=(impl, sequence_parallel), timeout_s=300):
         assert losses[True] == pytest.approx(losses[False], rel=RTOL)
         assert param_error < RTOL
+
+
+def _jitter(rank, ws, share):
+    """Mixtral's router jitter draws over the replicated hidden states in training: with a seed
+    per rank, the TP ranks must still draw alike (Note [one random stream per tensor-parallel
+    group]); share=False skips parallelize's sharing, to show what it prevents."""
+    from parallel_layers.tensor_parallel import plan as plan_module
+
+    torch.manual_seed(0)
+    ref = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5))
+    par = copy.deepcopy(ref)
+    torch.manual_seed(100 + rank)  # each rank its own stream, as many scripts seed
+    if not share:
+        plan_module.share_random_state = lambda group: None
+    parallelize(par, tp_group=dist.group.WORLD)
+    state = torch.get_rng_state()
+    results = {}
+    for name, model, start in (("ref", ref, torch.manual_seed(100).get_state()), ("par", par, state)):
+        torch.set_rng_state(start)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 96, (2, 16), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        results[name] = losses
+    params = _full_params(par, dist.group.WORLD)
+    router = par.model.layers[0].mlp.gate.weight.detach().clone()
+    gathered = [torch.empty_like(router) for _ in range(ws)]
+    dist.all_gather(gathered, router)
+    return results, max(_rel(params[n], p.detach()) for n, p in ref.named_parameters()), \
+        max(_rel(r, gathered[0]) for r in gathered)
+
+
+def test_tensor_parallel_ranks_draw_the_same_random_numbers():
+    for losses, param_error, router_spread in run_distributed(_jitter, 2, args=(True,), timeout_s=300):
+        assert losses["par"] == pytest.approx(losses["ref"], rel=RTOL)
+        assert param_error < RTOL and router_spread == 0.0
+    # without the sharing, the ranks route differently and their replicated routers drift apart
+    spreads = [spread for *_, spread in run_distributed(_jitter, 2, args=(False,), timeout_s=300)]
+    assert max(spreads) > 1e-5, spreads
