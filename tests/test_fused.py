@@ -24,7 +24,7 @@ from parallel_layers import fused, meta
 from parallel_layers.ops import FusedRMSNorm
 from parallel_layers.tensor_parallel import parallelize as tp_parallelize
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, SwiGLUMLP
-from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama, save_tiny_mistral, save_tiny_qwen2
+from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama, save_tiny_mistral, save_tiny_qwen2, train_losses
 from tests.ops.numerics import devices
 
 transformers = pytest.importorskip("transformers")
@@ -39,17 +39,7 @@ def _packed(mlp: SwiGLUMLP) -> bool:
 
 
 def _train(model, steps=3):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (2, 16), generator=g)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, torch.optim.AdamW(model.parameters(), lr=1e-2), steps, vocab=128)
 
 
 @pytest.mark.parametrize("family", sorted(SAVE))

@@ -120,3 +120,18 @@ def save_tiny_phi3(directory) -> None:
                                      eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.Phi3ForCausalLM(config).save_pretrained(directory)
+
+
+def train_losses(model, optimizer, steps: int, vocab: int, low: int = 0) -> list[float]:
+    """The losses of `steps` steps of `optimizer` on the causal-LM loss of fixed random token
+    ids in [low, vocab) (the same ids for every model)."""
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(low, vocab, (2, 16), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -462,6 +462,12 @@ def test_experts_refusals_name_the_values():
         parallelize(model, {"model.layers.*.mlp.experts": "experts"})
 
 
+def _sgd_losses(model, steps, lr):
+    """The losses of `steps` SGD steps on fixed random token ids (ids >= 3: no special token)."""
+    from tests.hf._tiny import train_losses
+    return train_losses(model, torch.optim.SGD(model.parameters(), lr=lr), steps, vocab=96, low=3)
+
+
 def _idle_experts(rank, ws, impl, sequence_parallel):
     """Routers zeroed: every logit ties, so every token goes to experts 0 and 1 - TP rank 0's
     under Experts(split="experts"); rank 1's experts get no token."""
@@ -474,19 +480,7 @@ def _idle_experts(rank, ws, impl, sequence_parallel):
     from parallel_layers.tensor_parallel import published_plan
     parallelize(par, {**published_plan(par), "model.layers.*.mlp.experts": Experts(split="experts")},
                 tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
-    worst = {}
-    for model in (ref, par):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(2):
-            ids = torch.randint(3, 96, (2, 16), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        worst[model is par] = losses
+    worst = {model is par: _sgd_losses(model, steps=2, lr=0.1) for model in (ref, par)}
     params = _full_params(par, dist.group.WORLD)
     return worst, max(_rel(params[n], p.detach()) for n, p in ref.named_parameters())
 
@@ -521,17 +515,7 @@ def _jitter(rank, ws, share):
     for name, model, start in (("ref", ref, torch.manual_seed(100).get_state()), ("par", par, state)):
         torch.set_rng_state(start)
         model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, 96, (2, 16), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        results[name] = losses
+        results[name] = _sgd_losses(model, steps=3, lr=0.5)
     params = _full_params(par, dist.group.WORLD)
     router = par.model.layers[0].mlp.gate.weight.detach().clone()
     gathered = [torch.empty_like(router) for _ in range(ws)]
