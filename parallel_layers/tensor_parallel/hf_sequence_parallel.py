@@ -136,6 +136,11 @@ def find_layout(model: nn.Module) -> Layout:
         raise ValueError(f"parallelize: sequence_parallel=True supports the Hugging Face decoders whose forward was "
                          f"checked for it, model_type in {sorted(FAMILIES)}; {type(model).__name__} has model_type "
                          f"{family!r}. Use sequence_parallel=False (plain tensor parallelism) for it")
+    if getattr(config, "output_router_logits", False):  # Note [experts under sequence parallelism]
+        raise ValueError(f"parallelize: sequence_parallel=True does not support the routers' load-balancing loss "
+                         f"({type(model).__name__} has config.output_router_logits=True): its gradient reaches every "
+                         f"rank's router whole, where sequence parallelism sums the routers' gradients over tp. Set "
+                         f"model.config.output_router_logits = False, or use sequence_parallel=False")
     if getattr(config, "add_cross_attention", False):
         raise ValueError(f"parallelize: sequence_parallel=True does not support cross-attention "
                          f"({type(model).__name__} has config.add_cross_attention=True): the encoder states are not "
@@ -262,7 +267,10 @@ def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLine
 # router's - partial too, since the routing weights' gradient is left partial (each rank's
 # experts' share) and the router is linear in it; the router's weight gradient is a partial sum
 # like every replicated parameter of the decoder layers, and summed with them. The router reads
-# the gathered, identical sequence on every rank, so routing agrees.
+# the gathered, identical sequence on every rank, so routing agrees. The routers' load-balancing
+# loss (config.output_router_logits) breaks that bookkeeping: its gradient reaches each rank's
+# router logits whole, and would be summed tp times with the partial ones (measured: gradients
+# 1.0-1.5 relative off the plain model's). find_layout refuses it.
 def _experts_blocks(modules: dict, layout: Layout) -> list[str]:
     """The modules inside the decoder layers that hold tensor-parallel experts."""
     from parallel_layers.tensor_parallel.experts import is_tensor_parallel_experts

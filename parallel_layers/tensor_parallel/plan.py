@@ -135,7 +135,11 @@ _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 # publish no plan (GPT-2 in transformers 5.23) get a built-in one. A head tied to the input
 # embedding stays replicated, and so does that embedding: a Hugging Face head ties by sharing
 # the weight parameter, which sharding would untie (VocabParallel() on such an embedding, in
-# an explicit plan, is refused).
+# an explicit plan, is refused). A published pattern that matches no module or parameter is
+# skipped, as transformers skips it: the plans are written for every variant of a family
+# (Qwen2-MoE's dense-MLP entries in a model whose layers are all MoE). What it would have named
+# stays replicated: correct, and a row layer whose column partner was skipped fails on its
+# first forward, on its input's width. An explicit plan's pattern must match.
 HF_STYLES = {
     "colwise": Column(),
     "colwise_gather_output": Column(gather_output=True),
@@ -293,7 +297,9 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     a Hugging Face decoder's activations between the regions split on the sequence (Note [hf
     sequence parallel boundaries]). fused_kernels=True: then a Hugging Face decoder's SwiGLU
     MLPs run as one packed column-parallel GEMM with the activation fused, and its RMSNorms and
-    attention residual adds as fused ops (parallel_layers/fused.py)."""
+    attention residual adds as fused ops (parallel_layers/fused.py). At tp > 1 it ends with a
+    collective of the TP group (Note [one random stream per tensor-parallel group]): every rank
+    of the group calls it."""
     for flag, value in (("sequence_parallel", sequence_parallel), ("fused_kernels", fused_kernels)):
         if not isinstance(value, bool):
             raise TypeError(f"parallelize: {flag} must be True or False, got {value!r}")
@@ -380,7 +386,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     elif (layout := hf_sequence_parallel.known_layout(model)) is not None:
         hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
     if tp > 1:
-        share_random_state(tp_group)
+        share_random_state(tp_group, next((p.device for p in model.parameters()), None))
     return model
 
 
@@ -395,21 +401,31 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
 # current CUDA device's) random state of the group's first rank. Data-parallel replicas keep
 # their own streams, and checkpoints save and restore each rank's state, so a resumed group
 # stays in step. Draws inside a TP region (attention dropout over this rank's heads) then use
-# the same stream on every rank too: equal masks for the heads of different ranks, which
-# Megatron avoids with a second, per-rank stream for those regions; not done here.
-def share_random_state(tp_group) -> None:
+# the same stream on every rank too: equal masks for the heads of different ranks, and, under
+# sequence parallelism, equal dropout masks for the sequence chunks of different ranks, which
+# Megatron avoids with a second, per-rank stream for those draws; not done here.
+def share_random_state(tp_group, device: torch.device | None = None) -> None:
     """Every rank of the TP group takes its first rank's random state (Note [one random
-    stream per tensor-parallel group]); a collective of the group. The states are byte
-    tensors, broadcast as tensors (on the current CUDA device under NCCL): the fake process
-    group, which moves no data, then leaves each rank its own."""
+    stream per tensor-parallel group]); a collective of the group, so `parallelize` at tp > 1
+    must run on every rank of it. `device`: the model's (its parameters'); a CUDA device's
+    generator is shared too - that device's, or under NCCL the current device's for a model
+    still on the meta device. What is broadcast is decided by the backend and the model's
+    device, the same on every rank of the group, never by per-rank state. The states are byte
+    tensors, broadcast as tensors (on that CUDA device under NCCL): the fake process group,
+    which moves no data, then leaves each rank its own."""
     nccl = "nccl" in str(dist.get_backend(tp_group))
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    cuda = device if device is not None and device.type == "cuda" else None
+    if cuda is None and nccl:
+        cuda = torch.device("cuda", torch.cuda.current_device())
+    if cuda is not None and cuda.index is None:
+        cuda = torch.device("cuda", torch.cuda.current_device())
+    where = cuda if nccl else torch.device("cpu")
     src = dist.get_global_rank(tp_group, 0) if tp_group is not None else 0
     generators = [(torch.get_rng_state, torch.set_rng_state)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # every TP rank alike: one device kind
-        generators.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    if cuda is not None:
+        generators.append((lambda: torch.cuda.get_rng_state(cuda), lambda s: torch.cuda.set_rng_state(s, cuda)))
     for get, put in generators:
-        state = get().to(device)
+        state = get().to(where)
         with fault.collective("broadcast of the random state", tp_group):
             dist.broadcast(state, src=src, group=tp_group)
         put(state.cpu())

@@ -469,8 +469,9 @@ def _sgd_losses(model, steps, lr):
 
 
 def _idle_experts(rank, ws, impl, sequence_parallel):
-    """Routers zeroed: every logit ties, so every token goes to experts 0 and 1 - TP rank 0's
-    under Experts(split="experts"); rank 1's experts get no token."""
+    """Routers zeroed: every logit ties, so every token goes to the same two experts (topk's
+    tie-break picks them; 2 and 3 on the CPU) - one TP rank's under Experts(split="experts"),
+    whose peer's experts get no token."""
     ref, _ = _build("mixtral")
     ref.config._experts_implementation = impl
     with torch.no_grad():
@@ -480,9 +481,11 @@ def _idle_experts(rank, ws, impl, sequence_parallel):
     from parallel_layers.tensor_parallel import published_plan
     parallelize(par, {**published_plan(par), "model.layers.*.mlp.experts": Experts(split="experts")},
                 tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
+    _, _, picked = ref.model.layers[0].mlp.gate(torch.randn(5, 32))  # the router's choice for any token
+    idle = not any(2 * rank <= e < 2 * rank + 2 for e in picked.flatten().tolist())  # this rank's experts unused
     worst = {model is par: _sgd_losses(model, steps=2, lr=0.1) for model in (ref, par)}
     params = _full_params(par, dist.group.WORLD)
-    return worst, max(_rel(params[n], p.detach()) for n, p in ref.named_parameters())
+    return worst, max(_rel(params[n], p.detach()) for n, p in ref.named_parameters()), idle
 
 
 @pytest.mark.parametrize("impl,sequence_parallel", [("eager", False), ("eager", True), ("grouped_mm", False)])
@@ -490,7 +493,9 @@ def test_whole_experts_when_a_rank_gets_no_token(impl, sequence_parallel):
     """A rank whose experts get no token still runs the input-gradient collectives its peer runs
     (transformers' eager kernel returns zeros unconnected to the inputs; Note [whole experts per
     rank]): before that, gloo aborted on the mismatched collectives."""
-    for (losses, param_error) in run_distributed(_idle_experts, 2, args=(impl, sequence_parallel), timeout_s=300):
+    results = run_distributed(_idle_experts, 2, args=(impl, sequence_parallel), timeout_s=300)
+    assert sorted(idle for *_, idle in results) == [False, True]  # the premise: exactly one rank idle
+    for losses, param_error, _ in results:
         assert losses[True] == pytest.approx(losses[False], rel=RTOL)
         assert param_error < RTOL
 
@@ -508,7 +513,7 @@ def _jitter(rank, ws, share):
     par = copy.deepcopy(ref)
     torch.manual_seed(100 + rank)  # each rank its own stream, as many scripts seed
     if not share:
-        plan_module.share_random_state = lambda group: None
+        plan_module.share_random_state = lambda *args: None
     parallelize(par, tp_group=dist.group.WORLD)
     state = torch.get_rng_state()
     results = {}

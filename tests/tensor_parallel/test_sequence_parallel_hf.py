@@ -250,6 +250,10 @@ def test_refusals_before_any_conversion(monkeypatch):
                                          r"MixtralForCausalLM \(model_type 'mixtral'\)"):
         parallelize(mixtral, sequence_parallel=True)
     assert type(mixtral.model.layers[0].mlp.experts).__name__ == "MixtralExperts"  # nothing converted
+    mixtral.config.output_router_logits = True  # the load-balancing loss: its gradient is whole on every rank
+    with pytest.raises(ValueError, match=r"sequence_parallel=True does not support the routers' load-balancing loss "
+                                         r"\(MixtralForCausalLM has config.output_router_logits=True\)"):
+        parallelize(mixtral, sequence_parallel=True)
 
 
 def test_sequence_layer_arguments():
