@@ -17,10 +17,16 @@ Hugging Face's [batch, seq, hidden] (comm.py, Note [strided sequence chunks]).
                         gradient is a partial sum (Note [one reduction per region]).
   RowParallelLinear     weight [out, in / tp]: partial outputs all-reduced (SP:
                         reduce-scattered); the replicated bias is added once, after.
+                        input_is_parallel=False: the input is whole, [..., in], the same
+                        on every rank (a column layer gathered its output); the layer
+                        takes this rank's slice of its features (backward: all-gathers
+                        the input gradient on the features). With SP that input holds
+                        the whole sequence, and the output this rank's chunk of it.
 
 Collectives per layer (docs/parallelism.md): column 0 forward / 1 backward; row 1 / 0;
 column+SP 1 all-gather / 1 reduce-scatter; row+SP 1 reduce-scatter / 1 all-gather (plus one
-all-reduce of the row bias gradient, which is partial under SP).
+all-reduce of the row bias gradient, which is partial under SP); a row layer with
+input_is_parallel=False one more all-gather in backward (its input gradient's features).
 
 Initialisation does not depend on the TP size: each rank builds the full weight with
 `init_method` (default: nn.Linear's) and keeps its shard, so with the same seed the gathered
@@ -336,9 +342,6 @@ class RowParallelLinear(_LinearConversions, nn.Module):
                  device=None, dtype=None, init_method: Callable[[Tensor], None] | None = None,
                  _full: tuple[Tensor, Tensor | None] | None = None):
         super().__init__()
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("sequence_parallel=True requires input_is_parallel=True (the input comes from a "
-                             "ColumnParallelLinear)")
         _check_seq_dim(seq_dim, "RowParallelLinear")
         check_size(in_features, "RowParallelLinear in_features")
         check_size(out_features, "RowParallelLinear out_features")

@@ -245,9 +245,11 @@ def _count_layer(rank, ws, kind, sequence_parallel):
         layer = ColumnParallelLinear(D_MODEL, HIDDEN, activation="gelu", tp_group=group,
                                      sequence_parallel=sequence_parallel, shared_input=shared)
         x = torch.randn(SEQ // (ws if sequence_parallel and not shared else 1), BATCH, D_MODEL, requires_grad=True)
-    else:
-        layer = RowParallelLinear(HIDDEN, D_MODEL, bias=False, tp_group=group, sequence_parallel=sequence_parallel)
-        x = torch.randn(SEQ, BATCH, HIDDEN // ws, requires_grad=True)
+    else:  # "split-input row": the whole input, replicated (a column layer gathered its output)
+        split = kind == "split-input row"
+        layer = RowParallelLinear(HIDDEN, D_MODEL, bias=False, tp_group=group, sequence_parallel=sequence_parallel,
+                                  input_is_parallel=not split)
+        x = torch.randn(SEQ, BATCH, HIDDEN if split else HIDDEN // ws, requires_grad=True)
     with _count_collectives() as fwd:
         out = layer(x)
     with _count_collectives() as bwd:
@@ -263,6 +265,9 @@ EXPECTED = {
     ("shared column", True): ({}, {}),  # the region's gather_from_sp gathers and reduce-scatters
     ("row", False): ({"all_reduce": 1}, {}),
     ("row", True): ({"reduce_scatter_single": 1}, {"all_gather_single": 1}),
+    # input_is_parallel=False: + the all-gather of the input gradient's features
+    ("split-input row", False): ({"all_reduce": 1}, {"all_gather_single": 1}),
+    ("split-input row", True): ({"reduce_scatter_single": 1}, {"all_gather_single": 2}),
 }
 
 
@@ -354,10 +359,34 @@ def test_only_biases_train():
         assert all(v < RTOL for v in worst.values()), f"rank {rank}: {worst}"
 
 
+def _split_input_row_parity(rank, ws):
+    """A sequence-parallel row layer fed the whole sequence and all its features, the same on
+    every rank (input_is_parallel=False): its output is this rank's chunk of the sequence."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    ref = nn.Linear(HIDDEN, D_MODEL)
+    row = RowParallelLinear.from_linear(ref, tp_group=group, sequence_parallel=True, input_is_parallel=False)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(SEQ, BATCH, HIDDEN, generator=g), torch.randn(SEQ, BATCH, D_MODEL, generator=g)
+    xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ((ref(xr) - target) ** 2).sum().backward()
+    out = row(xp)
+    ((out - target.chunk(ws, 0)[rank]) ** 2).sum().backward()
+    # the output gradient all-gathered on the sequence, then the input gradient on the features:
+    # every rank holds the whole one, of all the ranks' losses (what replicated compute before needs)
+    return {"output": _rel(out.detach(), ref(x).detach().chunk(ws, 0)[rank]),
+            "grad input": _rel(xp.grad, xr.grad),
+            "grad weight": _rel(row.weight.grad.clone(), shard(ref.weight.grad, 1, ws, rank)),
+            "grad bias": _rel(row.bias.grad, ref.bias.grad)}  # summed over tp by its hook
+
+
+def test_split_input_row_with_sequence_parallelism_matches_single_process():
+    for rank, worst in enumerate(run_distributed(_split_input_row_parity, 2)):
+        assert all(v < RTOL for v in worst.values()), f"rank {rank}: {worst}"
+
+
 def test_layer_argument_errors():
     with pytest.raises(ValueError, match="activation must be one of"):
         ColumnParallelLinear(4, 4, activation="relu")
-    with pytest.raises(ValueError, match="sequence_parallel=True requires input_is_parallel=True"):
-        RowParallelLinear(4, 4, input_is_parallel=False, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"fused_sizes \(2, 2\) sum to 4, not out_features 6"):
         ColumnParallelLinear(4, 6, fused_sizes=(2, 2))
