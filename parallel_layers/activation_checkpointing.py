@@ -84,7 +84,8 @@ def check_arguments(mode, is_block) -> None:
     check_mode(mode)
     if mode is not None and is_block is None:
         raise ValueError(f"activation_checkpointing={mode!r} checkpoints the blocks that wrap= selects (the modules "
-                         "ZeRO groups its parameters by); pass wrap=, e.g. wrap=lambda m: isinstance(m, Block)")
+                         "ZeRO groups its parameters by; a Hugging Face model's default: the classes in its "
+                         "_no_split_modules); pass wrap=, e.g. wrap=lambda m: isinstance(m, Block)")
 
 
 def checkpoint_blocks(model: nn.Module, mode: str, is_block: Callable[[nn.Module], bool] | None) -> list[str]:

@@ -133,6 +133,14 @@ class Parallelized:
             self.optimizer.zero_grad(set_to_none=True)
 
 
+def declared_blocks(model: nn.Module) -> Callable[[nn.Module], bool] | None:
+    """The blocks a Hugging Face model declares: the classes it names in `_no_split_modules`
+    (its decoder layers), the unit accelerate's FSDP auto-wrap and `device_map` placement keep
+    whole; None for a model that declares none."""
+    names = frozenset(getattr(model, "_no_split_modules", None) or ())
+    return (lambda m: type(m).__name__ in names) if names else None
+
+
 def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[list], torch.optim.Optimizer],
                 loss_fn: Callable[[Tensor, Tensor], Tensor], tp_plan: dict | str | None = None,
                 sequence_parallel: bool = False,
@@ -152,7 +160,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     conversion (the model is used as built). activation_checkpointing: None, "full" or
     "selective", per block: the modules `wrap` selects (parallel_layers/activation_checkpointing.py).
     zero_stage: 0 for DataParallel replicas, 1-3 for ZeRO over dp; wrap: ZeRO's parameter groups
-    (and the blocks to checkpoint). pipeline_layers: name of the model's attribute holding its
+    (and the blocks to checkpoint); by default, for a Hugging Face model, its decoder layers
+    (`declared_blocks`). pipeline_layers: name of the model's attribute holding its
     layer list (dotted), or "auto" for a Hugging Face causal LM (with
     loss_fn=parallel_layers.pipeline.hf.causal_lm_loss); schedule, microbatches (default 2 * pp with a
     pipeline, else 1), virtual stages per rank (default 2 for "interleaved", else 1) and
@@ -172,6 +181,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if token_count is not None and not callable(token_count):  # else it would raise on the last stage only
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
+    wrap = wrap if wrap is not None else declared_blocks(model)
     activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
     pp = ctx.dims.pp
     microbatches = microbatches if microbatches is not None else (2 * pp if pp > 1 else 1)

@@ -339,7 +339,8 @@ def _train(kind, ctx, directory, mode, zero_stage, microbatches, calls):
     hf = kind.startswith("llama")  # pipelined as its own modules (pipeline/hf.py)
     par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR[kind]), loss_fn=loss_fn,
                       tp_plan=plan, sequence_parallel=kind == "llama_sp", activation_checkpointing=mode,
-                      zero_stage=zero_stage, wrap=lambda m: isinstance(m, block),
+                      # the Llama's blocks by default: its _no_split_modules, the decoder layers
+                      zero_stage=zero_stage, wrap=None if hf else lambda m: isinstance(m, block),
                       pipeline_layers=("auto" if ctx.dims.pp > 1 else None) if hf else "layers",
                       microbatches=microbatches)
     blocks = [m for m in model.modules() if isinstance(m, block)]
@@ -441,4 +442,5 @@ def test_checkpointed_layouts_match_one_process(tp, dp, pp, zero_stage, llama_di
             "activation_checkpointing must be one of None, 'full', 'selective' (per block: 'full' recomputes the "
             "whole block in backward, 'selective' keeps its GEMM outputs and recomputes the rest), got True",
             "activation_checkpointing='full' checkpoints the blocks that wrap= selects (the modules ZeRO groups its "
-            "parameters by); pass wrap=, e.g. wrap=lambda m: isinstance(m, Block)"], messages
+            "parameters by; a Hugging Face model's default: the classes in its _no_split_modules); pass wrap=, e.g. "
+            "wrap=lambda m: isinstance(m, Block)"], messages
