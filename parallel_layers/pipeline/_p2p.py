@@ -21,6 +21,20 @@ sends zeros of the agreed shape instead, so that every pair's messages still mat
 records the error; the step ends with one all-reduce that carries every rank's error flag
 with the loss, and every pipeline rank raises the same message. Gradients need no header:
 a gradient has the shape of the activation it belongs to, which the receiver kept.
+
+Note [a failed stage]: a stage's forward or backward that raises (a refusal inside the model,
+a stage returning something other than a tensor, an output that cannot be sent) would leave
+its peers blocked on a message that never comes. The step runs on instead, like a broken
+contract: the failing rank records the error and keeps every message its peers expect. If the
+boundary's contract is known, zeros of the agreed shape go out (an input gradient that cannot
+be computed goes out as zeros of the input's shape); if it is not (the boundary's first
+activation of a step with a new signature), the header says "no output" (ndim -1), and both
+ends then drop the boundary's remaining activations and their gradients for the step - the
+receiver skips the forwards they would feed, so their own outputs are missing too and the
+next boundary is dropped the same way, down the pipe. The step's closing all-reduce then
+carries the error flag to every rank, each raises: the failing rank its own exception, the
+others a RuntimeError that names the rank, the stage and the message. The rank's state is
+clean after it (every posted receive waited for, no contract kept), so the next step can run.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ from torch import Tensor
 from parallel_layers import fault
 
 _MAX_DIMS = 8
-_HEADER = 2 + _MAX_DIMS  # ndim, dtype index, dims; ndim -1: the output cannot be described
+_HEADER = 2 + _MAX_DIMS  # ndim, dtype index, dims; ndim -1: no output follows (Note [a failed stage])
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
 _SIGNATURES_KEPT = 16
@@ -75,31 +89,53 @@ class Messenger:
         """Start a step whose inputs have `input_signature` (the same on every pipeline rank)."""
         self.input_signature = input_signature
         self.contract = dict(self._known.get(input_signature, {}))  # stage -> (shape, dtype) of its output
-        self.error: str | None = None  # the first broken contract this step, reported at its end
+        self.error: str | None = None  # the first broken contract or failure this step, reported at its end
+        self.exception: BaseException | None = None  # this rank's own failure, re-raised at the end
+        self.dropped: set[int] = set()  # stages whose output does not cross the boundary this step
         self.received: dict[tuple, tuple] = {}  # item -> (works, buffer)
         self.in_flight: list = []  # (works, tensors) of sends, kept alive until they complete
 
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-    def outgoing(self, stage: int, microbatch: int, y: Tensor) -> tuple[Tensor, bool]:
-        """What to send for stage `stage`'s output y, and whether y broke the contract (then
-        zeros of the agreed shape go out instead and the error waits for the step's end)."""
+    def fail(self, message: str, exception: BaseException | None = None) -> None:
+        """Record a failure of this rank's step, raised on every pipeline rank at its end."""
+        if self.error is None:
+            self.error, self.exception = message, exception
+
+    def is_dropped(self, item: tuple) -> bool:
+        """Does `item` not travel this step (Note [a failed stage])? An activation of a dropped
+        boundary, or the gradient sent back over it."""
+        kind, stage, _ = item
+        return (stage if kind == "act" else stage - 1) in self.dropped
+
+    def outgoing(self, stage: int, microbatch: int, y: Tensor | None) -> tuple[Tensor | None, bool]:
+        """What to send for stage `stage`'s output y (None: the stage failed, Note [a failed
+        stage]), and whether y broke the contract (then zeros of the agreed shape go out
+        instead and the error waits for the step's end). None out: the header will say so."""
         expected = self.contract.get(stage)
+        if y is None:
+            if expected is None:
+                return None, True
+            return torch.zeros(expected[0], dtype=expected[1], device=self.device), True
         got = (tuple(y.shape), y.dtype)
         if expected is None or got == expected:
             return y.detach(), False
-        self.error = self.error or mismatch_message(stage, microbatch, got, expected,
-                                                    remembered=stage in self._known.get(self.input_signature, {}))
+        self.fail(mismatch_message(stage, microbatch, got, expected,
+                                   remembered=stage in self._known.get(self.input_signature, {})))
         return torch.zeros(expected[0], dtype=expected[1], device=self.device), True
 
     def exchange(self, sends: list[tuple[tuple, Tensor, int]], recvs: list[tuple[tuple, int, tuple | None]]) -> None:
         """Issue one batch: `sends` are (item, tensor, peer), `recvs` (item, peer, (shape, dtype)
         or None for an activation, whose shape the contract gives). Items are ("act" | "grad",
         stage, microbatch), in the schedule's order, which both ends share."""
+        sends = [s for s in sends if not self.is_dropped(s[0])]
+        recvs = [r for r in recvs if not self.is_dropped(r[0])]
         first = [(it, t, peer) for it, t, peer in sends if it[0] == "act" and it[1] not in self.contract]
         first_in = [(it, peer) for it, peer, like in recvs if like is None and it[1] not in self.contract]
         announced = self._headers(first, first_in) if first or first_in else {}
+        sends = [s for s in sends if not self.is_dropped(s[0])]  # the headers may have dropped a boundary
+        recvs = [r for r in recvs if not self.is_dropped(r[0])]
         ops, keep, posted = [], [], []
         for it, t, peer in sends:
             t = t.contiguous()
@@ -119,6 +155,8 @@ class Messenger:
         self.in_flight.append((works[:len(sends)] if len(works) == len(ops) else works if sends else [], keep))
 
     def _launch(self, ops: list) -> list:
+        if not ops:  # everything of this batch was dropped (Note [a failed stage])
+            return []
         with fault.collective("pipeline send/receive batch", self.group, point_to_point=True):
             return dist.batch_isend_irecv(ops) or []
 
@@ -126,26 +164,30 @@ class Messenger:
         """Note [stage boundary contract]: the first activations of a boundary in a step with a
         new input signature; both ends issue this batch at the same point of their lists.
         Returns the (shape, dtype) announced for each received item."""
-        ops, out, problem = [], [], None
+        ops, out = [], []
         for it, t, peer in sends:
-            problem = problem or describe_problem(t)
-            h = torch.tensor(signature(t) if describe_problem(t) is None else [-1] * _HEADER, dtype=torch.int64)
+            problem = describe_problem(t) if t is not None else None
+            if problem is not None:
+                self.fail(problem)
+            if t is None or problem is not None:  # no output follows (Note [a failed stage])
+                self.dropped.add(it[1])
+                h = torch.full((_HEADER,), -1, dtype=torch.int64)
+            else:
+                h = torch.tensor(signature(t), dtype=torch.int64)
+                self._agree(it, (tuple(t.shape), t.dtype))
             ops.append(dist.P2POp(dist.isend, h.to(self.device), self._peer(peer), self.group))
-            self._agree(it, (tuple(t.shape), t.dtype))
         for it, peer in recvs:
             h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             ops.append(dist.P2POp(dist.irecv, h, self._peer(peer), self.group))
             out.append((it, h))
         for w in self._launch(ops):
             fault.wait(w, "pipeline activation header", self.group, point_to_point=True)
-        if problem is not None:
-            raise ValueError(problem)
         announced = {}
         for it, h in out:
             h = h.cpu().tolist()
-            if h[0] < 0:
-                raise ValueError(f"pipeline stage {it[1]}'s output cannot cross a stage boundary (its sender raised "
-                                 f"why: too many dims, or a dtype outside {_DTYPES})")
+            if h[0] < 0:  # the sender's stage failed; its error reaches every rank at the step's end
+                self.dropped.add(it[1])
+                continue
             announced[it] = (tuple(h[2:2 + h[0]]), _DTYPES[h[1]])
             self._agree(it, announced[it])
         return announced
@@ -154,7 +196,7 @@ class Messenger:
         """The first announced shape of a stage's output is its contract for the step."""
         expected = self.contract.setdefault(item[1], got)
         if got != expected:
-            self.error = self.error or mismatch_message(item[1], item[2], got, expected)
+            self.fail(mismatch_message(item[1], item[2], got, expected))
 
     def wait(self, item: tuple) -> Tensor:
         """The received tensor of `item` (a schedule batch issued its receive earlier)."""

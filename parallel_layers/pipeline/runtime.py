@@ -183,12 +183,16 @@ class PipelineParallel:
                 dist.all_reduce(summary, group=self.group)
         failed = bool(summary[1] > 0)
         msg.finish(succeeded=not failed)  # not on an exception: a failed peer would make it wait for the timeout
-        if failed:
-            errors = [msg.error] * self.ranks
+        if failed:  # Note [a failed stage] in _p2p.py
+            mine = (msg.error, msg.exception is not None) if msg.error is not None else None
+            errors = [mine] * self.ranks
             if self.ranks > 1:
                 with fault.collective("pipeline error all_gather", self.group):
-                    dist.all_gather_object(errors, msg.error, group=self.group)
-            raise ValueError(next(e for e in errors if e is not None))
+                    dist.all_gather_object(errors, mine, group=self.group)
+            if msg.exception is not None:
+                raise msg.exception
+            error, raised = next(e for e in errors if e is not None)
+            raise (RuntimeError if raised else ValueError)(error)
         return summary[0].float()
 
     def clip_grad_norm_(self, max_norm: float, *, tp_group: dist.ProcessGroup | None = None) -> Tensor:
@@ -225,7 +229,7 @@ class _StepRun:
         """One schedule batch: sends of outputs and input gradients, receives of what is next."""
         sends, recvs = [], []
         for a in ops:
-            if a.kind == SEND_F:
+            if a.kind == SEND_F:  # y None: the stage failed (Note [a failed stage] in _p2p.py)
                 y, broken = self.msg.outgoing(a.stage, a.microbatch, self.saved[(a.stage, a.microbatch)][1])
                 if broken:
                     self.broken.add((a.stage, a.microbatch))
@@ -233,19 +237,25 @@ class _StepRun:
             elif a.kind == RECV_F:
                 recvs.append((("act", a.stage, a.microbatch), a.peer, None))
             elif a.kind == RECV_B:  # the gradient of what we sent for stage a.stage - 1: its shape
+                if self.msg.is_dropped(("grad", a.stage, a.microbatch)):
+                    continue
                 out = self.saved[(a.stage - 1, a.microbatch)][1]
                 like = (self.msg.contract[a.stage - 1] if (a.stage - 1, a.microbatch) in self.broken
                         else (tuple(out.shape), out.dtype))
                 recvs.append((("grad", a.stage, a.microbatch), a.peer, like))
             else:
-                sends.append((("grad", a.stage, a.microbatch), self.saved.pop(("dx", a.stage, a.microbatch))[1],
-                              a.peer))
+                dx = self.saved.pop(("dx", a.stage, a.microbatch))[1]
+                if dx is not None:  # None: over a dropped boundary, no input was received
+                    sends.append((("grad", a.stage, a.microbatch), dx, a.peer))
         self.msg.exchange(sends, recvs)  # issues, and waits only for a new boundary's header
 
-    def _take(self, item: tuple) -> tuple[Tensor, float]:
-        """An input of this rank's next compute, and how long waiting for it took."""
+    def _take(self, item: tuple) -> tuple[Tensor | None, float]:
+        """An input of this rank's next compute, and how long waiting for it took; None if it
+        does not come this step (Note [a failed stage] in _p2p.py)."""
         if item in self.handed:
             return self.handed.pop(item), 0.0
+        if self.msg.is_dropped(item):
+            return None, 0.0
         start = time.perf_counter()
         t = self.msg.wait(item)
         return t, time.perf_counter() - start
@@ -253,17 +263,23 @@ class _StepRun:
     def _forward(self, k: int, i: int) -> float:
         pipe = self.pipe
         x, waited = (self.x_mb[i], 0.0) if k == 0 else self._take(("act", k - 1, i))
-        if k > 0 and x.is_floating_point():
+        if x is not None and k > 0 and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        y = pipe.stages.chunk(k)(x, **self.side[i])
-        if not isinstance(y, Tensor):
-            raise TypeError(f"pipeline stage {k} returned {type(y).__name__}; a stage must return one tensor (its "
-                            "activations), as must every layer of the layer list")
-        if k == pipe.num_stages - 1:
-            y = pipe.loss_fn(y, self.y_mb[i]) * self.scale
-            self.total += y.detach().double()
-        elif (k + 1) % pipe.ranks == pipe.rank:  # the next stage is ours too (p = 1)
-            self.handed[("act", k, i)] = y.detach()
+        y = None  # the stage's output (the last stage's: its scaled loss); None if it failed or had no input
+        if x is not None:
+            try:
+                y = pipe.stages.chunk(k)(x, **self.side[i])
+                if not isinstance(y, Tensor):
+                    raise TypeError(f"pipeline stage {k} returned {type(y).__name__}; a stage must return one tensor "
+                                    "(its activations), as must every layer of the layer list")
+                if k == pipe.num_stages - 1:
+                    y = pipe.loss_fn(y, self.y_mb[i]) * self.scale
+                    self.total += y.detach().double()
+            except Exception as e:  # raised on every rank at the step's end (Note [a failed stage] in _p2p.py)
+                self._failed(e, f"the forward of stage {k}, microbatch {i}")
+                y = None
+        if k < pipe.num_stages - 1 and (k + 1) % pipe.ranks == pipe.rank:  # the next stage is ours too (p = 1)
+            self.handed[("act", k, i)] = y.detach() if y is not None else None
         self.saved[(k, i)] = (x, y)
         return waited
 
@@ -271,14 +287,21 @@ class _StepRun:
         pipe = self.pipe
         x, y = self.saved.pop((k, i))
         grad, waited = (None, 0.0) if k == pipe.num_stages - 1 else self._take(("grad", k + 1, i))
-        # A broken contract (zeros went out instead of y) is raised at the step's end; until
-        # then the step runs on, so that every message still meets its peer's.
-        if y.requires_grad and (k, i) not in self.broken:
-            torch.autograd.backward(y, grad)
+        # A broken contract or a failure (zeros went out instead of y) is raised at the step's
+        # end; until then the step runs on, so that every message still meets its peer's.
+        arrived = grad is not None or k == pipe.num_stages - 1  # not over a dropped boundary
+        if y is not None and y.requires_grad and (k, i) not in self.broken and arrived:
+            try:
+                torch.autograd.backward(y, grad)
+            except Exception as e:
+                self._failed(e, f"the backward of stage {k}, microbatch {i}")
         if k > 0:
-            dx = x.grad if x.grad is not None else torch.zeros_like(x)
+            dx = None if x is None else x.grad if x.grad is not None else torch.zeros_like(x)
             if (k - 1) % pipe.ranks == pipe.rank:
                 self.handed[("grad", k, i)] = dx
             else:
                 self.saved[("dx", k, i)] = (None, dx)
         return waited
+
+    def _failed(self, e: Exception, where: str) -> None:
+        self.msg.fail(f"pipeline rank {self.pipe.rank} raised {type(e).__name__} in {where}: {e}", e)

@@ -18,7 +18,8 @@ final norm + head), position ids / rotary cos-sin / causal mask rebuilt on every
   transformers with its logits;
 - inputs the pipeline cannot carry (a tokenizer's dict, hidden states, a mask of another
   shape) and unsupported models are refused, on every pipeline rank; so is a mask given to a
-  pipeline whose layers take none.
+  pipeline whose layers take none; a refusal raised inside one stage (selective checkpointing of
+  OLMo's in-place clip_qkv) reaches every pipeline rank.
 """
 
 import pytest
@@ -339,3 +340,33 @@ def test_token_mean_over_data_parallel_replicas(tmp_path):
             assert torch.allclose(exported[key], value, rtol=1e-4, atol=1e-6), (name, key)
     counts = [r["dataparallel"][1] for r in results]
     assert counts[0][1:] != counts[1][1:]  # the premise: the padded halves count different tokens
+
+
+def _refused_inside_a_stage(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+
+    ctx = init_parallel(pp=2, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    # No wrap=: the blocks are the model's declared ones (its _no_split_modules, the decoder layers).
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens,
+                      pipeline_layers="auto", microbatches=MICROBATCHES, activation_checkpointing="selective")
+    ids = _batches()[0]
+    try:
+        par.forward_backward(ids, ids)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_refusal_inside_a_stage_reaches_every_pipeline_rank(tmp_path):
+    # OLMo's clip_qkv clamps the q / k / v projections' outputs in place, which selective
+    # checkpointing keeps: refused inside stage 0's forward, on pipeline rank 0 only. Rank 1
+    # raises it too, at the step's end, instead of waiting for stage 0's activations
+    # (Note [a failed stage] in pipeline/_p2p.py).
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_tiny_config("olmo")).save_pretrained(tmp_path)
+    refused, peer = run_distributed(_refused_inside_a_stage, 2, args=(str(tmp_path),), collective_timeout_s=30)
+    assert refused.startswith("activation_checkpointing='selective': aten.clamp_.default writes in place into the "
+                              "output of a kept GEMM")
+    assert peer == f"pipeline rank 0 raised RuntimeError in the forward of stage 0, microbatch 0: {refused}"

@@ -1,5 +1,6 @@
 """Mistakes in a pipelined step give a precise error on the ranks that can see them, not a hang."""
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -106,4 +107,134 @@ def test_missing_targets_raise_on_every_rank():
 def test_stage_returning_a_tuple_is_refused():
     refused, peer = run_distributed(_run, 2, args=(_returns_tuple, 4, 2), collective_timeout_s=10)
     assert refused.startswith("pipeline stage 0 returned tuple; a stage must return one tensor")
-    assert peer != "no error"  # the next stage fails too (its peer closed), instead of waiting
+    # The next stage raises it too, at the step's end (Note [a failed stage]), instead of waiting.
+    assert peer == f"pipeline rank 0 raised TypeError in the forward of stage 0, microbatch 0: {refused}"
+
+
+class StageError(Exception):
+    pass
+
+
+class Raises(nn.Linear):
+    """Raises in its forward, or (backward=True) in its backward, on the calls in `when`."""
+
+    def __init__(self, when, backward=False):
+        super().__init__(4, 4)
+        self.when, self.backward, self.calls = set(when), backward, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls in self.when and not self.backward:
+            raise StageError(f"call {self.calls} refused")
+        y = super().forward(x)
+        if self.calls in self.when:
+            y = _RaisesInBackward.apply(y, self.calls)
+        return y
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, call):
+        ctx.call = call
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise StageError(f"the backward of call {ctx.call} refused")
+
+
+def _failing_stage(rank, world, failing, when, backward, schedule, virtual):
+    """Steps of a `world`-rank pipeline of linears whose stage `failing` raises on the calls in
+    `when`; returns each step's loss or (exception type, message), and the gradients of a step
+    run after the failures, for comparison with the plain model."""
+    from parallel_layers.pipeline import PipelineParallel, PipelineStages
+
+    torch.manual_seed(0)
+    stages = world * virtual
+    layers = [Raises(when, backward) if k == failing else nn.Linear(4, 4) for k in range(stages - 1)]
+    layers.append(nn.Linear(4, 3))
+    plain = nn.Sequential(*[nn.Linear(4, 4) for _ in range(stages - 1)], nn.Linear(4, 3))
+    plain.load_state_dict(nn.Sequential(*layers).state_dict())
+    pipeline_stages = PipelineStages(layers, virtual=virtual)
+    pipe = PipelineParallel(pipeline_stages, schedule=schedule, microbatches=4, loss_fn=F.cross_entropy)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    results = []
+    for _ in range(3):
+        for p in pipeline_stages.parameters():
+            p.grad = None
+        try:
+            results.append(pipe.step(x if rank == 0 else None, y if rank == world - 1 else None).item())
+        except Exception as e:
+            results.append((type(e).__name__, str(e)))
+    F.cross_entropy(plain(x), y).backward()
+    held = {id(p) for p in pipeline_stages.parameters()}
+    worst = max((p.grad - q.grad).abs().max().item() for layer, ref in zip(layers, plain)
+                for p, q in zip(layer.parameters(), ref.parameters()) if id(p) in held)
+    return results, F.cross_entropy(plain(x), y).item(), worst
+
+
+# (stage that fails, its calls that raise, in backward?, schedule, virtual stages per rank)
+FAILURES = {
+    # the first activation of the step: no contract yet, the boundary is dropped down the pipe
+    "forward-first-microbatch": (1, {1}, False, "1f1b", 1),
+    # a later microbatch of the first step: the contract is known, zeros go out
+    "forward-later-microbatch": (1, {3}, False, "gpipe", 1),
+    # the second step: the remembered contract
+    "forward-second-step": (0, {5, 6}, False, "1f1b", 1),
+    "backward": (1, {2}, True, "1f1b", 1),
+    # stage 2 of 4 is pipeline rank 0's second chunk: its input arrives from rank 1
+    "forward-interleaved": (2, {1}, False, "interleaved", 2),
+}
+
+
+@pytest.mark.parametrize("case", FAILURES)
+def test_a_failing_stage_raises_on_every_rank_and_the_next_step_runs(case):
+    failing, when, backward, schedule, virtual = FAILURES[case]
+    world = 3 if virtual == 1 else 2
+    results = run_distributed(_failing_stage, world, args=(failing, when, backward, schedule, virtual),
+                              collective_timeout_s=20)
+    rank = failing % world
+    call = min(when)
+    step = (call - 1) // 4
+    where = "backward" if backward else "forward"
+    mb = (call - 1) % 4 if not backward else None
+    for r, (steps, plain_loss, worst) in enumerate(results):
+        error = steps[step]
+        if r == rank:
+            assert error[0] == "StageError", (r, error)
+            assert "refused" in error[1]
+        else:
+            assert error[0] == "RuntimeError", (r, error)
+            assert error[1].startswith(f"pipeline rank {rank} raised StageError in the {where} of stage {failing}, "
+                                       + (f"microbatch {mb}: " if mb is not None else "")), (r, error)
+        for s, got in enumerate(steps):  # every other step runs, as the plain model does
+            if s != step:
+                assert isinstance(got, float) and abs(got - plain_loss) < 1e-5, (r, s, got, plain_loss)
+        assert worst < 1e-5, (r, worst)  # the last step's gradients: nothing left over from the failure
+
+
+def _too_many_dims(rank, world):
+    from parallel_layers.pipeline import PipelineParallel, PipelineStages
+
+    class Unsendable(nn.Linear):
+        def forward(self, x):
+            return super().forward(x).reshape(x.shape[0], 1, 1, 1, 1, 1, 1, 1, 4)
+
+    class Flatten(nn.Linear):
+        def forward(self, x):
+            return super().forward(x.reshape(x.shape[0], 4))
+
+    pipe = PipelineParallel(PipelineStages([Unsendable(4, 4), Flatten(4, 4), nn.Linear(4, 3)]), schedule="1f1b",
+                            microbatches=2, loss_fn=F.cross_entropy)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    try:
+        pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_output_that_cannot_be_sent_raises_on_every_rank():
+    # Rank 2 never receives from stage 0: the error reaches it at the step's end.
+    assert run_distributed(_too_many_dims, 3, collective_timeout_s=20) == \
+        ["a stage output has 9 dims; the pipeline sends at most 8"] * 3
