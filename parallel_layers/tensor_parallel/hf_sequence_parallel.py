@@ -22,7 +22,7 @@ forward of each supported family (transformers 5.23, `FAMILIES`):
     Backward of the split: all-gather (the embedding above is replicated compute). A
     vocabulary-parallel embedding (VocabParallelEmbedding: each rank looks up the ids of its
     rows, zeros elsewhere) does not all-reduce its partial sums when the family's forward hands
-    its output to layer 0 as it is (Llama, Mistral, Qwen2: `_EMBEDDING_FEEDS_LAYER_0`; between
+    its output to layer 0 as it is (Llama, Mistral, Qwen2, ...: `_EMBEDDING_FEEDS_LAYER_0`; between
     the two, only the output's shape, dtype and device are read, for the positions, the mask
     and the rotary cos / sin): layer 0's entry reduce-scatters them on the sequence instead, as
     Megatron's embedding does - one reduce-scatter where plain TP all-reduces and then drops
@@ -40,6 +40,16 @@ forward of each supported family (transformers 5.23, `FAMILIES`):
     tensor parallelism does the same with an all-reduce (Note [one reduction per region]).
   - Exit: the region's row layers (`o_proj` / `down_proj`, GPT-2's `c_proj`s) reduce-scatter on
     the sequence dim instead of all-reducing (backward: all-gather).
+  - Inside a region whose plan gathers the column layers' outputs (GLM's, GLM-4's and Phi-3's
+    packed gate_up_proj, Phi-3's packed qkv_proj, OLMo 2's and OLMoE's q, k, v before their
+    q_norm / k_norm over every head): the columns all-gather their output features, the region
+    runs whole between them and the row layers, which slice their input's features again and
+    reduce-scatter on the sequence (Note [gathered regions under sequence parallelism]).
+  - Per position, between the regions, on each rank's chunk: the norms before the regions, the
+    norms after them (GLM-4's post_self_attn_layernorm / post_mlp_layernorm, OLMo 2's and EXAONE
+    4's post-norms) and the residual adds; OLMo 2 has no norm before its regions, which then
+    read the layer's input (the residual) directly: the region's entry gathers the argument it
+    is passed, and the residual add keeps this rank's chunk.
   - Gather at the output of the final norm (a forward hook): the head computes the logits and
     the loss of the whole sequence on every rank (a replicated head, or the column head that
     gathers its output), so every rank's gradient of the gathered tensor is the whole, same one:
@@ -51,7 +61,10 @@ sees only this rank's positions, so its gradient is a partial sum (`reduce_grad_
 RMSNorm / LayerNorm weights and biases, and the row biases (added after the reduce-scatter;
 `RowParallelLinear` registers them itself). Qwen3's per-head `q_norm` / `k_norm` see the whole
 sequence but only this rank's heads: a partial sum too, summed once (the plan's Replicated()
-registers the same hook, which is registered once per parameter). The column and row weights
+registers the same hook, which is registered once per parameter). Not summed: the parameters
+left whole inside a region whose column layers gather their outputs (OLMo 2's and OLMoE's
+q_norm / k_norm), which see every head of the whole sequence on every rank, whole gradients
+already (Note [gathered regions under sequence parallelism]). The column and row weights
 (and column biases) see the whole sequence of their own shard and need nothing; the embedding and the head sit outside
 the split: replicated compute, or a vocabulary-parallel embedding whose rows' gradient is whole
 (it reads the all-gathered gradient of the full sequence).
@@ -100,17 +113,39 @@ FAMILIES = {
     "smollm3": ("layers", "norm"), "exaone4": ("layers", "norm"),
     # mixtures of experts with Mistral's model forward (Note [experts under sequence parallelism])
     "mixtral": ("layers", "norm"), "qwen3_moe": ("layers", "norm"),
+    # Regions whose published plans gather the column layers' outputs (Note [gathered regions
+    # under sequence parallelism]); model forwards diffed against Llama's (GLM, GLM-4, OLMo 2:
+    # identical) or Mistral's (Phi-3: identical; its sliding-window mask built before layer 0).
+    # GLM: Llama's decoder layer and attention (partial rotary: the cos / sin cover part of each
+    # head, built before layer 0); its MLP computes gate_up_proj, then chunk(2) of its output
+    # features, which is why its plan gathers them, and down_proj splits its input again.
+    # GLM-4: GLM's, plus post_self_attn_layernorm / post_mlp_layernorm on the regions' outputs,
+    # per position, before the residual adds.
+    # Phi-3: q, k, v packed in qkv_proj, its output sliced at config.num_attention_heads *
+    # head_dim (the whole model's heads), so its plan gathers it and attention runs every head on
+    # every rank; the MLP is GLM's; a residual dropout per region (the tests use none).
+    # OLMo 2: no norm before the regions - attention and the MLP read the layer's input and the
+    # attention's residual sum, which the residual adds read too (the region's entry gathers the
+    # argument, the residual keeps the chunk) - and post-norms on their outputs; q_norm /
+    # k_norm normalise over every head's features, so its plan gathers q, k, v.
+    "glm": ("layers", "norm"), "glm4": ("layers", "norm"), "phi3": ("layers", "norm"),
+    "olmo2": ("layers", "norm"),
+    # OLMoE: Mixtral's model forward without the sliding-window mask, Llama's decoder layer;
+    # attention as OLMo 2's (q_norm / k_norm over every head, its plan gathers q, k, v) with
+    # OLMo's clip_qkv clamp, per element; its MoE block returns the experts' output, reshaped.
+    "olmoe": ("layers", "norm"),
 }
 # model_type -> what its MoE block returns: the experts' output, reshaped to [batch, seq,
 # hidden], and nothing added (read in transformers 5.23). Qwen2-MoE adds a shared expert's
-# output, OLMoE's plan gathers attention's outputs: neither is here.
-_EXPERTS_BLOCK_RETURNS_EXPERTS = ("mixtral", "qwen3_moe")
+# output: not here.
+_EXPERTS_BLOCK_RETURNS_EXPERTS = ("mixtral", "qwen3_moe", "olmoe")
 # model_type -> the base model's input embedding, for the families whose forward passes its
 # output to decoder layer 0 unchanged (Note [hf sequence parallel boundaries]).
 _EMBEDDING_FEEDS_LAYER_0 = {"llama": "embed_tokens", "mistral": "embed_tokens", "qwen2": "embed_tokens",
                             "qwen3": "embed_tokens", "olmo": "embed_tokens", "nemotron": "embed_tokens",
                             "smollm3": "embed_tokens", "exaone4": "embed_tokens", "mixtral": "embed_tokens",
-                            "qwen3_moe": "embed_tokens"}
+                            "qwen3_moe": "embed_tokens", "glm": "embed_tokens", "glm4": "embed_tokens",
+                            "phi3": "embed_tokens", "olmo2": "embed_tokens", "olmoe": "embed_tokens"}
 # Not Gemma: its embedding scales the rows in its own forward (an nn.Embedding subclass, Note
 # [nn.Embedding subclasses]); a vocabulary-parallel one all-reduces before that forward sees them.
 
@@ -175,12 +210,14 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_row, is_experts=lambda spec: False
-               ) -> None:
+def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_row, is_experts=lambda spec: False,
+               gathers=lambda spec: False) -> None:
     """Before any conversion: every linear of the decoder layers is in the plan, and each column
     layer's parent (its region) sits below the decoder layer and holds row layers too; an
     Experts() module sits in a MoE block whose output is its own (Note [experts under sequence
-    parallelism])."""
+    parallelism]); a region holding parameters left whole gathers the outputs of all its column
+    layers or of none (`gathers`: a column spec that gathers its output; Note [gathered regions
+    under sequence parallelism])."""
     modules = dict(model.named_modules())
     family = getattr(getattr(model, "config", None), "model_type", None)
     for name, spec in targets.items():
@@ -195,7 +232,7 @@ def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_ro
             raise ValueError(f"parallelize: sequence_parallel=True needs every linear layer of the decoder layers in "
                              f"the tensor-parallel plan (attention and MLP run on the gathered sequence between a "
                              f"column and a row layer); {name} ({type(module).__name__}) is not in it")
-    regions = {}
+    regions, gathered = {}, {}
     for name, spec in targets.items():
         if not layout.holds(name):
             continue
@@ -206,6 +243,7 @@ def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_ro
                                  f"the column layers (attention, MLP); {name} sits directly in the decoder layer "
                                  f"{parent}, whose input is the split sequence")
             regions.setdefault(parent, [0, 0])[0] += 1
+            gathered.setdefault(parent, {})[name] = bool(gathers(spec))
         elif is_row(spec):
             regions.setdefault(parent, [0, 0])[1] += 1
     for region, (columns, rows) in regions.items():
@@ -213,6 +251,16 @@ def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_ro
             raise ValueError(f"parallelize: sequence_parallel=True needs each region ({region}) to hold both its "
                              f"column layers (which read the gathered sequence) and its row layers (which "
                              f"reduce-scatter it); {region} has {columns} column and {rows} row layer(s) in the plan")
+    for region, columns in gathered.items():
+        whole = [n for n, p in model.named_parameters() if n.startswith(region + ".")
+                 and not any(n.startswith(t + ".") for t in targets)]
+        if whole and len(set(columns.values())) > 1:
+            raise ValueError(f"parallelize: sequence_parallel=True sums the gradients of the parameters left whole "
+                             f"in a region whose column layers keep their outputs split (they see this rank's "
+                             f"heads), and not in one whose column layers all gather them (they see everything); "
+                             f"{region} holds {whole[:4]} and gathers the outputs of "
+                             f"{[n for n, g in columns.items() if g]} but not of "
+                             f"{[n for n, g in columns.items() if not g]}. Gather all of them or none")
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -239,9 +287,13 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
         modules[block].register_forward_hook(lambda m, args, out: comm.reduce_scatter_to_sp(out, tp_group, SEQ_DIM))
     modules[layout.final_norm].register_forward_hook(
         lambda m, args, out: comm.gather_from_sp(out, tp_group, SEQ_DIM, replicated_consumer=True))
+    whole = {id(p) for region in _gathered_regions(modules, layout) for p in modules[region].parameters()}
     for name in (*layout.layers, layout.final_norm):
         for p in modules[name].parameters():
-            if not hasattr(p, "tp_shard"):  # replicated: norms, row biases (Note [hf sequence parallel boundaries])
+            # replicated: norms, row biases (Note [hf sequence parallel boundaries]); not the
+            # parameters of a region that gathers its columns' outputs, which see everything
+            # (the row biases there sum themselves: Note [gathered regions under sequence parallelism])
+            if not hasattr(p, "tp_shard") and id(p) not in whole:
                 reduce_grad_over_tp(p, tp_group)
     model._pl_sequence_parallel = layout  # read by the tests and by repr-level inspection
 
@@ -254,6 +306,32 @@ def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLine
         if layout.holds(name) and isinstance(m, ColumnParallelLinear):
             regions.setdefault(name.rpartition(".")[0], []).append(m)
     return regions
+
+
+# Note [gathered regions under sequence parallelism]: some families' published plans gather a
+# region's column outputs ("colwise_gather_output") and split its row layers' inputs again
+# ("rowwise_split_input"), because the region's forward reads features across the heads or
+# the shards: GLM's, GLM-4's and Phi-3's MLPs chunk(2) gate_up_proj's output, Phi-3's attention
+# slices qkv_proj's at the model's head count, OLMo 2's (and OLMoE's) q_norm / k_norm normalise
+# over every head's features. Between such column and row layers every rank then computes the
+# region whole: every head or feature, of the whole sequence (plain tensor parallelism does the
+# same). Under sequence parallelism the region's entry gathers the sequence as for any region;
+# the column layers stay shared_input (no collective on their input, input gradient partial)
+# and all-gather their output features (backward: keep this rank's features, as the consumers
+# after them are replicated); the row layers take this rank's slice of their whole input's
+# features, and reduce-scatter on the sequence (RowParallelLinear(input_is_parallel=False,
+# sequence_parallel=True); backward: all-gather on the sequence, then on the features, giving
+# every rank the whole input gradient). The parameters left whole between them (OLMo 2's
+# q_norm / k_norm, a row bias apart) see the whole sequence and every feature on every rank:
+# their gradients are whole and alike, and are NOT summed over tp (summing would multiply them
+# by tp) - unlike Qwen3's per-head q_norm, which sees this rank's heads only. A region whose
+# column layers gather some outputs and not others, holding such parameters, is refused
+# (check_plan): which of them see everything would depend on which column they read.
+def _gathered_regions(modules: dict, layout: Layout) -> list[str]:
+    """The regions whose column layers all gather their outputs (Note [gathered regions under
+    sequence parallelism])."""
+    return sorted(region for region, columns in _regions(modules, layout).items()
+                  if all(column.gather_output for column in columns))
 
 
 # Note [experts under sequence parallelism]: a MoE block (Mixtral's, Qwen3-MoE's) is a region

@@ -56,10 +56,14 @@ without sequence parallelism, which sums every replicated parameter of the decod
 
 Without a plan, a Hugging Face model's published one is used (Note [published plans]).
 
-sequence_parallel=True (Hugging Face Llama, Mistral, Qwen2 and GPT-2 decoders, activations
-[batch, seq, hidden]): between the attention and MLP regions each rank holds 1 / tp of the
-sequence; the split, the gathers and the gradient sums are hf_sequence_parallel.py's (Note [hf
-sequence parallel boundaries]). Without it, in the same families, a region whose column layers
+sequence_parallel=True (the Hugging Face decoders of hf_sequence_parallel.FAMILIES - Llama,
+GPT-2, GLM-4, Phi-3, OLMo 2, Mixtral, ... - activations [batch, seq, hidden]): between the
+attention and MLP regions each rank holds 1 / tp of the sequence; the split, the gathers and
+the gradient sums are hf_sequence_parallel.py's (Note [hf sequence parallel boundaries]). A
+column layer there that gathers its output (Column(gather_output=True), "colwise_gather_output")
+gathers only its features, the region's entry having gathered the sequence, and a row layer
+after it that splits its whole input (Row(input_is_parallel=False)) reduce-scatters on the
+sequence (Note [gathered regions under sequence parallelism]). Without it, in the same families, a region whose column layers
 read one input (attention's q, k and v) all-reduces their input gradients once, at its entry
 (Note [one reduction per region]).
 
@@ -339,7 +343,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         _check_grad_sums_kept(model, modules, targets)
     if sp_layout is not None:
         hf_sequence_parallel.check_plan(model, sp_layout, targets, lambda spec: isinstance(spec, Column),
-                                        lambda spec: isinstance(spec, Row), lambda spec: isinstance(spec, Experts))
+                                        lambda spec: isinstance(spec, Row), lambda spec: isinstance(spec, Experts),
+                                        lambda spec: isinstance(spec, Column) and spec.gather_output)
     fixed_parents: set = set()
     column_outputs: dict[str, set[int]] = {}  # parent -> output features of its sharded, ungathered columns
     for name, spec in targets.items():
@@ -370,9 +375,13 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             _check_and_fix_heads(parent, parent_name, fused or (out_features,), tp, fixed_parents)
             if fused is None and not spec.gather_output:
                 column_outputs.setdefault(parent_name, set()).add(out_features)
+            # a column that gathers its output under SP: the region gathered the sequence, the
+            # layer gathers only its features (Note [gathered regions under sequence parallelism])
+            column_sp = {} if spec.gather_output else sp
             layer = ColumnParallelLinear(
                 in_features, out_features, bias is not None, tp_group=tp_group, gather_output=spec.gather_output,
-                activation=spec.activation, fused_sizes=fused, _full=(weight, bias), shared_input=bool(sp), **sp)
+                activation=spec.activation, fused_sizes=fused, _full=(weight, bias), shared_input=bool(sp),
+                **column_sp)
         else:
             layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)

@@ -53,12 +53,14 @@ def _build(kind):
         "nemotron": lambda: transformers.NemotronForCausalLM(transformers.NemotronConfig(**small, head_dim=8, **ids)),
         "smollm3": lambda: transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**small, **ids)),
         "exaone4": lambda: transformers.Exaone4ForCausalLM(transformers.Exaone4Config(**small, head_dim=8, **ids)),
-        # and families whose published plans take other paths: gathered q / k / v outputs (OLMo 2,
-        # GLM-4, Phi-3's packed qkv_proj and gate_up_proj), multipliers (Granite), soft-capping and
+        # and families whose published plans take other paths: gathered q / k / v outputs (OLMo 2),
+        # gathered packed outputs (GLM and GLM-4's gate_up_proj, Phi-3's qkv_proj and gate_up_proj;
+        # these have sequence parallelism too), multipliers (Granite), soft-capping and
         # sliding windows (Gemma 2), a fused per-head QKV and a renamed head (GPT-NeoX), biases and
         # a LayerNorm MLP (StarCoder2)
         "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**small, **ids)),
         "glm4": lambda: transformers.Glm4ForCausalLM(transformers.Glm4Config(**small, head_dim=8, **ids)),
+        "glm": lambda: transformers.GlmForCausalLM(transformers.GlmConfig(**small, head_dim=8, **ids)),
         "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**small, **ids)),
         "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **small, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.3,
@@ -185,16 +187,21 @@ BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab"
                         # with a region layout (hf_sequence_parallel.FAMILIES): two a layer, + the untied head's
                         "gemma_plan_free": 4, "smollm3_plan_free": 4, "olmo_plan_free": 5, "nemotron_plan_free": 5,
                         "exaone4_plan_free": 9,  # + q_norm and k_norm's sums
+                        # GLM, GLM-4, OLMo 2: their regions gather their column layers' outputs, and share
+                        # one input all-reduce all the same (q, k, v's; gate_up_proj's or the fused MLP's)
+                        "glm_plan_free": 5, "glm4_plan_free": 5, "olmo2_plan_free": 5,
+                        "phi3_plan_free": 5,  # packed qkv_proj and gate_up_proj: one each
                         # without one: each column layer's own (q, k, v; the MLP's one), + the head's
                         "gemma2_plan_free": 10,  # GeGLU: gate and up apart
-                        "olmo2_plan_free": 9, "glm4_plan_free": 9, "granite_plan_free": 9, "starcoder2_plan_free": 8,
-                        "phi3_plan_free": 5, "gpt_neox_plan_free": 5,  # packed qkv: one
+                        "granite_plan_free": 9, "starcoder2_plan_free": 8,
+                        "gpt_neox_plan_free": 5,  # packed qkv: one
                         # mixtures of experts: the experts' two, their inputs' (the hidden states' and the
                         # routing weights'; Note [experts split like their MLP]) a layer, and attention's:
-                        # one for q, k and v with a region layout (Mixtral, Qwen3-MoE), else one each; + the
-                        # head's. Qwen3-MoE + q_norm and k_norm's sums; Qwen2-MoE's layer 1 is dense
-                        # (SwiGLUMLP's one) and its shared expert stays whole (its plan names none)
-                        "mixtral_plan_free": 7, "qwen3_moe_plan_free": 11, "olmoe_plan_free": 11,
+                        # one for q, k and v with a region layout (Mixtral, Qwen3-MoE, OLMoE: gathered
+                        # outputs), else one each; + the head's. Qwen3-MoE + q_norm and k_norm's sums;
+                        # Qwen2-MoE's layer 1 is dense (SwiGLUMLP's one) and its shared expert stays whole
+                        # (its plan names none)
+                        "mixtral_plan_free": 7, "qwen3_moe_plan_free": 11, "olmoe_plan_free": 7,
                         "qwen2_moe_plan_free": 10, "mixtral_whole_experts": 7, "qwen3_moe_whole_experts": 11}
 
 
@@ -218,7 +225,7 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied",
-                                  "cohere_qk_norm", "phi_qk_norm", "gemma", "gemma2", "olmo", "olmo2", "glm4",
+                                  "cohere_qk_norm", "phi_qk_norm", "gemma", "gemma2", "olmo", "olmo2", "glm", "glm4",
                                   "nemotron", "phi3", "smollm3", "exaone4", "granite", "gpt_neox", "starcoder2",
                                   "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
@@ -243,7 +250,7 @@ def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # all-reduce, the head's (Note [nn.Embedding subclasses]).
     _check_parity(_hf_parity, (kind, 3, str(tmp_path), True),
                   min_sharded={"gpt2": 12, "gemma3": 14, "cohere_qk_norm": 18, "gemma": 14, "gemma2": 14,
-                               "smollm3": 14, "nemotron": 14, "glm4": 20, "starcoder2": 20, "phi3": 10,
+                               "smollm3": 14, "nemotron": 14, "glm": 20, "glm4": 20, "starcoder2": 20, "phi3": 10,
                                "gpt_neox": 13, "mixtral": 14, "qwen3_moe": 14, "olmoe": 14,
                                "qwen2_moe": 21}.get(kind, 16),
                   all_reduces=BACKWARD_ALL_REDUCES.get(f"{kind}_plan_free", BACKWARD_ALL_REDUCES["plan_free"])

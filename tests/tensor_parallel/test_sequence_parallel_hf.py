@@ -25,8 +25,26 @@ from tests.tensor_parallel.test_parallelize import _build
 transformers = pytest.importorskip("transformers")
 
 KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4", "mixtral",
-         "qwen3_moe", "mixtral_whole_experts")
+         "qwen3_moe", "mixtral_whole_experts", "glm", "glm4", "phi3", "olmo2", "olmoe")
 TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: both stay replicated
+# Column layers per decoder layer whose published plan gathers their outputs (Note [gathered
+# regions under sequence parallelism]): GLM's and GLM-4's gate_up_proj, Phi-3's qkv_proj and
+# gate_up_proj, OLMo 2's and OLMoE's q, k and v; and of them, row layers that split their whole
+# input again.
+GATHERED = {"glm": 1, "glm4": 1, "phi3": 2, "olmo2": 3, "olmoe": 3}
+SPLIT_INPUT_ROWS = {"glm": 1, "glm4": 1, "phi3": 2, "olmo2": 1, "olmoe": 1}
+NORMS_PER_LAYER = {"glm4": 4}  # + post_self_attn_layernorm, post_mlp_layernorm; the others 2
+# Parameters whose gradients are summed over tp (one all-reduce each in backward): the norms'
+# weights (and biases) of the 2 layers and the final norm - none in OLMo's parameter-free
+# LayerNorms; GPT-2's and Nemotron's have biases, GLM-4 4 norms a layer - GPT-2's row biases,
+# Qwen3's and EXAONE 4's per-head q_norm / k_norm, the MoE routers; not OLMo 2's q_norm / k_norm or
+# OLMoE's, which see every head (Note [gathered regions under sequence parallelism]).
+SUMMED = {"llama": 5, "qwen2": 5, "mistral": 5, "gpt2": 14, "qwen3": 9, "gemma": 5, "olmo": 0, "nemotron": 10,
+          "smollm3": 5, "exaone4": 9, "mixtral": 7, "qwen3_moe": 11, "mixtral_whole_experts": 7, "glm": 5, "glm4": 9,
+          "phi3": 5, "olmo2": 5, "olmoe": 7}
+# OLMo 2's and OLMoE's q_norm / k_norm: over every head's features, after gathered q and k: the
+# whole sequence
+WHOLE_QK_NORMS = ("olmo2", "olmoe")
 TP, BATCH, SEQ, STEPS, VOCAB = 2, 2, 16, 3, 96  # _build's models: vocabulary 96, 32 positions
 # float32; the reduce-scatters and the summed norm gradients add in another order than one
 # process does. The issue's parity tolerance.
@@ -62,8 +80,7 @@ def _norm_inputs(model, layout_names, store):
 
     for name, module in model.named_modules():
         inside = any(name.startswith(layer + ".") for layer in layout_names[0]) or name == layout_names[1]
-        in_attention = name.endswith(("q_norm", "k_norm"))  # Qwen3's per-head norms: the gathered sequence
-        if inside and not in_attention and "Norm" in type(module).__name__:
+        if inside and "Norm" in type(module).__name__:
             module.register_forward_pre_hook(record(name))
 
 
@@ -126,17 +143,29 @@ def _parity(rank, ws, directories):
         for name, p in par.named_parameters():
             note(f"param {name}", _rel(_as_ref(name, _full(p, False, group), ref_modules), ref_params[name].detach(),
                                        scales[name]))
-        # This rank's norms saw its own chunk of the sequence (first step), and only that.
-        chunks = {name: (tuple(x.shape), _rel(x, seen_ref[name].chunk(ws, 1)[rank])) for name, x in seen_par.items()}
+        # This rank's norms saw its own chunk of the sequence (first step), and only that; the norms
+        # inside attention (q_norm, k_norm) the gathered sequence: Qwen3's and EXAONE 4's this rank's
+        # heads, OLMo 2's every head, as the plain model's.
+        in_attention = ("q_norm", "k_norm")
+        chunks = {name: (tuple(x.shape), _rel(x, seen_ref[name].chunk(ws, 1)[rank])) for name, x in seen_par.items()
+                  if not name.endswith(in_attention)}
+        whole = {name: (tuple(x.shape) == tuple(seen_ref[name].shape), _rel(x, seen_ref[name]))
+                 for name, x in seen_par.items() if name.endswith(in_attention) and kind in WHOLE_QK_NORMS}
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         with torch.no_grad(), _count_collectives() as counts:  # one forward's collectives
-            par(input_ids=torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            par(input_ids=ids)
+        out = par(input_ids=ids, labels=ids)
+        with _count_collectives() as backward:  # and one backward's
+            out.loss.backward()
+        par.zero_grad()
         vocab_parallel = isinstance(par.get_input_embeddings(), VocabParallelEmbedding)
         try:  # 15 positions at tp=2
             par(input_ids=torch.randint(0, VOCAB, (BATCH, SEQ - 1), generator=g))
             message = None
         except ValueError as e:
             message = str(e)
-        results[kind] = (worst, chunks, message, dict(counts), vocab_parallel, len(layout.layers))
+        results[kind] = (worst, chunks, whole, message, dict(counts), dict(backward), vocab_parallel,
+                         len(layout.layers))
     return results
 
 
@@ -147,21 +176,36 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
         _build(kind.removesuffix("_whole_experts"))[0].save_pretrained(directories[kind])
     for rank, results in enumerate(run_distributed(_parity, TP, args=(directories,), timeout_s=300)):
         assert sorted(results) == sorted(KINDS)
-        for kind, (worst, chunks, message, counts, vocab_parallel, layers) in results.items():
+        for kind, (worst, chunks, whole, message, counts, backward, vocab_parallel, layers) in results.items():
             bad = {k: v for k, v in worst.items() if not v < RTOL}
             assert not bad, f"{kind}, rank {rank}: relative errors above {RTOL}: {bad}"
             assert any(k.startswith("grad ") for k in worst) and any(k.startswith("param ") for k in worst)
-            # 2 layers x 2 norms + the final norm, each fed [batch, seq / tp, hidden]: this rank's chunk
-            assert len(chunks) == 5, (kind, sorted(chunks))
+            # 2 layers x 2 norms (GLM-4: 4) + the final norm, each fed [batch, seq / tp, hidden]: this
+            # rank's chunk
+            assert len(chunks) == layers * NORMS_PER_LAYER.get(kind, 2) + 1, (kind, sorted(chunks))
             for name, (shape, err) in chunks.items():
                 assert shape == (BATCH, SEQ // TP, 32), (kind, name, shape)
                 assert err < RTOL, (kind, name, err)
+            # OLMo 2's q_norm / k_norm: the plain model's whole input (every head, the whole sequence)
+            assert len(whole) == (2 * layers if kind in WHOLE_QK_NORMS else 0), (kind, sorted(whole))
+            assert all(same_shape and err < RTOL for same_shape, err in whole.values()), (kind, whole)
             # Llama, Qwen2, Mistral: the published plan's vocabulary-parallel embedding, its partial
             # sums reduce-scattered at layer 0 (Megatron's), not all-reduced and then split; GPT-2's
             # embedding is tied to its head, so replicated. No all-reduce anywhere in the forward.
             assert vocab_parallel == (kind not in TIED), kind
             assert counts["all_reduce"] == 0, (kind, counts)
             assert counts["reduce_scatter_single"] == 2 * layers + vocab_parallel, (kind, counts)  # + o / down_proj
+            # the entry of each region, the gathered column outputs, the final norm's output and the
+            # untied column head's logits
+            assert counts["all_gather_single"] == (2 + GATHERED.get(kind, 0)) * layers + 1 + (kind not in TIED), \
+                (kind, counts)
+            # backward: each region's entry reduce-scatters; each row layer all-gathers the sequence (a
+            # split-input one its input gradient's features too), and so does layer 0's split; the
+            # all-reduces are the gradient sums of the parameters left whole (SUMMED) and the untied
+            # column head's input gradient
+            assert backward["reduce_scatter_single"] == 2 * layers, (kind, backward)
+            assert backward["all_gather_single"] == (2 + SPLIT_INPUT_ROWS.get(kind, 0)) * layers + 1, (kind, backward)
+            assert backward["all_reduce"] == SUMMED[kind] + (kind not in TIED), (kind, backward)
             layer = "transformer.h.0" if kind == "gpt2" else "model.layers.0"
             assert message == (
                 f"sequence parallelism splits the sequence over the tensor-parallel group: the hidden states entering "
@@ -225,8 +269,9 @@ def test_refusals_before_any_conversion(monkeypatch):
     bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError, match=r"sequence_parallel=True supports the Hugging Face decoders whose forward "
-                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'gpt2', 'llama', 'mistral', "
-                                         r"'mixtral', 'nemotron', 'olmo', 'qwen2', 'qwen3', 'qwen3_moe', 'smollm3'\]; "
+                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'glm', 'glm4', 'gpt2', "
+                                         r"'llama', 'mistral', 'mixtral', 'nemotron', 'olmo', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen3', "
+                                         r"'qwen3_moe', 'smollm3'\]; "
                                          r"BertForMaskedLM has model_type 'bert'"):
         parallelize(bert, {"bert.encoder.layer.*.intermediate.dense": "column"}, sequence_parallel=True)
     model, _ = _build("llama")
@@ -239,6 +284,17 @@ def test_refusals_before_any_conversion(monkeypatch):
         parallelize(model, {"model.layers.*.self_attn.[qkv]_proj": "column", "model.layers.*.self_attn.o_proj": "row",
                             "model.layers.*.mlp.*_proj": "column"}, sequence_parallel=True)
     assert {n: type(m) for n, m in model.named_modules()} == before  # nothing was converted
+    # OLMo 2's q_norm / k_norm beside a gathered q_proj and a k_proj left split: whether their
+    # gradients are whole or partial would depend on the column each reads
+    from parallel_layers.tensor_parallel import Column, published_plan
+    olmo2, _ = _build("olmo2")
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn holds \['model.layers.0.self_attn.q_norm.weight', "
+                                         r"'model.layers.0.self_attn.k_norm.weight'\] and gathers the outputs of "
+                                         r"\['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.v_proj'\] but "
+                                         r"not of \['model.layers.0.self_attn.k_proj'\]. Gather all of them or none"):
+        parallelize(olmo2, {**published_plan(olmo2), "model.layers.*.self_attn.k_proj": Column()},
+                    sequence_parallel=True)
+    assert type(olmo2.model.layers[0].self_attn.q_proj).__name__ == "Linear"  # nothing converted
     with pytest.raises(TypeError, match="sequence_parallel must be True or False, got 'yes'"):
         parallelize(model, sequence_parallel="yes")
     # a MoE block whose output is not the experts' alone (as if Mixtral's added a shared expert's)
