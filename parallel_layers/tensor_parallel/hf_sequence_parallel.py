@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
@@ -134,18 +135,28 @@ FAMILIES = {
     # attention as OLMo 2's (q_norm / k_norm over every head, its plan gathers q, k, v) with
     # OLMo's clip_qkv clamp, per element; its MoE block returns the experts' output, reshaped.
     "olmoe": ("layers", "norm"),
+    # Qwen2-MoE: Qwen3-MoE's model forward (a full and a sliding-window mask, both built before
+    # layer 0), Llama's decoder layer, Qwen2's attention (biases on q, k, v); dense MLP layers
+    # (mlp_only_layers, decoder_sparse_step) are SwiGLU regions; its MoE block adds a shared
+    # expert, gated per token, to the experts' output (Note [a shared expert under sequence
+    # parallelism]).
+    "qwen2_moe": ("layers", "norm"),
 }
 # model_type -> what its MoE block returns: the experts' output, reshaped to [batch, seq,
-# hidden], and nothing added (read in transformers 5.23). Qwen2-MoE adds a shared expert's
-# output: not here.
+# hidden], and nothing added (read in transformers 5.23).
 _EXPERTS_BLOCK_RETURNS_EXPERTS = ("mixtral", "qwen3_moe", "olmoe")
+# model_type -> (shared expert, its gate): modules of a MoE block that returns the experts' output
+# plus sigmoid(gate(x)) * shared_expert(x), both reading the block's input (read in transformers
+# 5.23; Note [a shared expert under sequence parallelism]).
+_SHARED_EXPERT = {"qwen2_moe": ("shared_expert", "shared_expert_gate")}
 # model_type -> the base model's input embedding, for the families whose forward passes its
 # output to decoder layer 0 unchanged (Note [hf sequence parallel boundaries]).
 _EMBEDDING_FEEDS_LAYER_0 = {"llama": "embed_tokens", "mistral": "embed_tokens", "qwen2": "embed_tokens",
                             "qwen3": "embed_tokens", "olmo": "embed_tokens", "nemotron": "embed_tokens",
                             "smollm3": "embed_tokens", "exaone4": "embed_tokens", "mixtral": "embed_tokens",
                             "qwen3_moe": "embed_tokens", "glm": "embed_tokens", "glm4": "embed_tokens",
-                            "phi3": "embed_tokens", "olmo2": "embed_tokens", "olmoe": "embed_tokens"}
+                            "phi3": "embed_tokens", "olmo2": "embed_tokens", "olmoe": "embed_tokens",
+                            "qwen2_moe": "embed_tokens"}
 # Not Gemma: its embedding scales the rows in its own forward (an nn.Embedding subclass, Note
 # [nn.Embedding subclasses]); a vocabulary-parallel one all-reduces before that forward sees them.
 
@@ -220,14 +231,24 @@ def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_ro
     under sequence parallelism])."""
     modules = dict(model.named_modules())
     family = getattr(getattr(model, "config", None), "model_type", None)
+    shared = []  # shared experts and their gates: whole (Note [a shared expert under sequence parallelism])
     for name, spec in targets.items():
         if layout.holds(name) and is_experts(spec):
             parent = name.rpartition(".")[0]
-            if family not in _EXPERTS_BLOCK_RETURNS_EXPERTS or parent in layout.layers:
+            if family not in (*_EXPERTS_BLOCK_RETURNS_EXPERTS, *_SHARED_EXPERT) or parent in layout.layers:
                 raise ValueError(f"parallelize: sequence_parallel=True splits the experts of a MoE block whose output "
-                                 f"is theirs alone, in model_type {list(_EXPERTS_BLOCK_RETURNS_EXPERTS)}; {name} is in "
+                                 f"is theirs alone, in model_type {list(_EXPERTS_BLOCK_RETURNS_EXPERTS)}, or theirs "
+                                 f"plus a gated shared expert's, in {list(_SHARED_EXPERT)}; {name} is in "
                                  f"{type(model).__name__} (model_type {family!r}). Use sequence_parallel=False")
+            shared += [f"{parent}.{child}" for child in _SHARED_EXPERT.get(family, ())]
+    inside_shared = [n for n in targets if any(n == m or n.startswith(m + ".") for m in shared)]
+    if inside_shared:
+        raise ValueError(f"parallelize: sequence_parallel=True keeps a MoE block's shared expert and its gate whole "
+                         f"(they read the block's gathered input, [tokens, hidden]); the plan names {inside_shared[:4]}"
+                         f". Leave them out of the plan, or use sequence_parallel=False")
     for name, module in modules.items():
+        if any(name == m or name.startswith(m + ".") for m in shared):
+            continue  # whole, by design (Note [a shared expert under sequence parallelism])
         if layout.holds(name) and _is_linear(module) and name not in targets:
             raise ValueError(f"parallelize: sequence_parallel=True needs every linear layer of the decoder layers in "
                              f"the tensor-parallel plan (attention and MLP run on the gathered sequence between a "
@@ -281,18 +302,28 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
     for region in sorted(_regions(modules, layout)):
         modules[region].register_forward_pre_hook(
             _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    tp = comm.group_size(tp_group)
+    whole = {id(p) for region in _gathered_regions(modules, layout) for p in modules[region].parameters()}
     for block in sorted(_experts_blocks(modules, layout)):  # Note [experts under sequence parallelism]
         modules[block].register_forward_pre_hook(
             _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)
         modules[block].register_forward_hook(lambda m, args, out: comm.reduce_scatter_to_sp(out, tp_group, SEQ_DIM))
+        if family in _SHARED_EXPERT and tp > 1:  # Note [a shared expert under sequence parallelism]
+            shared_expert = modules[f"{block}.{_SHARED_EXPERT[family][0]}"]
+            shared_expert.register_forward_pre_hook(_on_hidden_states(lambda x: _ScaleGrad.apply(x, 1 / tp)),
+                                                    with_kwargs=True)
+            shared_expert.register_forward_hook(lambda m, args, out: _ScaleValue.apply(out, 1 / tp))
+            whole |= {id(p) for p in shared_expert.parameters()}
     modules[layout.final_norm].register_forward_hook(
         lambda m, args, out: comm.gather_from_sp(out, tp_group, SEQ_DIM, replicated_consumer=True))
-    whole = {id(p) for region in _gathered_regions(modules, layout) for p in modules[region].parameters()}
     for name in (*layout.layers, layout.final_norm):
         for p in modules[name].parameters():
-            # replicated: norms, row biases (Note [hf sequence parallel boundaries]); not the
-            # parameters of a region that gathers its columns' outputs, which see everything
-            # (the row biases there sum themselves: Note [gathered regions under sequence parallelism])
+            # replicated: norms, row biases, routers, a shared expert's gate (Note [hf sequence
+            # parallel boundaries]); not the parameters of a region that gathers its columns'
+            # outputs, which see everything (the row biases there sum themselves: Note [gathered
+            # regions under sequence parallelism]), nor a shared expert's, whole (Note [a shared
+            # expert under sequence parallelism])
             if not hasattr(p, "tp_shard") and id(p) not in whole:
                 reduce_grad_over_tp(p, tp_group)
     model._pl_sequence_parallel = layout  # read by the tests and by repr-level inspection
@@ -334,9 +365,10 @@ def _gathered_regions(modules: dict, layout: Layout) -> list[str]:
                   if all(column.gather_output for column in columns))
 
 
-# Note [experts under sequence parallelism]: a MoE block (Mixtral's, Qwen3-MoE's) is a region
-# too: its router and its experts (tensor_parallel/experts.py) read the block's input, and it
-# returns the experts' output, reshaped. Its entry gathers the sequence, as attention's does;
+# Note [experts under sequence parallelism]: a MoE block (Mixtral's, Qwen3-MoE's, OLMoE's) is a
+# region too: its router and its experts (tensor_parallel/experts.py) read the block's input, and
+# it returns the experts' output, reshaped (Qwen2-MoE's adds a shared expert's: Note [a shared
+# expert under sequence parallelism]). Its entry gathers the sequence, as attention's does;
 # its output, the experts' partial sums over this rank's intermediate features, is
 # reduce-scattered on the sequence by a forward hook on the block (not inside the experts, whose
 # [tokens, hidden] rows are batch-major: a split of them is not a split of the sequence). The
@@ -354,6 +386,54 @@ def _experts_blocks(modules: dict, layout: Layout) -> list[str]:
     from parallel_layers.tensor_parallel.experts import is_tensor_parallel_experts
     return sorted({name.rpartition(".")[0] for name, m in modules.items()
                    if layout.holds(name) and is_tensor_parallel_experts(m)})
+
+
+# Note [a shared expert under sequence parallelism]: Qwen2-MoE's block returns experts(x) +
+# sigmoid(shared_expert_gate(x)) * shared_expert(x), x its input, gathered on the sequence. The
+# experts' output is a partial sum (this rank's slice of every expert's features) and the block's
+# hook reduce-scatters the sum of everything the block returns; its published plan leaves the
+# shared expert and its gate whole (plain tensor parallelism runs them replicated), so the
+# shared term is the same whole value on every rank and would be summed tp times. It stays
+# whole - run on the gathered sequence on every rank, as under plain tensor parallelism - and
+# two hooks on the shared expert make its term a partial sum with whole gradients:
+#   - its output is divided by tp in forward, its gradient passed on as it is (_ScaleValue): the
+#     tp shares then sum to the term once; the gradient reaching the shared expert is every
+#     rank's same whole one (the reduce-scatter's backward all-gathered it), so its parameters'
+#     gradients are whole and alike and are NOT summed over tp;
+#   - its input's gradient is divided by tp in backward (_ScaleGrad): whole on every rank, it
+#     joins the experts' and the router's partial input gradients, which the block's entry
+#     reduce-scatters (summing tp shares of it once).
+# The gate's output multiplies the divided term, so the gate's gradient is 1 / tp of the whole on
+# every rank: a partial sum, summed over tp with the routers' and the norms'; its input gradient
+# likewise, summed by the entry's reduce-scatter. (Dividing by a power-of-2 tp is exact; the tp
+# shares are then added in the reduce-scatter's order, as the experts' partial sums are.) The
+# cost is plain tensor parallelism's: the shared expert's whole compute on every rank (tp times
+# its share), and no collective of its own. Sharding it as a column / row MLP whose row
+# layer leaves its partial sums to the block's reduce-scatter would split that compute; the row
+# layers here always reduce, and the plan does not name it.
+class _ScaleValue(torch.autograd.Function):
+    """x * factor forward; the gradient unchanged backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """x forward; the gradient * factor backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 # Note [one reduction per region]: a column layer's input gradient is a partial sum on each

@@ -63,9 +63,9 @@ the gradient sums are hf_sequence_parallel.py's (Note [hf sequence parallel boun
 column layer there that gathers its output (Column(gather_output=True), "colwise_gather_output")
 gathers only its features, the region's entry having gathered the sequence, and a row layer
 after it that splits its whole input (Row(input_is_parallel=False)) reduce-scatters on the
-sequence (Note [gathered regions under sequence parallelism]). Without it, in the same families, a region whose column layers
-read one input (attention's q, k and v) all-reduces their input gradients once, at its entry
-(Note [one reduction per region]).
+sequence (Note [gathered regions under sequence parallelism]). Without it, in the same
+families, a region whose column layers read one input (attention's q, k and v) all-reduces
+their input gradients once, at its entry (Note [one reduction per region]).
 
 fused_kernels=True (the default): after the conversion, a Hugging Face decoder's SwiGLU MLPs
 (gate_proj and up_proj column-parallel, down_proj row-parallel) become SwiGLUMLP, one packed

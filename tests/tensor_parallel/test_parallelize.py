@@ -197,12 +197,12 @@ BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab"
                         "gpt_neox_plan_free": 5,  # packed qkv: one
                         # mixtures of experts: the experts' two, their inputs' (the hidden states' and the
                         # routing weights'; Note [experts split like their MLP]) a layer, and attention's:
-                        # one for q, k and v with a region layout (Mixtral, Qwen3-MoE, OLMoE: gathered
-                        # outputs), else one each; + the head's. Qwen3-MoE + q_norm and k_norm's sums;
-                        # Qwen2-MoE's layer 1 is dense (SwiGLUMLP's one) and its shared expert stays whole
-                        # (its plan names none)
+                        # one for q, k and v with a region layout (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE:
+                        # gathered outputs), else one each; + the head's. Qwen3-MoE + q_norm and k_norm's
+                        # sums; Qwen2-MoE's layer 1 is dense (SwiGLUMLP's one) and its shared expert stays
+                        # whole (its plan names none)
                         "mixtral_plan_free": 7, "qwen3_moe_plan_free": 11, "olmoe_plan_free": 7,
-                        "qwen2_moe_plan_free": 10, "mixtral_whole_experts": 7, "qwen3_moe_whole_experts": 11}
+                        "qwen2_moe_plan_free": 6, "mixtral_whole_experts": 7, "qwen3_moe_whole_experts": 11}
 
 
 @pytest.mark.parametrize("kind,pretrained", [("gpt2", False), ("llama", False), ("gpt2", True), ("llama", True),

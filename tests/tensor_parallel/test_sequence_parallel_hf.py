@@ -2,15 +2,17 @@
 `tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
 Qwen2, Mistral, GPT-2, Qwen3, Gemma, OLMo, Nemotron, SmolLM3, EXAONE 4, Mixtral and Qwen3-MoE
 (their MoE blocks gather the sequence and reduce-scatter their output; Mixtral also with whole
-experts per rank) loaded with
-from_pretrained gives the plain transformers model's
-logits, loss, every parameter's gradient and its parameters after 3 optimizer steps; the
-decoder layers' norms really see seq / tp positions per rank (this rank's chunk); a forward
+experts per rank), GLM, GLM-4, Phi-3, OLMo 2 and OLMoE (regions whose plans gather their column
+layers' outputs) and Qwen2-MoE (a shared expert kept whole) loaded with from_pretrained gives the
+plain transformers model's logits, loss, every parameter's gradient and its parameters after 3
+optimizer steps; the decoder layers' norms really see seq / tp positions per rank (this rank's
+chunk), OLMo 2's and OLMoE's q_norm / k_norm the whole sequence and every head; a forward
 issues no all-reduce (the vocabulary-parallel embedding's partial sums are reduce-scattered at
-decoder layer 0, the row layers reduce-scatter); a sequence
-length tp does not divide is refused on every rank; the composing parallelize passes the
-option through (with and without activation checkpointing of the decoder layers, whose
-recompute re-runs the sequence collectives) and refuses it with a pipeline."""
+decoder layer 0, the row layers reduce-scatter), and each family's forward all-gathers and its
+backward's collectives are counted; a sequence length tp does not divide is refused on every
+rank; the composing parallelize passes the option through (with and without activation
+checkpointing of the decoder layers, whose recompute re-runs the sequence collectives) and
+refuses it with a pipeline."""
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from tests.tensor_parallel.test_parallelize import _build
 transformers = pytest.importorskip("transformers")
 
 KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4", "mixtral",
-         "qwen3_moe", "mixtral_whole_experts", "glm", "glm4", "phi3", "olmo2", "olmoe")
+         "qwen3_moe", "mixtral_whole_experts", "glm", "glm4", "phi3", "olmo2", "olmoe", "qwen2_moe")
 TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: both stay replicated
 # Column layers per decoder layer whose published plan gathers their outputs (Note [gathered
 # regions under sequence parallelism]): GLM's and GLM-4's gate_up_proj, Phi-3's qkv_proj and
@@ -37,11 +39,13 @@ NORMS_PER_LAYER = {"glm4": 4}  # + post_self_attn_layernorm, post_mlp_layernorm;
 # Parameters whose gradients are summed over tp (one all-reduce each in backward): the norms'
 # weights (and biases) of the 2 layers and the final norm - none in OLMo's parameter-free
 # LayerNorms; GPT-2's and Nemotron's have biases, GLM-4 4 norms a layer - GPT-2's row biases,
-# Qwen3's and EXAONE 4's per-head q_norm / k_norm, the MoE routers; not OLMo 2's q_norm / k_norm or
-# OLMoE's, which see every head (Note [gathered regions under sequence parallelism]).
+# Qwen3's and EXAONE 4's per-head q_norm / k_norm, the MoE routers (Qwen2-MoE's layer 1 is dense)
+# and Qwen2-MoE's shared expert gate; not OLMo 2's q_norm / k_norm or OLMoE's, which see every head
+# (Note [gathered regions under sequence parallelism]), nor Qwen2-MoE's shared expert, whole (Note
+# [a shared expert under sequence parallelism]).
 SUMMED = {"llama": 5, "qwen2": 5, "mistral": 5, "gpt2": 14, "qwen3": 9, "gemma": 5, "olmo": 0, "nemotron": 10,
           "smollm3": 5, "exaone4": 9, "mixtral": 7, "qwen3_moe": 11, "mixtral_whole_experts": 7, "glm": 5, "glm4": 9,
-          "phi3": 5, "olmo2": 5, "olmoe": 7}
+          "phi3": 5, "olmo2": 5, "olmoe": 7, "qwen2_moe": 7}
 # OLMo 2's and OLMoE's q_norm / k_norm: over every head's features, after gathered q and k: the
 # whole sequence
 WHOLE_QK_NORMS = ("olmo2", "olmoe")
@@ -269,9 +273,9 @@ def test_refusals_before_any_conversion(monkeypatch):
     bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError, match=r"sequence_parallel=True supports the Hugging Face decoders whose forward "
-                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'glm', 'glm4', 'gpt2', "
-                                         r"'llama', 'mistral', 'mixtral', 'nemotron', 'olmo', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen3', "
-                                         r"'qwen3_moe', 'smollm3'\]; "
+                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'glm', 'glm4', "
+                                         r"'gpt2', 'llama', 'mistral', 'mixtral', 'nemotron', 'olmo', 'olmo2', "
+                                         r"'olmoe', 'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'smollm3'\]; "
                                          r"BertForMaskedLM has model_type 'bert'"):
         parallelize(bert, {"bert.encoder.layer.*.intermediate.dense": "column"}, sequence_parallel=True)
     model, _ = _build("llama")
@@ -290,8 +294,9 @@ def test_refusals_before_any_conversion(monkeypatch):
     olmo2, _ = _build("olmo2")
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn holds \['model.layers.0.self_attn.q_norm.weight', "
                                          r"'model.layers.0.self_attn.k_norm.weight'\] and gathers the outputs of "
-                                         r"\['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.v_proj'\] but "
-                                         r"not of \['model.layers.0.self_attn.k_proj'\]. Gather all of them or none"):
+                                         r"\['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.v_proj'\] "
+                                         r"but not of \['model.layers.0.self_attn.k_proj'\]. Gather all of them or "
+                                         r"none"):
         parallelize(olmo2, {**published_plan(olmo2), "model.layers.*.self_attn.k_proj": Column()},
                     sequence_parallel=True)
     assert type(olmo2.model.layers[0].self_attn.q_proj).__name__ == "Linear"  # nothing converted
@@ -302,10 +307,19 @@ def test_refusals_before_any_conversion(monkeypatch):
     mixtral, _ = _build("mixtral")
     monkeypatch.setattr(hf_sequence_parallel, "_EXPERTS_BLOCK_RETURNS_EXPERTS", ("qwen3_moe",))
     with pytest.raises(ValueError, match=r"sequence_parallel=True splits the experts of a MoE block whose output is "
-                                         r"theirs alone, in model_type \['qwen3_moe'\]; model.layers.0.mlp.experts is in "
+                                         r"theirs alone, in model_type \['qwen3_moe'\], or theirs plus a gated shared "
+                                         r"expert's, in \['qwen2_moe'\]; model.layers.0.mlp.experts is in "
                                          r"MixtralForCausalLM \(model_type 'mixtral'\)"):
         parallelize(mixtral, sequence_parallel=True)
     assert type(mixtral.model.layers[0].mlp.experts).__name__ == "MixtralExperts"  # nothing converted
+    # Qwen2-MoE's shared expert sharded by the plan: under SP it stays whole (Note [a shared expert
+    # under sequence parallelism])
+    qwen2_moe, _ = _build("qwen2_moe")
+    with pytest.raises(ValueError, match=r"sequence_parallel=True keeps a MoE block's shared expert and its gate "
+                                         r"whole .*; the plan names \['model.layers.0.mlp.shared_expert.gate_proj'\]"):
+        parallelize(qwen2_moe, {**published_plan(qwen2_moe), "model.layers.*.mlp.shared_expert.gate_proj": "column"},
+                    sequence_parallel=True)
+    assert type(qwen2_moe.model.layers[0].mlp.experts).__name__ == "Qwen2MoeExperts"  # nothing converted
     mixtral.config.output_router_logits = True  # the load-balancing loss: its gradient is whole on every rank
     with pytest.raises(ValueError, match=r"sequence_parallel=True does not support the routers' load-balancing loss "
                                          r"\(MixtralForCausalLM has config.output_router_logits=True\)"):
