@@ -122,11 +122,13 @@ class DataParallel(LocalAccumulation, nn.Module):
         self.world = dist.get_world_size(group)
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
         self._bucket_bytes, self._first_bytes = int(bucket_mb * 2**20), int(first_bucket_mb * 2**20)
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        # One rank's experts (expert_parallel.py) are not replicas: neither broadcast nor averaged.
+        replicated = [p for p in module.parameters() if placement.expert_group(p) is None]
+        self._params = [p for p in replicated if p.requires_grad]
         with torch.no_grad():
             # A model built on the meta device has no values to broadcast yet; its loader
             # (hf.load_pretrained) writes the same values on every replica.
-            for p in (p for p in module.parameters() if not p.is_meta):
+            for p in (p for p in replicated if not p.is_meta):
                 fault.check_agreement("DataParallel parameter broadcast", p, group)
                 with fault.collective("DataParallel parameter broadcast", group):
                     dist.broadcast(p, src=self._src, group=group)

@@ -9,7 +9,10 @@ What a rank holds comes from its placement (parallel_layers.placement), whatever
     head on the first and last stage) is counted once, on its lowest stage (`counted`);
   - under ZeRO the gradients are disjoint shards over the data-parallel group (the
     placement's `shard_group`: sum over it); after DataParallel's all-reduce they are
-    replicated (do not).
+    replicated (do not), except one rank's experts under expert parallelism, which are other
+    experts on each data-parallel rank (sum them over their group, `placement.expert_group`).
+    Under ZeRO they sit in groups of their rank alone, so the shard group's sum counts each
+    expert once already.
 """
 
 from __future__ import annotations
@@ -26,20 +29,25 @@ def _tp_rank(tp_group) -> int:
     return dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
 
 
-def grads_to_count(model: nn.Module, data_parallel=None, tp_group=None):
-    """(gradients this rank counts in the norm, every gradient this rank would scale, the
-    group whose ranks hold disjoint shards of them or None)."""
+def grads_to_count(model: nn.Module, data_parallel, tp_group):
+    """(gradients this rank counts in the norm, those of them that are one rank's experts to
+    sum over their group when the shard group does not already, every gradient this rank
+    would scale, the group whose ranks hold disjoint shards of them or None, the experts'
+    group or None - decided by the model, not by which gradients exist, so every rank joins
+    the same collectives)."""
     described = placement.describe(data_parallel if data_parallel is not None else model)
     tp_rank = _tp_rank(tp_group)
-    counted, every = [], []
+    counted, experts, every, expert_group = [], [], [], None
     for tp in described.by_local().values():
+        group = placement.expert_group(tp.local) if described.shard_group is None else None
+        expert_group = expert_group or group
         grad = tp.local.grad
         if grad is None:
             continue
         every.append(grad)
         if tp.counted and (not tp.tp_replicated or tp_rank == 0):
-            counted.append(grad)
-    return counted, every, described.shard_group
+            (experts if group is not None else counted).append(grad)
+    return counted, experts, every, described.shard_group, expert_group
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, *, data_parallel=None, tp_group=None, pp_group=None,
@@ -55,21 +63,31 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, data_parallel=None, tp
         positive = False
     if not positive:
         raise ValueError(f"max_norm must be positive (a number; float('inf') never clips), got {max_norm!r}")
-    counted, all_grads, shard_group = grads_to_count(model, data_parallel, tp_group)
+    counted, experts, all_grads, shard_group, expert_group = grads_to_count(model, data_parallel, tp_group)
     device = all_grads[0].device if all_grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in counted:
-        sq += g.detach().float().pow(2).sum()
-    axes = [tp_group, pp_group, shard_group]
-    if dist.is_initialized():
-        for group in axes:
-            if group is not None and dist.get_world_size(group) > 1:
-                fault.check_agreement("gradient-norm all_reduce", sq, group)
-                with fault.collective("gradient-norm all_reduce", group):
-                    dist.all_reduce(sq, group=group)
+    sq = _sum_of_squares(counted, device)
+    if expert_group is not None:
+        sq += _all_reduced(_sum_of_squares(experts, device), expert_group)
+    for group in (tp_group, pp_group, shard_group):
+        sq = _all_reduced(sq, group)
     norm = sq.sqrt()
     scale = max_norm / (norm.item() + eps)
     if scale < 1.0:
         for g in all_grads:
             g.mul_(scale)
     return norm
+
+
+def _sum_of_squares(grads: list[Tensor], device) -> Tensor:
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum()
+    return sq
+
+
+def _all_reduced(sq: Tensor, group) -> Tensor:
+    if dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
+        fault.check_agreement("gradient-norm all_reduce", sq, group)
+        with fault.collective("gradient-norm all_reduce", group):
+            dist.all_reduce(sq, group=group)
+    return sq

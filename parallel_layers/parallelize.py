@@ -60,6 +60,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import activation_checkpointing as activation_checkpointing_module
+from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import fused, meta
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.data_parallel import DataParallel
@@ -148,7 +149,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                 wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
                 split_points: list[int] | None = None, fused_kernels: bool = True,
-                token_count: Callable[[Tensor], Tensor] | None = None) -> Parallelized:
+                token_count: Callable[[Tensor], Tensor] | None = None, expert_parallel: bool = False
+                ) -> Parallelized:
     """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
 
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
@@ -171,6 +173,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     Hugging Face decoder's SwiGLU MLPs run as one GEMM with the activation fused, its RMSNorms as
     one pass, its attention residual add inside the next norm, over the same parameters
     (parallel_layers/fused.py); False keeps the model's own modules and forwards.
+    expert_parallel: a mixture of experts' experts spread over the dp ranks (E / dp each), every
+    rank's tokens sent to their experts' ranks and back by all-to-all
+    (parallel_layers/expert_parallel.py); with DataParallel or ZeRO, and pipelines; tp = 1.
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -181,6 +186,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if token_count is not None and not callable(token_count):  # else it would raise on the last stage only
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
+    if not isinstance(expert_parallel, bool):
+        raise TypeError(f"expert_parallel must be True or False, got {expert_parallel!r}")
     wrap = wrap if wrap is not None else declared_blocks(model)
     activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
     pp = ctx.dims.pp
@@ -196,13 +203,18 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         raise ValueError(f"parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
                          f"tensor-parallel regions) and no pipeline; got {'no' if tp_plan is None else 'a'} "
                          f"tp_plan, pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
+    if expert_parallel:
+        expert_parallel_module.check(model, ctx.dims.dp, ctx.dims.tp)
 
-    # 1. tensor parallelism, and the fused modules (after it: they take its layers' shards)
+    # 1. tensor parallelism, and the fused modules (after it: they take its layers' shards);
+    #    expert parallelism
     if tp_plan is not None:
         tp_plan_module.parallelize(model, None if tp_plan == "auto" else tp_plan, tp_group=ctx.tp_group,
                                    sequence_parallel=sequence_parallel, fused_kernels=fused_kernels)
     elif fused_kernels:
         fused.fuse(model)
+    if expert_parallel and ctx.dims.dp > 1:  # on the whole model, before ranks drop other stages' layers
+        expert_parallel_module.apply(model, ctx.mesh)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)

@@ -83,6 +83,22 @@ def local_layout(t: Tensor) -> LocalLayout:
     return layout if layout is not None else LocalLayout.whole(t.shape)
 
 
+_EXPERT_GROUP_ATTR = "_parallel_layers_expert_group"
+
+
+def set_expert_group(t: Tensor, group) -> None:
+    """Record that `t` holds this rank's experts, split over the data-parallel ranks of
+    `group` and not replicated over them (parallel_layers/expert_parallel.py): the
+    data-parallel wrappers neither broadcast nor average it, gradient clipping sums it over
+    `group`."""
+    setattr(t, _EXPERT_GROUP_ATTR, group)
+
+
+def expert_group(t: Tensor):
+    """The group `t`'s experts are split over (set_expert_group), or None."""
+    return getattr(t, _EXPERT_GROUP_ATTR, None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """One box of the logical tensor, and where it lies in the local tensor: a box of it

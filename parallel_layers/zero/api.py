@@ -52,6 +52,18 @@ def _default_wrap(model: nn.Module):
     return lambda m: id(m) in children
 
 
+_SOLO: dict = {}  # the default group -> this rank's group of itself
+
+
+def _solo_group() -> dist.ProcessGroup:
+    """A process group of this rank alone (created by this rank only, once per job)."""
+    world = dist.group.WORLD
+    if world not in _SOLO:
+        _SOLO.clear()
+        _SOLO[world] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return _SOLO[world]
+
+
 def _shared_parameters(model: nn.Module) -> set[int]:
     """Parameters registered by more than one module (a head tied to the embedding by sharing
     its weight, as Hugging Face models tie). Note [shared parameters]: at ZeRO-3 a wrapped
@@ -107,12 +119,15 @@ class ZeRO(LocalAccumulation, nn.Module):
 
         pool = BufferPool()  # every group's gather and reduce buffers (Note [CPU buffer reuse] in _group.py)
 
-        def param_group(name: str, params: list[nn.Parameter], root: bool) -> ParamGroup:
+        def param_group(name: str, params: list[nn.Parameter], root: bool, group=group,
+                        solo: bool = False) -> ParamGroup:
             # ZeRO-3 frees the wrapped modules' full parameters between uses; the root's and
-            # ZeRO-1/2's stay, and at ZeRO-1/2 a master shard may be a view of them.
+            # ZeRO-1/2's stay, and at ZeRO-1/2 a master shard may be a view of them, as it may
+            # for a group of this rank alone (its "shard" is the whole parameter).
             shared = _storage_shared_within(params)
             members = [ShardedParam(p, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                    keep_full=stage < 3 or root, alias_full=stage < 3, offload=offload_optimizer,
+                                    keep_full=stage < 3 or root or solo, alias_full=stage < 3 or solo,
+                                    offload=offload_optimizer,
                                     storage_shared_in_group=id(p) in shared) for p in params]
             for sp in members:  # every member took its shard from the shared storage: free it now
                 if sp.storage_shared and not sp.keep_full:
@@ -124,7 +139,19 @@ class ZeRO(LocalAccumulation, nn.Module):
         owned: set[int] = set(shared)
         self.groups: list[ParamGroup] = []
         module_group: dict[int, ParamGroup] = {}
+        # One rank's experts (parallel_layers/expert_parallel.py) are split over the
+        # data-parallel ranks already: each experts module's go in a group of its own, over this
+        # rank alone - no sharding, no collective - kept whole at every stage (the master is a
+        # view of the parameter: no second copy), with the same optimizer, gradient hooks and
+        # checkpoints as the rest. No module hook gathers them: at ZeRO-3 the decoder layer
+        # around them may be checkpointed, and a wrapped module inside a checkpointed block
+        # would run its gather hooks again in the recompute.
+        owned.update(id(p) for p in model.parameters() if placement.expert_group(p) is not None)
         for name, module in model.named_modules():
+            experts = [p for p in module.parameters(recurse=False) if placement.expert_group(p) is not None]
+            if experts:
+                self.groups.append(param_group(name, experts, root=False, group=_solo_group(), solo=True))
+                continue
             if module is model or not wrap(module):
                 continue
             params = [p for p in module.parameters() if id(p) not in owned]

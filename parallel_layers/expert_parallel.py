@@ -1,0 +1,191 @@
+"""Expert parallelism: a mixture of experts' experts spread over the data-parallel ranks, each
+rank's tokens sent to the rank that holds their expert and back by all-to-all.
+
+    par = parallelize(model, init_parallel(dp=4), ..., expert_parallel=True, zero_stage=1)
+
+Note [experts over the data-parallel ranks]: with dp = ep ranks, rank r holds experts
+[r * E / ep, (r + 1) * E / ep) of every MoE layer (both stacked parameters cut on dim 0) and
+no others; everything else stays replicated over dp as usual. Unlike tensor parallelism
+(tensor_parallel/experts.py), each rank has its own tokens, so a MoE layer's experts module
+(transformers' `<Family>Experts`, called with the hidden states [tokens, hidden] and the
+router's top-k expert ids and weights [tokens, k]) becomes:
+
+  1. dispatch: the (token, slot) pairs sorted by expert id (stable), the counts per expert
+     exchanged (one all-to-all of E int64s: what each rank will receive from each other rank
+     for each of its experts, which sizes the next one - one host synchronisation per layer,
+     as in Megatron's dropless dispatcher), the pairs' hidden states sent by all-to-all to
+     the ranks of their experts;
+  2. the received rows, ordered by source rank then by local expert, run through the module's
+     own forward and transformers' expert kernel (eager, grouped_mm or batched_mm) as top-1
+     with weight 1 on this rank's E / ep experts (ids renumbered);
+  3. combine: the outputs go back by the reverse all-to-all, unsorted to the (token, slot)
+     pairs, weighted by the routing weights and summed over the k slots, on the token's rank.
+
+The backward runs the two all-to-alls in reverse (the gradients of the sent rows come back to
+the rank that sent them), and the routing weights' gradient is computed where they are used,
+on the token's own rank: the router needs nothing. A rank whose experts receive no row still
+runs both all-to-alls in the backward (its output is joined to the received rows).
+
+Gradients. A replicated parameter's gradient is averaged over dp by the data-parallel wrapper
+(the sum of the ranks' gradients, divided by dp). An expert's weight gradient already holds
+the sum over every rank's tokens that reached it - the all-to-all did the summing - so it is
+not reduced over dp; a hook divides it by dp as the gradient arrives, which is what the
+wrapper's average does to the others. DataParallel leaves these parameters out of its
+broadcast and its buckets; ZeRO gives them groups over a process group of this rank alone (no
+sharding, no collective: the experts are already split), kept whole at every stage (no gather
+hooks, which would run again in an activation-checkpointing recompute), so its optimizer and
+checkpoints take them like any other; `clip_grad_norm_` sums their squares over dp (each rank's are
+other experts'). The all-to-alls run on a process group of their own, with the data-parallel
+ranks (`expert_group`): the wrappers' gradient reductions are issued asynchronously on the
+data-parallel group during the backward, and NCCL requires the collectives of one group to
+be issued in the same order on every rank.
+
+Checkpoints, `hf.load_pretrained` and `hf.save_pretrained` see each rank's experts as rows
+[offset, offset + E / ep) of the logical stacked tensor (its placement layout), so a
+checkpoint saved with expert parallelism loads into any other layout and back.
+
+What it does not do (yet): expert parallelism over a group other than the whole dp group (ep
+< dp, experts replicated over dp / ep); with tensor parallelism (tp > 1); capacity factors or
+token dropping (every routed token is computed: dropless); overlapping the all-to-alls with
+compute (DeepEP, Megatron's A2A overlap); the routers' load-balancing loss is computed by the
+model on each rank's own tokens, as under plain data parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from parallel_layers import fault, placement
+from parallel_layers.tensor_parallel.experts import Experts, _Joined, layout_problem
+from parallel_layers.tensor_parallel.sharding import sharded_parameter
+
+_DISPATCH = "expert-parallel all_to_all"
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules holding a mixture of experts' stacked expert weights (transformers 5's
+    `<Family>Experts`: a 3-D `gate_up_proj` and `down_proj`)."""
+    spec = Experts()
+    return [(name, m) for name, m in model.named_modules()
+            if all(isinstance(getattr(m, attr, None), nn.Parameter) and getattr(m, attr).dim() == 3
+                   for attr in (spec.column, spec.row))]
+
+
+def check(model: nn.Module, ep: int, tp: int) -> list[tuple[str, nn.Module]]:
+    """Why `model` cannot take expert parallelism over `ep` ranks, raised (the same on every
+    rank: it depends on the model and the degrees only); else its experts modules."""
+    if tp > 1:
+        raise ValueError(f"parallelize: expert_parallel=True spreads the experts over the data-parallel ranks and "
+                         f"does not combine with tensor parallelism yet (tp={tp}); use tp=1, or tensor parallelism "
+                         "alone (its Experts() plan splits every expert over the TP ranks)")
+    found = expert_modules(model)
+    if not found:
+        raise ValueError(f"parallelize: expert_parallel=True found no mixture-of-experts module in "
+                         f"{type(model).__name__} (a module holding stacked 3-D gate_up_proj [experts, 2 * "
+                         "intermediate, hidden] and down_proj [experts, hidden, intermediate], as transformers 5's "
+                         "Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE hold them)")
+    for name, module in found:
+        problem = layout_problem(module, Experts(split="experts"), ep)
+        if problem is not None:
+            problem = problem.replace("tensor-parallel", "expert-parallel (data-parallel)").replace("tp=", "dp=")
+            raise ValueError(f"parallelize: expert_parallel=True over dp={ep} ranks cannot split {name}: {problem}")
+    return found
+
+
+def expert_group(mesh) -> dist.ProcessGroup | None:
+    """A process group of this rank's data-parallel ranks, apart from the dp group's (Note
+    [experts over the data-parallel ranks]); every rank must call it (new groups are
+    collective)."""
+    ranks = mesh.mesh  # (pp, dp, tp) global ranks
+    groups = ranks.permute(0, 2, 1).reshape(-1, ranks.shape[1]).tolist()
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine
+
+
+_EP_CLASSES: dict[type, type] = {}
+
+
+def convert(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Keep this rank's experts of `module` and dispatch its tokens by all-to-all over `group`
+    (Note [experts over the data-parallel ranks]); `check` must have passed."""
+    spec = Experts(split="experts")
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = getattr(module, spec.column).shape[0]
+    local = total // ep
+    for attr in (spec.column, spec.row):
+        full = getattr(module, attr)
+        p = sharded_parameter(full.detach(), 0, ep, rank).requires_grad_(full.requires_grad)
+        del p.tp_shard  # split over the data-parallel ranks, not the tensor-parallel ones
+        placement.set_expert_group(p, group)
+        if p.requires_grad:  # the sum over dp's tokens, averaged as the replicas' gradients are
+            p.register_hook(lambda g, ep=ep: g / ep)
+        setattr(module, attr, p)
+    module.num_experts, module.expert_offset, module.global_experts = local, rank * local, total
+    cls = type(module)
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _forward(cls.forward)})
+    module.__class__ = _EP_CLASSES[cls]
+    module.expert_group = group
+
+
+def is_expert_parallel_module(module: nn.Module) -> bool:
+    return type(module) in _EP_CLASSES.values()
+
+
+def _forward(own_forward):
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        group, local, total = self.expert_group, self.num_experts, self.global_experts
+        ep = total // local
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=total)
+        received = torch.empty_like(counts)  # [source rank, local expert]
+        with fault.collective(_DISPATCH, group):
+            dist.all_to_all_single(received, counts, group=group)
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = received.view(ep, local).sum(1).tolist()
+        rows = _AllToAll.apply(hidden_states[order // k], recv, send, group)
+        ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep), received)
+        ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+        out = own_forward(self, rows, ids[:, None], ones)
+        if torch.is_grad_enabled() and rows.requires_grad:  # a rank given no row still joins the backward
+            out = _Joined.apply(out, rows)
+        back = _AllToAll.apply(out, send, recv, group)  # in `order`
+        slots = torch.empty_like(back).index_copy(0, order, back).view(tokens, k, -1)
+        return (slots * top_k_weights.unsqueeze(-1).to(slots.dtype)).sum(1).to(hidden_states.dtype)
+    return forward
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` sent in blocks of `send` rows to the group's ranks, `recv` rows received from
+    each; the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, recv: list[int], send: list[int], group) -> Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _all_to_all(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def _all_to_all(x: Tensor, recv: list[int], send: list[int], group) -> Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    with fault.collective(_DISPATCH, group):
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def apply(model: nn.Module, mesh) -> list[str]:
+    """Expert parallelism over the data-parallel ranks of `mesh` on every MoE layer of
+    `model`; returns the converted modules' names."""
+    found = check(model, mesh.size(mesh.mesh_dim_names.index("dp")), mesh.size(mesh.mesh_dim_names.index("tp")))
+    group = expert_group(mesh)
+    for _, module in found:
+        convert(module, group)
+    return [name for name, _ in found]

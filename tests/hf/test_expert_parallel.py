@@ -1,0 +1,230 @@
+"""Expert parallelism (parallel_layers/expert_parallel.py): the experts of Hugging Face mixtures
+of experts spread over the data-parallel ranks, tokens dispatched by all-to-all, against the
+plain model loaded with `from_pretrained` from the same directory and trained on the whole
+batch in one process: every step's loss and gradient norm (clip_grad_norm_, which sums the
+experts' squares over dp), and every parameter after 3 SGD steps, read back from
+`hf.save_pretrained` of the parallel layout by plain transformers (so the export gathers each
+rank's experts into the stacked tensors and writes them one tensor per expert).
+
+Layouts: Mixtral at dp2 with DataParallel (the experts neither broadcast nor averaged) and at
+dp4 with ZeRO-3 and selective activation checkpointing (one expert per rank, built on the meta
+device and filled by hf.load_pretrained, each rank reading only its expert's tensors); Qwen3-MoE at dp2 with ZeRO-1
+and a checkpoint saved under expert parallelism loaded into a plain ZeRO-3 layout; Qwen2-MoE
+(a shared expert beside the routed ones, a dense layer) at pp2 x dp2 with ZeRO-1 over the
+pipeline stages; a Mixtral whose routers send every token of the first step to one rank's
+experts (the same two experts for every token: equal scores), so the other rank's experts receive
+nothing and its backward must still join the all-to-alls.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist_harness import run_distributed
+from tests.hf import _tiny
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 12, 96, 0.5
+
+# name -> (family, dp, pp, zero_stage, how the model is built, activation checkpointing)
+CASES = {
+    "mixtral-dp2-dataparallel": ("mixtral", 2, 1, 0, "from_pretrained", None),
+    # selective checkpointing of the decoder layers around the experts, whose ZeRO groups have no
+    # gather hooks (they would run again in the recompute)
+    "mixtral-dp4-zero3-meta-selective": ("mixtral", 4, 1, 3, "meta", "selective"),
+    "qwen3_moe-dp2-zero1-checkpoint": ("qwen3_moe", 2, 1, 1, "from_pretrained", None),
+    "qwen2_moe-pp2-dp2-zero1": ("qwen2_moe", 2, 2, 1, "from_pretrained", None),
+    "mixtral-dp2-idle-rank": ("mixtral-idle", 2, 1, 0, "from_pretrained", None),
+}
+
+
+def _save_qwen2_moe(directory):
+    config = transformers.Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(directory)
+
+
+def _save(family, directory):
+    if family == "qwen2_moe":
+        _save_qwen2_moe(directory)
+    else:
+        getattr(_tiny, f"save_tiny_{family.removesuffix('-idle')}")(directory)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _probe():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def _loss(out, ids):
+    """Next-token cross-entropy, as transformers' causal-LM loss computes it."""
+    return F.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _zero_routers(model):
+    """Every router's logits 0: top-2 of equal scores picks experts 0 and 1 for every token."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()
+
+
+def _load(directory, family):
+    if not family.endswith("-idle"):
+        return transformers.AutoModelForCausalLM.from_pretrained(directory)
+    # transformers' eager expert loop returns zeros unconnected to its input when no expert is hit
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, experts_implementation="eager")
+    _zero_routers(model)
+    return model
+
+
+def _train(rank, world, directory, export, checkpoint_dir, family, dp, pp, zero_stage, build, checkpointing):
+    from parallel_layers import checkpoint, expert_parallel, hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+
+    ctx = init_parallel(dp=dp, pp=pp, device="cpu")
+    received = []  # rows this rank's experts received, per all-to-all of tokens
+    dispatch = expert_parallel._all_to_all
+
+    def counting(x, recv, send, group):
+        received.append(sum(recv))
+        return dispatch(x, recv, send, group)
+
+    expert_parallel._all_to_all = counting
+    if build == "meta":
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+    else:
+        model = _load(directory, family)
+    piped = pp > 1
+    kwargs = dict(loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, pipeline_layers="auto", microbatches=2) if piped \
+        else dict(loss_fn=_loss)
+    par = parallelize(model, ctx, optimizer=_sgd, zero_stage=zero_stage, expert_parallel=True,
+                      activation_checkpointing=checkpointing, **kwargs)
+    if build == "meta":
+        hf.load_pretrained(directory, par)
+    experts = [m for m in model.modules() if expert_parallel.is_expert_parallel_module(m)]
+    shapes = {tuple(m.gate_up_proj.shape) for m in experts if not m.gate_up_proj.is_meta}
+    offsets = sorted({m.expert_offset for m in experts})
+    first = received[:]
+    losses, norms = [], []
+    for step, ids in enumerate(_batches()):
+        mine = ids.chunk(dp)[ctx.coordinate("dp")]  # equal token counts: the mean of means is the batch mean
+        if step == 0:
+            del received[:]
+        loss = par.forward_backward(mine, mine)
+        if step == 0:
+            first = received[:]
+        norms.append(par.clip_grad_norm_(1e9).item())
+        par.step()
+        par.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean, group=ctx.dp_group)
+        losses.append(mean.item() / dp)
+    hf.save_pretrained(par.module, export)
+    resumed_diff = None
+    if checkpoint_dir is not None:  # saved with expert parallelism, loaded into plain ZeRO-3 over dp
+        path = checkpoint.save(checkpoint_dir, STEPS, par.module, par.optimizer, prefix=par.prefix)
+        with torch.no_grad():
+            want = par.module(_probe()).logits
+        plain = parallelize(_load(directory, family), ctx, optimizer=_sgd, loss_fn=_loss, zero_stage=3)
+        checkpoint.load(path, plain.module, plain.optimizer, prefix=plain.prefix)
+        with torch.no_grad():
+            resumed_diff = (plain.module(_probe()).logits - want).abs().max().item()
+    expert_parallel._all_to_all = dispatch
+    return dict(losses=losses, norms=norms, shapes=sorted(shapes), offsets=offsets, first_step_rows=first,
+                resumed_diff=resumed_diff)
+
+
+def _reference(directory, family):
+    model = _load(directory, family)
+    opt = _sgd(model.parameters())
+    losses, norms = [], []
+    for ids in _batches():
+        loss = _loss(model(ids), ids)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, case):
+    family, dp, pp, zero_stage, build, checkpointing = CASES[case]
+    directory, export = str(tmp_path / "model"), str(tmp_path / "export")
+    _save(family, directory)
+    ref_losses, ref_norms, ref_state = _reference(directory, family)
+    checkpoint_dir = str(tmp_path / "checkpoint") if case.endswith("-checkpoint") else None
+    results = run_distributed(_train, dp * pp, args=(directory, export, checkpoint_dir, family, dp, pp, zero_stage,
+                                                     build, checkpointing), timeout_s=240, collective_timeout_s=60)
+    experts = transformers.AutoConfig.from_pretrained(directory)
+    experts = getattr(experts, "num_local_experts", None) or experts.num_experts
+    for rank, r in enumerate(results):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), (rank, r["losses"], ref_losses)
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-4), (rank, r["norms"], ref_norms)
+        # each rank holds its E / dp experts of every MoE layer it holds (Qwen2-MoE's second stage
+        # holds its dense layer only)
+        holds = family != "qwen2_moe" or rank < dp
+        assert bool(r["shapes"]) == holds and all(s[0] == experts // dp for s in r["shapes"]), (rank, r["shapes"])
+        assert r["offsets"] == [(rank % dp) * experts // dp], (rank, r["offsets"])
+        if r["resumed_diff"] is not None:
+            assert r["resumed_diff"] < 1e-5, (rank, r["resumed_diff"])
+    if family.endswith("-idle"):  # the premise: in the first step's first dispatch one rank's experts get no row
+        firsts = sorted(r["first_step_rows"][0] for r in results)
+        assert firsts == [0, 2 * BATCH * SEQ], firsts  # top-2 of each token of both ranks, all to one rank
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export).state_dict()
+    assert exported.keys() == ref_state.keys()
+    for name, want in ref_state.items():
+        torch.testing.assert_close(exported[name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _refusals(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+
+    ctx = init_parallel(dp=world, device="cpu")
+    messages = []
+    for model, flag in ((_tiny_llama(), True), (_load(directory, "mixtral"), 1), (_load(directory, "mixtral"), True)):
+        try:
+            parallelize(model, ctx, optimizer=_sgd, loss_fn=_loss, expert_parallel=flag)
+        except (TypeError, ValueError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def _tiny_llama():
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_expert_parallel_refusals_name_the_values(tmp_path):
+    from parallel_layers import expert_parallel
+
+    _tiny.save_tiny_mixtral(tmp_path)
+    messages = run_distributed(_refusals, 3, args=(str(tmp_path),))
+    assert messages[0] == messages[1] == messages[2]  # every rank raises
+    no_experts, not_bool, indivisible = messages[0]
+    assert no_experts.startswith("parallelize: expert_parallel=True found no mixture-of-experts module in "
+                                 "LlamaForCausalLM")
+    assert not_bool == "expert_parallel must be True or False, got 1"
+    assert indivisible == (
+        "parallelize: expert_parallel=True over dp=3 ranks cannot split model.layers.0.mlp.experts: MixtralExperts "
+        "has 4 experts (num_experts = 4); Experts(split='experts') needs num_experts to match and to divide by dp=3; "
+        "valid expert-parallel (data-parallel) sizes for it are [1, 2, 4]")
+    with pytest.raises(ValueError, match=r"expert_parallel=True spreads the experts over the data-parallel ranks and "
+                                         r"does not combine with tensor parallelism yet \(tp=2\)"):
+        expert_parallel.check(_load(str(tmp_path), "mixtral"), 2, 2)
