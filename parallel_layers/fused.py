@@ -8,7 +8,10 @@ What is swapped (Note [fused modules]):
     `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with a SiLU `act_fn` (Llama, Mistral, Qwen2,
     Qwen3 in transformers 5.23) - becomes `SwiGLUMLP` (tensor_parallel/layers.py): one GEMM
     on the packed [gate; up] weight with the activation in its epilogue (linear_swiglu),
-    column-parallel when gate_proj / up_proj are.
+    column-parallel when gate_proj / up_proj are. One whose gate and up are already one packed
+    layer, `gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * activation_fn(gate))` with a
+    SiLU (Phi-3, GLM, GLM-4), becomes `PackedSwiGLUMLP`: the same GEMM on that one weight,
+    column-parallel when gate_up_proj is split block by block.
   - an RMSNorm of the Llama form - a forward that is Hugging Face's LlamaRMSNorm's (Llama,
     Mistral, Qwen2, Qwen3, including Qwen3's per-head q_norm / k_norm) - becomes
     `FusedRMSNorm` (parallel_layers/ops/rms_norm.py) over the same weight Parameter: one pass
@@ -78,9 +81,13 @@ import warnings
 import torch.nn as nn
 
 from parallel_layers.ops.rms_norm import FusedRMSNorm
-from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SwiGLUMLP
+from parallel_layers.tensor_parallel.layers import (ColumnParallelLinear, PackedSwiGLUMLP, RowParallelLinear,
+                                                   SwiGLUMLP)
 
 _SWIGLU_FORWARD = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
+# Phi3MLP.forward's body (GlmMLP's and Glm4MLP's are the same): gate and up packed in one layer
+_PACKED_GATED_FORWARD = ("up_states=self.gate_up_proj(hidden_states)gate,up_states=up_states.chunk(2,dim=-1)"
+                         "up_states=up_states*self.activation_fn(gate)returnself.down_proj(up_states)")
 # LlamaRMSNorm.forward's body, whitespace removed (Qwen2's, Qwen3's and Mistral's are the same)
 _RMS_NORM_FORWARD = ("input_dtype=hidden_states.dtypehidden_states=hidden_states.to(torch.float32)"
                      "variance=hidden_states.pow(2).mean(-1,keepdim=True)"
@@ -96,8 +103,8 @@ _HF_CHECKPOINT_WRAPPER = ("forward_with_checkpointing", "modeling_layers.py")
 # The classes of the families whose forms fuse() knows: one of them left as it is means that the
 # installed transformers writes it otherwise, or that its parts are not laid out as the swap needs;
 # fuse() says which (Note [fused modules]).
-_KNOWN_CLASSES = frozenset(f"{family}{kind}" for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
-                           for kind in ("MLP", "RMSNorm", "DecoderLayer"))
+_KNOWN_CLASSES = frozenset([f"{family}{kind}" for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+                            for kind in ("MLP", "RMSNorm", "DecoderLayer")] + ["Phi3MLP", "GlmMLP", "Glm4MLP"])
 _LAYOUT_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
                   tokenize.ENDMARKER}
 
@@ -190,6 +197,31 @@ def _swiglu_parts(module: nn.Module):
     return parts
 
 
+def is_packed_gated_mlp(module: nn.Module) -> bool:
+    """Does `module`'s forward compute `down_proj(up * act(gate))` from `gate, up =
+    gate_up_proj(x).chunk(2, -1)` (Phi-3, GLM, GLM-4), whatever its activation? Then splitting
+    gate_up_proj's two halves block by block over tp leaves each rank's chunk its own gate and
+    up features (tensor_parallel/plan.py, Note [packed MLPs split block by block])."""
+    return _PACKED_GATED_FORWARD in _forward_source(module) and all(
+        isinstance(getattr(module, name, None), nn.Module) for name in ("gate_up_proj", "down_proj"))
+
+
+def _packed_swiglu_parts(module: nn.Module):
+    """(gate_up_proj, down_proj) if `module` is a packed SwiGLU MLP that PackedSwiGLUMLP computes
+    alike: a SiLU activation, and both layers plain or split block by block before a row layer."""
+    if not is_packed_gated_mlp(module) or not _is_silu(getattr(module, "activation_fn", None)):
+        return None
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if type(gate_up) is ColumnParallelLinear:
+        half = gate_up.out_features // 2
+        if not isinstance(down, RowParallelLinear) or gate_up.gather_output or gate_up.activation or \
+                gate_up.fused_sizes != (half, half):
+            return None
+    elif type(gate_up) is not nn.Linear or type(down) is not nn.Linear or gate_up.out_features % 2:
+        return None
+    return gate_up, down
+
+
 def fuse(model: nn.Module) -> list[str]:
     """Swap every recognised module of `model` for its fused counterpart, in place (Note [fused
     modules]), and give the recognised decoder layers the fused residual add (Note [fused
@@ -200,6 +232,8 @@ def fuse(model: nn.Module) -> list[str]:
             continue
         if _is_llama_rms_norm(module):
             fused = FusedRMSNorm.from_hf(module)
+        elif (packed := _packed_swiglu_parts(module)) is not None:
+            fused = PackedSwiGLUMLP(*packed)
         else:
             parts = _swiglu_parts(module)
             if parts is None:
@@ -234,7 +268,8 @@ def _warn_left_alone(model: nn.Module, swapped: list[str]) -> None:
             f"fuse: {listing} of transformers {version} keep their own forward, unfused. parallel_layers fuses "
             "these families' modules where they compute the form it knows (transformers 5.17-5.23): an MLP "
             "down_proj(act_fn(gate_proj(x)) * up_proj(x)) with a SiLU act_fn and gate_proj, up_proj both plain or "
-            "both column-parallel; Llama's RMSNorm; Llama's decoder layer, once its post-attention norm is fused "
+            "both column-parallel, or down_proj(up * activation_fn(gate)) of gate, up = "
+            "gate_up_proj(x).chunk(2, -1) with gate_up_proj plain or split block by block; Llama's RMSNorm; Llama's decoder layer, once its post-attention norm is fused "
             "(Note [fused modules] in parallel_layers/fused.py)", stacklevel=3)
 
 

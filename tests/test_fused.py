@@ -1,5 +1,6 @@
 """parallel_layers.fused: a Hugging Face decoder's SwiGLU MLPs swapped for SwiGLUMLP (one GEMM on
-the packed [gate; up] weight, activation fused), its RMSNorms for FusedRMSNorm, over the
+the packed [gate; up] weight, activation fused) - or, where gate and up are one packed layer
+already (Phi-3, GLM-4), PackedSwiGLUMLP - its RMSNorms for FusedRMSNorm, over the
 same parameters, and its layers' residual add fused into the post-attention norm, against the
 plain transformers model from the same directory. Tensor-parallel, sequence-parallel, ZeRO and
 pipelined runs of the fused model are the parity tests of those features (parallelize fuses by
@@ -23,8 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallel_layers import fused, meta
 from parallel_layers.ops import FusedRMSNorm
 from parallel_layers.tensor_parallel import parallelize as tp_parallelize
-from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, SwiGLUMLP
-from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama, save_tiny_mistral, save_tiny_qwen2, train_losses
+from parallel_layers.tensor_parallel import published_plan
+from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, PackedSwiGLUMLP, RowParallelLinear, SwiGLUMLP
+from parallel_layers.tensor_parallel.plan import Column, Row
+from tests.hf._tiny import (save_tiny_gpt2, save_tiny_llama, save_tiny_mistral, save_tiny_phi3, save_tiny_qwen2,
+                            train_losses)
 from tests.ops.numerics import devices
 
 transformers = pytest.importorskip("transformers")
@@ -290,3 +294,92 @@ def test_swiglu_mlp_refuses_unmatched_projections():
         SwiGLUMLP(nn.Linear(8, 16), nn.Linear(8, 12), nn.Linear(16, 8))
     with pytest.raises(TypeError, match="fused_kernels must be True or False, got 'yes'"):
         tp_parallelize(nn.Linear(2, 2), {}, fused_kernels="yes")
+
+
+def _save_tiny_glm4(directory):
+    config = transformers.Glm4Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, vocab_size=128, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.Glm4ForCausalLM(config).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_packed_gate_up_mlps_fuse_and_train_as_the_plain_one(tmp_path, family):
+    (save_tiny_phi3 if family == "phi3" else _save_tiny_glm4)(tmp_path)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    weights = [layer.mlp.gate_up_proj.weight for layer in model.model.layers]
+    names = fused.fuse(model)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(f"model.layers.{i}.mlp" in names for i in range(2))
+    assert all(isinstance(m, PackedSwiGLUMLP) and m.gate_up_proj.weight is w for m, w in zip(mlps, weights))
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with _OpCounter() as ops:
+        logits = model(ids).logits
+    assert ops.count("linear_swiglu") == 2  # one packed GEMM + epilogue per layer
+    torch.testing.assert_close(logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
+    # SGD: GLM-4's key bias has an exactly-zero true gradient (softmax ignores a shift of every
+    # score), whose rounding noise AdamW's normalisation would turn into steps of lr
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    assert train_losses(model, sgd(model.parameters()), 3, vocab=128) == pytest.approx(
+        train_losses(plain, sgd(plain.parameters()), 3, vocab=128), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_packed_mlp_is_the_modules_math_in_float64():
+    config = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, vocab_size=128, pad_token_id=0)
+    torch.manual_seed(0)
+    mlp = transformers.models.phi3.modeling_phi3.Phi3MLP(config).double()
+    fused_mlp = PackedSwiGLUMLP(copy.deepcopy(mlp.gate_up_proj), copy.deepcopy(mlp.down_proj))
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = mlp(x), fused_mlp(x2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(y2, y, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-12, atol=1e-14)
+    for p, q in zip(fused_mlp.parameters(), mlp.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def _first_half_mlp(self, x):  # reads the gate half of the packed output only: a one-block split is wrong
+    return self.down_proj(self.gate_up_proj(x)[..., :64])
+
+
+def test_packed_mlps_are_split_block_by_block_not_gathered():
+    # Phi-3 publishes its gate_up_proj "colwise_gather_output" with down_proj "rowwise_split_input"
+    # (its forward chunks the output in two); split as two blocks, the chunk is this rank's gate and
+    # up: no gather (Note [packed MLPs split block by block] in tensor_parallel/plan.py).
+    config = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, vocab_size=128, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(config)
+    plan = published_plan(model)
+    assert plan["model.layers.*.mlp.gate_up_proj"] == Column(fused=2) and plan["model.layers.*.mlp.down_proj"] == Row()
+    assert plan["model.layers.*.self_attn.qkv_proj"] == Column(gather_output=True)  # attention slices by global heads
+    mlp = tp_parallelize(model).model.layers[0].mlp
+    assert isinstance(mlp, PackedSwiGLUMLP) and isinstance(mlp.down_proj, RowParallelLinear)
+    assert mlp.gate_up_proj.fused_sizes == (64, 64) and not mlp.gate_up_proj.gather_output
+    # a forward that is not the packed form keeps the published entries
+    other = transformers.Phi3ForCausalLM(config)
+    other.model.layers[0].mlp.__class__ = type("HalfPhi3MLP", (transformers.models.phi3.modeling_phi3.Phi3MLP,),
+                                               {"forward": _first_half_mlp})
+    assert published_plan(other)["model.layers.*.mlp.gate_up_proj"] == Column(gather_output=True)
+    # a GeLU gate: split block by block (any elementwise activation), not fused
+    config.hidden_act = "gelu"
+    with pytest.warns(UserWarning, match=r"fuse: 1 Phi3MLP of transformers \S+ keep their own forward, unfused"):
+        gelu = tp_parallelize(transformers.Phi3ForCausalLM(config)).model.layers[0].mlp
+    assert type(gelu).__name__ == "Phi3MLP" and gelu.gate_up_proj.fused_sizes == (64, 64)
+
+
+def test_packed_swiglu_mlp_refuses_what_it_cannot_compute():
+    with pytest.raises(TypeError, match="PackedSwiGLUMLP: gate_up_proj and down_proj must be a ColumnParallelLinear "
+                                        "and a RowParallelLinear, or two nn.Linear"):
+        PackedSwiGLUMLP(nn.Linear(8, 15), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"must be a column layer of two equal blocks split on their own "
+                                         r"\(fused_sizes=\(8, 8\)\)"):
+        PackedSwiGLUMLP(ColumnParallelLinear(8, 16), RowParallelLinear(8, 8))

@@ -40,9 +40,10 @@ forward of each supported family (transformers 5.23, `FAMILIES`):
     tensor parallelism does the same with an all-reduce (Note [one reduction per region]).
   - Exit: the region's row layers (`o_proj` / `down_proj`, GPT-2's `c_proj`s) reduce-scatter on
     the sequence dim instead of all-reducing (backward: all-gather).
-  - Inside a region whose plan gathers the column layers' outputs (GLM's, GLM-4's and Phi-3's
-    packed gate_up_proj, Phi-3's packed qkv_proj, OLMo 2's and OLMoE's q, k, v before their
-    q_norm / k_norm over every head): the columns all-gather their output features, the region
+  - Inside a region whose plan gathers the column layers' outputs (Phi-3's packed qkv_proj,
+    OLMo 2's and OLMoE's q, k, v before their q_norm / k_norm over every head; GLM's, GLM-4's
+    and Phi-3's packed gate_up_proj only in an explicit plan that gathers it: the published
+    one is split block by block instead, Note [packed MLPs split block by block] in plan.py): the columns all-gather their output features, the region
     runs whole between them and the row layers, which slice their input's features again and
     reduce-scatter on the sequence (Note [gathered regions under sequence parallelism]).
   - Per position, between the regions, on each rank's chunk: the norms before the regions, the
@@ -119,7 +120,8 @@ FAMILIES = {
     # identical) or Mistral's (Phi-3: identical; its sliding-window mask built before layer 0).
     # GLM: Llama's decoder layer and attention (partial rotary: the cos / sin cover part of each
     # head, built before layer 0); its MLP computes gate_up_proj, then chunk(2) of its output
-    # features, which is why its plan gathers them, and down_proj splits its input again.
+    # features, which is why its plan gathers them, and down_proj splits its input again (we
+    # split gate_up_proj block by block instead: Note [packed MLPs split block by block]).
     # GLM-4: GLM's, plus post_self_attn_layernorm / post_mlp_layernorm on the regions' outputs,
     # per position, before the residual adds.
     # Phi-3: q, k, v packed in qkv_proj, its output sliced at config.num_attention_heads *
@@ -342,8 +344,10 @@ def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLine
 # Note [gathered regions under sequence parallelism]: some families' published plans gather a
 # region's column outputs ("colwise_gather_output") and split its row layers' inputs again
 # ("rowwise_split_input"), because the region's forward reads features across the heads or
-# the shards: GLM's, GLM-4's and Phi-3's MLPs chunk(2) gate_up_proj's output, Phi-3's attention
-# slices qkv_proj's at the model's head count, OLMo 2's (and OLMoE's) q_norm / k_norm normalise
+# the shards: GLM's, GLM-4's and Phi-3's MLPs chunk(2) gate_up_proj's output (which
+# plan.published_plan splits block by block instead, so that the chunk is each rank's own:
+# Note [packed MLPs split block by block]), Phi-3's attention slices qkv_proj's at the model's
+# head count, OLMo 2's (and OLMoE's) q_norm / k_norm normalise
 # over every head's features. Between such column and row layers every rank then computes the
 # region whole: every head or feature, of the whole sequence (plain tensor parallelism does the
 # same). Under sequence parallelism the region's entry gathers the sequence as for any region;

@@ -162,9 +162,11 @@ def _wait_input_grad(ctx, handle) -> None:
                                                               "all_reduce"), ctx.group)
 
 
-def _rows_packed(a: Tensor, b: Tensor) -> Tensor:
+def _rows_packed(a: Tensor, b: Tensor | None) -> Tensor:
     """[a; b] along dim 0: a view when b's rows directly follow a's in one storage (the layout
-    SwiGLUMLP.pack_ gives gate and up), else a copy."""
+    SwiGLUMLP.pack_ gives gate and up), else a copy; `a` itself when b is None (a is packed)."""
+    if b is None:
+        return a
     if _adjacent(a, b):
         return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride(), a.storage_offset())
     return torch.cat([a, b])
@@ -183,7 +185,8 @@ class _ColumnSwiGLU(torch.autograd.Function):
     their shards); the packed weight is a view of them when they are adjacent in memory, else
     a copy made in forward and again in backward: only the parameters are saved, so under
     ZeRO-3 the gathered weights are freed after forward and gathered again for backward, as
-    for any layer."""
+    for any layer. w_up (and b_up) None: w_gate is the packed [Wg; Wu] itself (one parameter,
+    PackedSwiGLUMLP), whose gradient is returned whole."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, b_gate, b_up, group, input_comm, seq_dim):
@@ -199,7 +202,8 @@ class _ColumnSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_full, w_gate, w_up, preact = ctx.saved_tensors
-        n, k = w_gate.shape[0], w_gate.shape[1]
+        packed = w_up is None
+        n, k = w_gate.shape[0] // (2 if packed else 1), w_gate.shape[1]
         dz, db = swiglu_backward(dy, preact, ctx.has_bias and any(ctx.needs_input_grad[3:5]))
         dz2 = dz.reshape(-1, 2 * n)
         dx, handle = (_input_grad(ctx, dz2, _rows_packed(w_gate, w_up), x_full.shape) if ctx.needs_input_grad[0]
@@ -207,6 +211,8 @@ class _ColumnSwiGLU(torch.autograd.Function):
         dw = linear_weight_grad(dz2, x_full.reshape(-1, k)) if any(ctx.needs_input_grad[1:3]) else None
         db = db if ctx.has_bias and any(ctx.needs_input_grad[3:5]) else None
         _wait_input_grad(ctx, handle)
+        if packed:
+            return dx, dw, None, db, None, None, None, None
         return (dx, dw[:n] if dw is not None else None, dw[n:] if dw is not None else None,
                 db[:n] if db is not None else None, db[n:] if db is not None else None, None, None, None)
 
@@ -423,10 +429,51 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj, self.up_proj
-        group, input_comm, seq_dim = None, "none", 0  # plain nn.Linear: no collective at all
-        if isinstance(gate, ColumnParallelLinear):  # as ColumnParallelLinear.forward decides
-            _check_input(x, gate.in_features, "SwiGLUMLP gate_proj/up_proj", "in_features")
-            group, seq_dim, input_comm = gate.tp_group, gate.seq_dim % x.dim(), _input_comm(gate)
+        group, input_comm, seq_dim = _column_comm(gate, x, "SwiGLUMLP gate_proj/up_proj")
         xc, w_gate, b_gate = linear_autocast_inputs(x, gate.weight, gate.bias)
         _, w_up, b_up = linear_autocast_inputs(x, up.weight, up.bias)
         return self.down_proj(_ColumnSwiGLU.apply(xc, w_gate, w_up, b_gate, b_up, group, input_comm, seq_dim))
+
+
+def _column_comm(layer: nn.Module, x: Tensor, what: str) -> tuple:
+    """(group, input collective, sequence dim) of a fused MLP's column layer, as
+    ColumnParallelLinear.forward decides them; a plain nn.Linear has no collective at all."""
+    if not isinstance(layer, ColumnParallelLinear):
+        return None, "none", 0
+    _check_input(x, layer.in_features, what, "in_features")
+    return layer.tp_group, _input_comm(layer), layer.seq_dim % x.dim()
+
+
+class PackedSwiGLUMLP(nn.Module):
+    """A SwiGLU MLP whose gate and up projections are one packed layer, `[gate; up]` rows, as
+    Phi-3, GLM and GLM-4 write it: `gate, up = gate_up_proj(x).chunk(2, -1);
+    down_proj(up * silu(gate))`, run as one GEMM with the activation fused (linear_swiglu).
+
+    It holds the MLP's own two modules under their names (state dicts, checkpoints and exports
+    unchanged): gate_up_proj a ColumnParallelLinear whose two blocks are split on their own
+    (fused_sizes (I, I): rank r's rows are [gate_r; up_r], the local packed layout) with
+    down_proj the RowParallelLinear after it, or both nn.Linear. `up * silu(gate)` and
+    `silu(gate) * up` are the same IEEE product."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        if isinstance(gate_up_proj, ColumnParallelLinear):
+            half = gate_up_proj.out_features // 2
+            if (gate_up_proj.fused_sizes != (half, half) or gate_up_proj.gather_output or gate_up_proj.activation
+                    or not isinstance(down_proj, RowParallelLinear)):
+                raise ValueError(f"PackedSwiGLUMLP: gate_up_proj must be a column layer of two equal blocks split on "
+                                 f"their own (fused_sizes=({half}, {half})) before a RowParallelLinear; got "
+                                 f"fused_sizes={gate_up_proj.fused_sizes}, gather_output={gate_up_proj.gather_output}, "
+                                 f"activation={gate_up_proj.activation}, down_proj {type(down_proj).__name__}")
+        elif not (isinstance(gate_up_proj, nn.Linear) and isinstance(down_proj, nn.Linear)
+                  and gate_up_proj.out_features % 2 == 0):
+            raise TypeError(f"PackedSwiGLUMLP: gate_up_proj and down_proj must be a ColumnParallelLinear and a "
+                            f"RowParallelLinear, or two nn.Linear (an even number of packed rows); got "
+                            f"{type(gate_up_proj).__name__} and {type(down_proj).__name__}")
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        layer = self.gate_up_proj
+        group, input_comm, seq_dim = _column_comm(layer, x, "PackedSwiGLUMLP gate_up_proj")
+        xc, w, b = linear_autocast_inputs(x, layer.weight, layer.bias)
+        return self.down_proj(_ColumnSwiGLU.apply(xc, w, None, b, None, group, input_comm, seq_dim))

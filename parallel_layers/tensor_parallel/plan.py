@@ -69,8 +69,10 @@ their input gradients once, at its entry (Note [one reduction per region]).
 
 fused_kernels=True (the default): after the conversion, a Hugging Face decoder's SwiGLU MLPs
 (gate_proj and up_proj column-parallel, down_proj row-parallel) become SwiGLUMLP, one packed
-column-parallel GEMM with the activation fused, over the same parameters; its RMSNorms and its
-attention residual adds are fused too (parallel_layers/fused.py).
+column-parallel GEMM with the activation fused, over the same parameters, and the ones whose
+gate and up are one packed layer (Phi-3, GLM, GLM-4; split block by block, not gathered as
+their published plans ask: Note [packed MLPs split block by block]) PackedSwiGLUMLP; its
+RMSNorms and its attention residual adds are fused too (parallel_layers/fused.py).
 """
 
 from __future__ import annotations
@@ -217,7 +219,36 @@ def published_plan(model: nn.Module) -> dict:
         if any(fnmatch.fnmatchcase(n, pattern) for n in tied) or (tied and style == "embedding_rowwise"):
             continue  # the tie and both its ends stay replicated
         out[pattern] = HF_STYLES[style]
-    return out
+    return _split_packed_mlps(model, out)
+
+
+# Note [packed MLPs split block by block]: Phi-3, GLM and GLM-4 pack an MLP's gate and up
+# projections in one layer and publish it "colwise_gather_output" with "rowwise_split_input"
+# for down_proj, because their forward chunks the layer's output in two (`gate, up =
+# gate_up_proj(x).chunk(2, -1)`): split as one block, rank r's chunk would hold gate features
+# only (or up features only). That plan all-gathers the [tokens, 2 * intermediate] output and
+# runs the activation and the product whole on every rank, before down_proj takes its slice.
+# Split as two blocks instead (Column(fused=2), transformers' "packed_colwise"), rank r holds
+# [gate_r; up_r], so the same chunk(2) gives it matching gate and up features, the activation
+# and product are elementwise, and down_proj reads this rank's slice of the intermediate
+# features as a row layer does: the computation is the same, with no gather (an all-reduce of
+# the output, as any MLP) and 1 / tp of the elementwise work. It is applied where every module
+# the MLP pattern names computes exactly that form (fused.is_packed_gated_mlp, read from its
+# forward's source); any other form keeps the published entries.
+def _split_packed_mlps(model: nn.Module, plan: dict) -> dict:
+    """The published plan with packed gated MLPs split block by block (Note [packed MLPs split
+    block by block])."""
+    modules = dict(model.named_modules())
+    for pattern, spec in list(plan.items()):
+        parent, _, leaf = pattern.rpartition(".")
+        down = f"{parent}.down_proj"
+        gathered = spec == Column(gather_output=True) and plan.get(down) == Row(input_is_parallel=False)
+        if leaf != "gate_up_proj" or not gathered:
+            continue
+        mlps = [m for n, m in modules.items() if n and fnmatch.fnmatchcase(n, parent)]
+        if mlps and all(fused_modules.is_packed_gated_mlp(m) for m in mlps):
+            plan[pattern], plan[down] = HF_STYLES["packed_colwise"], HF_STYLES["rowwise"]
+    return plan
 
 
 def _tied_to_input_embedding(model: nn.Module) -> set[str]:

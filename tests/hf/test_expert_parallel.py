@@ -109,8 +109,8 @@ def _train(rank, world, directory, export, checkpoint_dir, family, dp, pp, zero_
     else:
         model = _load(directory, family)
     piped = pp > 1
-    kwargs = dict(loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, pipeline_layers="auto", microbatches=2) if piped \
-        else dict(loss_fn=_loss)
+    kwargs = dict(loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, pipeline_layers="auto",
+                  microbatches=2) if piped else dict(loss_fn=_loss)
     par = parallelize(model, ctx, optimizer=_sgd, zero_stage=zero_stage, expert_parallel=True,
                       activation_checkpointing=checkpointing, **kwargs)
     if build == "meta":

@@ -29,12 +29,13 @@ transformers = pytest.importorskip("transformers")
 KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4", "mixtral",
          "qwen3_moe", "mixtral_whole_experts", "glm", "glm4", "phi3", "olmo2", "olmoe", "qwen2_moe")
 TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: both stay replicated
-# Column layers per decoder layer whose published plan gathers their outputs (Note [gathered
-# regions under sequence parallelism]): GLM's and GLM-4's gate_up_proj, Phi-3's qkv_proj and
-# gate_up_proj, OLMo 2's and OLMoE's q, k and v; and of them, row layers that split their whole
-# input again.
-GATHERED = {"glm": 1, "glm4": 1, "phi3": 2, "olmo2": 3, "olmoe": 3}
-SPLIT_INPUT_ROWS = {"glm": 1, "glm4": 1, "phi3": 2, "olmo2": 1, "olmoe": 1}
+# Column layers per decoder layer that gather their outputs (Note [gathered regions under
+# sequence parallelism]): Phi-3's qkv_proj, OLMo 2's and OLMoE's q, k and v; and of them, row
+# layers that split their whole input again. Not the packed gate_up_proj of GLM, GLM-4 and
+# Phi-3, which their published plans gather: it is split block by block instead (Note [packed
+# MLPs split block by block] in tensor_parallel/plan.py), its MLP a region like any other.
+GATHERED = {"phi3": 1, "olmo2": 3, "olmoe": 3}
+SPLIT_INPUT_ROWS = {"phi3": 1, "olmo2": 1, "olmoe": 1}
 NORMS_PER_LAYER = {"glm4": 4}  # + post_self_attn_layernorm, post_mlp_layernorm; the others 2
 # Parameters whose gradients are summed over tp (one all-reduce each in backward): the norms'
 # weights (and biases) of the 2 layers and the final norm - none in OLMo's parameter-free
