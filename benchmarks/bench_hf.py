@@ -2,7 +2,7 @@
 
     python benchmarks/bench_hf.py [--hidden 512 1024] [--layers 4] [--dtypes float32 bfloat16]
                                   [--batch 1 --seq 256] [--reps 6] [--trials 3]
-                                  [--adamw fused|foreach|default] [--model llama|mixtral]
+                                  [--adamw fused|foreach|default] [--model llama|mixtral|phi3]
 
 The model, for each --hidden h: a transformers LlamaConfig with h / 64 heads and h / 256
 key-value heads (grouped-query attention; at least 4 and 2), a SwiGLU MLP of 8h/3 rounded up to
@@ -51,7 +51,14 @@ Writes benchmarks/results/bench_hf.json (every trial's times) and bench_hf.png.
 Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15.
 --model mixtral: the same step on a Mixtral of the same attention, with 8 experts of the Llama's
 MLP width and 2 per token (Mixtral 8x7B's shape: experts of 3.5 x hidden); at tp=2 ours splits
-each expert as its MLP (tensor_parallel/experts.py), as transformers' "moe_tp_experts" does.
+each expert as its MLP (tensor_parallel/experts.py), as transformers' "moe_tp_experts" does; at
+dp=2 a fourth variant, zero3_ep: ZeRO-3 with expert_parallel=True (each rank 4 whole experts,
+tokens exchanged by all-to-all; parallel_layers/expert_parallel.py), the layout torchtitan and
+Megatron train mixtures of experts with; its ratios are held to ZeRO-3's targets.
+--model phi3: the Llama's shape as a Phi-3 (q, k, v packed in qkv_proj, gate and up in
+gate_up_proj). Its published plan gathers both packed outputs; ours gathers qkv_proj's too (its
+attention slices at the model's head count) but splits gate_up_proj block by block, with no
+gather, and fuses the MLP (Note [packed MLPs split block by block] in tensor_parallel/plan.py).
 """
 
 from __future__ import annotations
@@ -71,8 +78,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine, spawn, time_interleaved, write_json  # noqa: E402
 
 AXES = {"tp": ("ours", "hf_tp"), "dp": ("zero3", "fsdp2", "ddp")}
-# (numerator, denominator, target): the issue's targets for each ratio of step times
-RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15))
+# a mixture of experts also runs ZeRO-3 with its experts spread over dp (expert_parallel=True)
+MOE_AXES = {"tp": AXES["tp"], "dp": ("zero3", "zero3_ep", "fsdp2", "ddp")}
+# (numerator, denominator, target): the issue's targets for each ratio of step times; the
+# expert-parallel ZeRO-3 is held to ZeRO-3's
+RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15),
+          ("zero3_ep", "fsdp2", 0.85), ("zero3_ep", "ddp", 1.15))
 # --adamw: torch.optim.AdamW's implementations, the same one for every variant
 ADAMW_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -98,7 +109,18 @@ def mixtral_config(hidden: int, layers: int, vocab: int, seq: int):
                                       tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2)
 
 
-CONFIGS = {"llama": llama_config, "mixtral": mixtral_config}
+def phi3_config(hidden: int, layers: int, vocab: int, seq: int):
+    import transformers
+
+    llama = llama_config(hidden, layers, vocab, seq)
+    return transformers.Phi3Config(hidden_size=hidden, intermediate_size=llama.intermediate_size,
+                                   num_hidden_layers=layers, num_attention_heads=llama.num_attention_heads,
+                                   num_key_value_heads=llama.num_key_value_heads, vocab_size=vocab,
+                                   max_position_embeddings=llama.max_position_embeddings, sliding_window=None,
+                                   tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+CONFIGS = {"llama": llama_config, "mixtral": mixtral_config, "phi3": phi3_config}
 
 
 def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed", adamw_impl: str = "fused",
@@ -134,10 +156,11 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
     mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if mixed else dtype)
     decoder_layer = type(model.model.layers[0])
-    if kind in ("ours", "zero3"):
+    if kind in ("ours", "zero3", "zero3_ep"):
         ctx = init_parallel(tp=2 if kind == "ours" else 1, device="cpu")
         par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan="auto" if kind == "ours" else None,
-                          zero_stage=3 if kind == "zero3" else 0, wrap=lambda m: isinstance(m, decoder_layer))
+                          zero_stage=0 if kind == "ours" else 3, wrap=lambda m: isinstance(m, decoder_layer),
+                          expert_parallel=kind == "zero3_ep")
 
         def step(ids):
             par.forward_backward(ids, ids)
@@ -169,12 +192,13 @@ def _plain_step(model, opt, loss_fn, autocast: bool = False):
     return step
 
 
-def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16, adamw_impl):
+def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16, adamw_impl, model):
     # transformers' distributed loading reads the torchrun variables; the process group is ours
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_WORLD_SIZE=str(ws))
     times = {}
     for axis in axes:  # one axis's variants at a time: the others' memory is freed first
-        kinds = AXES[axis][::-1] if reverse else AXES[axis]
+        kinds = (MOE_AXES if model == "mixtral" else AXES)[axis]
+        kinds = kinds[::-1] if reverse else kinds
         steps = {kind: _variant(kind, model_dir, getattr(torch, dtype_name), bf16, adamw_impl) for kind in kinds}
         # tp: every rank the same batch; dp: each rank its own
         g = torch.Generator().manual_seed(rank if axis == "dp" else 0)
@@ -246,7 +270,7 @@ def main(argv=None):
                 trials = []
                 for trial in range(args.trials):
                     ranks = spawn(_rank, 2, (args.axes, model_dir, dtype, args.batch, args.seq, args.vocab,
-                                             args.reps, trial % 2 == 1, args.bf16, args.adamw))
+                                             args.reps, trial % 2 == 1, args.bf16, args.adamw, args.model))
                     times = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the slower rank's median
                     trials.append(times)
                 ratios, trial_ratios = {}, {}
