@@ -4,6 +4,7 @@ against plain transformers in one process, checkpoint it, export it and reload t
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --dp 2 --zero 3
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --activation-checkpointing full
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --model-dir my-llama/ --tp 2
+    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --model-dir my-mixtral/ --zero 3 --expert-parallel
     torchrun --standalone --nproc-per-node 1 examples/finetune_hf.py            # the reference
 
 Without --model-dir, rank 0 makes a small Llama from a config (grouped-query attention, SwiGLU,
@@ -13,7 +14,9 @@ untied head; nothing is downloaded) and saves it with `save_pretrained`: that di
 publishes), activation checkpointing of the decoder layers (--activation-checkpointing),
 pipeline stages cut at the model's own modules (--pp: embedding -> decoder layers -> norm +
 head), ZeRO (--zero 1-3) or DataParallel (--zero 0) over dp, ZeRO's groups being the decoder
-layers. The loss is Hugging Face's causal-LM loss on generated sequences (each counts up from a
+layers (the model's `_no_split_modules`, parallelize's default), and for a mixture of experts
+(--model-dir of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE) its experts spread over dp
+(--expert-parallel). The loss is Hugging Face's causal-LM loss on generated sequences (each counts up from a
 random token with a random stride, so there is something to learn; a fixed seed per step), each
 dp rank taking its rows of the global batch.
 
@@ -117,12 +120,6 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def decoder_layers(model) -> type:
-    """ZeRO's groups: the model's decoder-layer class (what transformers never splits)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return lambda m: type(m).__name__ in names
-
-
 def adamw(args):
     return lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
@@ -165,6 +162,8 @@ def main():
     ap.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 * pp with --pp > 1, else 1)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
                     help="recompute each decoder layer in backward: all of it, or all but its GEMM outputs")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="a mixture of experts' experts spread over the dp ranks, tokens sent by all-to-all")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=8, help="global batch (sequences), split over dp")
     ap.add_argument("--seq-len", type=int, default=32)
@@ -195,9 +194,9 @@ def main():
     pipelined = args.pp > 1 or args.microbatches > 1
     par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=loss_fn, tp_plan="auto" if args.tp > 1 else None,
                       activation_checkpointing=None if args.activation_checkpointing == "none"
-                      else args.activation_checkpointing, zero_stage=args.zero, wrap=decoder_layers(model),
+                      else args.activation_checkpointing, zero_stage=args.zero,
                       pipeline_layers="auto" if pipelined else None, schedule=args.schedule,
-                      microbatches=args.microbatches)
+                      microbatches=args.microbatches, expert_parallel=args.expert_parallel)
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -231,9 +230,10 @@ def main():
         pipeline = f", {args.schedule} schedule, {args.microbatches} microbatches" if pipelined else ""
         recompute = ("" if args.activation_checkpointing == "none"
                      else f", {args.activation_checkpointing} activation checkpointing")
+        experts = ", experts over dp" if args.expert_parallel else ""
         print(f"layout: dp={dp} x tp={args.tp} x pp={args.pp} on {world} process(es), "
               f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
-              f"{pipeline}{recompute}, plan: {'the published one' if args.tp > 1 else 'none'}")
+              f"{pipeline}{recompute}{experts}, plan: {'the published one' if args.tp > 1 else 'none'}")
         print(f"{'time per step':28s} {elapsed / args.steps * 1e3:.1f} ms")
         print(f"{'checkpoint':28s} {saved}" + (" (removed at the end; --work-dir keeps it)" if args.work_dir is None
                                                 else ""))

@@ -103,6 +103,9 @@ def test_finetune_hf_export_check_catches_a_wrong_export(tmp_path):
     ("gpt2", "GPT2LMHeadModel", ["--tp", "2", "--dp", "2", "--zero", "3", "--activation-checkpointing", "selective"]),
     # its published plan's per-head q / k norms, gradients summed over tp, under ZeRO-3
     ("qwen3", "Qwen3ForCausalLM", ["--tp", "2", "--dp", "2", "--zero", "3"]),
+    # one expert per rank, tokens by all-to-all (tests/hf/test_expert_parallel.py checks the layouts)
+    pytest.param("mixtral", "MixtralForCausalLM", ["--dp", "4", "--zero", "3", "--expert-parallel"],
+                 marks=pytest.mark.slow),
 ])
 def test_finetune_hf_other_families(tmp_path, family, model, flags):
     # The other families of issue 16 through the same job, from their save_pretrained
