@@ -44,9 +44,21 @@ Checkpoints, `hf.load_pretrained` and `hf.save_pretrained` see each rank's exper
 [offset, offset + E / ep) of the logical stacked tensor (its placement layout), so a
 checkpoint saved with expert parallelism loads into any other layout and back.
 
+With tensor parallelism too (tp > 1; Megatron's expert tensor parallelism): the plan's
+Experts() first splits every expert over the TP group as its MLP, then this rank keeps its
+dp rank's experts of those shards (the placement boxes cut on dim 0: `placement.narrowed`).
+The ranks of one TP group hold the same tokens and routing (the residual stream is
+replicated over tp), so the all-to-alls, one group per TP coordinate, hand each of them the
+same rows; the tensor-parallel forward inside (tensor_parallel/experts.py) computes each
+expert's partial output over this rank's intermediate features and all-reduces it over tp
+(under sequence parallelism the MoE block's reduce-scatter does), and all-reduces the rows'
+gradient in the backward. The new parameters carry no hook of the old ones: tensor
+parallelism registers none on split experts (sequence parallelism's gradient sums are for
+the replicated parameters).
+
 What it does not do (yet): expert parallelism over a group other than the whole dp group (ep
-< dp, experts replicated over dp / ep); with tensor parallelism (tp > 1); capacity factors or
-token dropping (every routed token is computed: dropless); overlapping the all-to-alls with
+< dp, experts replicated over dp / ep); whole experts per TP rank (Experts(split="experts"))
+under it; capacity factors or token dropping (every routed token is computed: dropless); overlapping the all-to-alls with
 compute (DeepEP, Megatron's A2A overlap); the routers' load-balancing loss is computed by the
 model on each rank's own tokens, as under plain data parallelism.
 """
@@ -59,8 +71,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import fault, placement
-from parallel_layers.tensor_parallel.experts import Experts, _Joined, layout_problem
-from parallel_layers.tensor_parallel.sharding import sharded_parameter
+from parallel_layers.tensor_parallel.experts import Experts, _Joined, is_tensor_parallel_experts, layout_problem
 
 _DISPATCH = "expert-parallel all_to_all"
 
@@ -74,13 +85,10 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
                    for attr in (spec.column, spec.row))]
 
 
-def check(model: nn.Module, ep: int, tp: int) -> list[tuple[str, nn.Module]]:
+def check(model: nn.Module, ep: int) -> list[tuple[str, nn.Module]]:
     """Why `model` cannot take expert parallelism over `ep` ranks, raised (the same on every
-    rank: it depends on the model and the degrees only); else its experts modules."""
-    if tp > 1:
-        raise ValueError(f"parallelize: expert_parallel=True spreads the experts over the data-parallel ranks and "
-                         f"does not combine with tensor parallelism yet (tp={tp}); use tp=1, or tensor parallelism "
-                         "alone (its Experts() plan splits every expert over the TP ranks)")
+    rank: it depends on the model and the degrees only); else its experts modules. Before
+    tensor parallelism converts them."""
     found = expert_modules(model)
     if not found:
         raise ValueError(f"parallelize: expert_parallel=True found no mixture-of-experts module in "
@@ -93,6 +101,22 @@ def check(model: nn.Module, ep: int, tp: int) -> list[tuple[str, nn.Module]]:
             problem = problem.replace("tensor-parallel", "expert-parallel (data-parallel)").replace("tp=", "dp=")
             raise ValueError(f"parallelize: expert_parallel=True over dp={ep} ranks cannot split {name}: {problem}")
     return found
+
+
+def check_tensor_parallel(model: nn.Module, names: list[str]) -> None:
+    """Under tensor parallelism the experts must have been split by Experts() (each expert's
+    intermediate features over tp), not as whole experts or left whole (Note [experts over the
+    data-parallel ranks])."""
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules[name]
+        if is_tensor_parallel_experts(module) and module.expert_offset is None:
+            continue
+        how = ("whole experts per tensor-parallel rank (Experts(split='experts'))" if is_tensor_parallel_experts(module)
+               else "not split (no Experts() entry in the plan)")
+        raise ValueError(f"parallelize: expert_parallel=True at tp > 1 splits each expert of {name} over the "
+                         f"tensor-parallel ranks as its MLP (Experts(), the published 'moe_tp_experts') and the "
+                         f"experts over the data-parallel ranks; the plan left them {how}")
 
 
 def expert_group(mesh) -> dist.ProcessGroup | None:
@@ -116,14 +140,17 @@ def convert(module: nn.Module, group: dist.ProcessGroup) -> None:
     total = getattr(module, spec.column).shape[0]
     local = total // ep
     for attr in (spec.column, spec.row):
-        full = getattr(module, attr)
-        p = sharded_parameter(full.detach(), 0, ep, rank).requires_grad_(full.requires_grad)
-        del p.tp_shard  # split over the data-parallel ranks, not the tensor-parallel ones
+        full = getattr(module, attr)  # whole, or each expert's tensor-parallel shard
+        p = nn.Parameter(full.detach().narrow(0, rank * local, local).clone(), requires_grad=full.requires_grad)
+        placement.set_local_layout(p, placement.narrowed(placement.local_layout(full), 0, rank * local, local))
+        if hasattr(full, "tp_shard"):  # split over tp as well (what a second parallelize refuses)
+            p.tp_shard = full.tp_shard
         placement.set_expert_group(p, group)
         if p.requires_grad:  # the sum over dp's tokens, averaged as the replicas' gradients are
             p.register_hook(lambda g, ep=ep: g / ep)
         setattr(module, attr, p)
-    module.num_experts, module.expert_offset, module.global_experts = local, rank * local, total
+    # not `expert_offset`: tensor_parallel/experts.py's forward renumbers ids by that one
+    module.num_experts, module.expert_parallel_offset, module.global_experts = local, rank * local, total
     cls = type(module)
     if cls not in _EP_CLASSES:
         _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _forward(cls.forward)})
@@ -181,11 +208,12 @@ def _all_to_all(x: Tensor, recv: list[int], send: list[int], group) -> Tensor:
     return out
 
 
-def apply(model: nn.Module, mesh) -> list[str]:
-    """Expert parallelism over the data-parallel ranks of `mesh` on every MoE layer of
-    `model`; returns the converted modules' names."""
-    found = check(model, mesh.size(mesh.mesh_dim_names.index("dp")), mesh.size(mesh.mesh_dim_names.index("tp")))
+def apply(model: nn.Module, mesh, names: list[str]) -> None:
+    """Expert parallelism over the data-parallel ranks of `mesh` on the MoE layers `names` of
+    `model` (`check`'s, after tensor parallelism if any)."""
+    if mesh.size(mesh.mesh_dim_names.index("tp")) > 1:
+        check_tensor_parallel(model, names)
     group = expert_group(mesh)
-    for _, module in found:
-        convert(module, group)
-    return [name for name, _ in found]
+    modules = dict(model.named_modules())
+    for name in names:
+        convert(modules[name], group)

@@ -175,7 +175,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     (parallel_layers/fused.py); False keeps the model's own modules and forwards.
     expert_parallel: a mixture of experts' experts spread over the dp ranks (E / dp each), every
     rank's tokens sent to their experts' ranks and back by all-to-all
-    (parallel_layers/expert_parallel.py); with DataParallel or ZeRO, and pipelines; tp = 1.
+    (parallel_layers/expert_parallel.py); with DataParallel or ZeRO, pipelines, and tensor
+    parallelism (each expert split over tp by the plan's Experts()).
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -203,8 +204,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         raise ValueError(f"parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
                          f"tensor-parallel regions) and no pipeline; got {'no' if tp_plan is None else 'a'} "
                          f"tp_plan, pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
-    if expert_parallel:
-        expert_parallel_module.check(model, ctx.dims.dp, ctx.dims.tp)
+    experts = [name for name, _ in expert_parallel_module.check(model, ctx.dims.dp)] if expert_parallel else []
 
     # 1. tensor parallelism, and the fused modules (after it: they take its layers' shards);
     #    expert parallelism
@@ -213,8 +213,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                    sequence_parallel=sequence_parallel, fused_kernels=fused_kernels)
     elif fused_kernels:
         fused.fuse(model)
-    if expert_parallel and ctx.dims.dp > 1:  # on the whole model, before ranks drop other stages' layers
-        expert_parallel_module.apply(model, ctx.mesh)
+    if experts and ctx.dims.dp > 1:  # on the whole model, before ranks drop other stages' layers
+        expert_parallel_module.apply(model, ctx.mesh, experts)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)

@@ -83,6 +83,22 @@ def local_layout(t: Tensor) -> LocalLayout:
     return layout if layout is not None else LocalLayout.whole(t.shape)
 
 
+def narrowed(layout: LocalLayout, dim: int, start: int, length: int) -> LocalLayout:
+    """The layout of `local.narrow(dim, start, length)` for a local tensor with `layout`: each
+    box cut to that range of the local tensor (boxes outside it dropped), its offsets moved."""
+    boxes = []
+    for b in layout.boxes:
+        lo = max(b.local_offsets[dim], start)
+        hi = min(b.local_offsets[dim] + b.sizes[dim], start + length)
+        if hi <= lo:
+            continue
+        local, glob, sizes = list(b.local_offsets), list(b.global_offsets), list(b.sizes)
+        glob[dim] += lo - local[dim]
+        local[dim], sizes[dim] = lo - start, hi - lo
+        boxes.append(Box(tuple(local), tuple(glob), tuple(sizes)))
+    return LocalLayout(layout.global_shape, tuple(boxes), replicated=False)
+
+
 _EXPERT_GROUP_ATTR = "_parallel_layers_expert_group"
 
 

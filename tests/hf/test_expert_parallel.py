@@ -8,12 +8,14 @@ rank's experts into the stacked tensors and writes them one tensor per expert).
 
 Layouts: Mixtral at dp2 with DataParallel (the experts neither broadcast nor averaged) and at
 dp4 with ZeRO-3 and selective activation checkpointing (one expert per rank, built on the meta
-device and filled by hf.load_pretrained, each rank reading only its expert's tensors); Qwen3-MoE at dp2 with ZeRO-1
-and a checkpoint saved under expert parallelism loaded into a plain ZeRO-3 layout; Qwen2-MoE
-(a shared expert beside the routed ones, a dense layer) at pp2 x dp2 with ZeRO-1 over the
-pipeline stages; a Mixtral whose routers send every token of the first step to one rank's
-experts (the same two experts for every token: equal scores), so the other rank's experts receive
-nothing and its backward must still join the all-to-alls.
+device and filled by hf.load_pretrained, each rank reading only its expert's tensors);
+Qwen3-MoE at dp2 with ZeRO-1 and a checkpoint saved under expert parallelism loaded into a plain
+ZeRO-3 layout; Qwen2-MoE (a shared expert beside the routed ones, a dense layer) at pp2 x dp2
+with ZeRO-1 over the pipeline stages; with tensor parallelism (each expert split over tp as its
+MLP, then the experts over dp): Mixtral at tp2 x dp2 with ZeRO-3 from the meta device, Qwen3-MoE
+at tp2 x dp2 with sequence parallelism; a Mixtral whose routers send every token of the first
+step to one rank's experts (the same two experts for every token: equal scores), so the other
+rank's experts receive nothing and its backward must still join the all-to-alls.
 """
 
 import pytest
@@ -27,16 +29,21 @@ transformers = pytest.importorskip("transformers")
 
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 12, 96, 0.5
 
-# name -> (family, dp, pp, zero_stage, how the model is built, activation checkpointing)
+# name -> the layout: family, dp, and what differs from tp=1, pp=1, DataParallel, from_pretrained,
+# no activation checkpointing, no sequence parallelism
 CASES = {
-    "mixtral-dp2-dataparallel": ("mixtral", 2, 1, 0, "from_pretrained", None),
+    "mixtral-dp2-dataparallel": dict(family="mixtral", dp=2),
     # selective checkpointing of the decoder layers around the experts, whose ZeRO groups have no
     # gather hooks (they would run again in the recompute)
-    "mixtral-dp4-zero3-meta-selective": ("mixtral", 4, 1, 3, "meta", "selective"),
-    "qwen3_moe-dp2-zero1-checkpoint": ("qwen3_moe", 2, 1, 1, "from_pretrained", None),
-    "qwen2_moe-pp2-dp2-zero1": ("qwen2_moe", 2, 2, 1, "from_pretrained", None),
-    "mixtral-dp2-idle-rank": ("mixtral-idle", 2, 1, 0, "from_pretrained", None),
+    "mixtral-dp4-zero3-meta-selective": dict(family="mixtral", dp=4, zero=3, build="meta", checkpointing="selective"),
+    "qwen3_moe-dp2-zero1-checkpoint": dict(family="qwen3_moe", dp=2, zero=1),
+    "qwen2_moe-pp2-dp2-zero1": dict(family="qwen2_moe", dp=2, pp=2, zero=1),
+    "mixtral-dp2-idle-rank": dict(family="mixtral-idle", dp=2),
+    # each expert split over tp as its MLP (the published plan's Experts()), the experts over dp
+    "mixtral-tp2-dp2-zero3-meta": dict(family="mixtral", dp=2, tp=2, zero=3, build="meta"),
+    "qwen3_moe-tp2-dp2-sequence-parallel": dict(family="qwen3_moe", dp=2, tp=2, sequence_parallel=True),
 }
+LAYOUT = dict(tp=1, pp=1, zero=0, build="from_pretrained", checkpointing=None, sequence_parallel=False)
 
 
 def _save_qwen2_moe(directory):
@@ -90,11 +97,12 @@ def _load(directory, family):
     return model
 
 
-def _train(rank, world, directory, export, checkpoint_dir, family, dp, pp, zero_stage, build, checkpointing):
+def _train(rank, world, directory, export, checkpoint_dir, layout):
     from parallel_layers import checkpoint, expert_parallel, hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
 
-    ctx = init_parallel(dp=dp, pp=pp, device="cpu")
+    family, dp, pp, tp, build = layout["family"], layout["dp"], layout["pp"], layout["tp"], layout["build"]
+    ctx = init_parallel(dp=dp, pp=pp, tp=tp, device="cpu")
     received = []  # rows this rank's experts received, per all-to-all of tokens
     dispatch = expert_parallel._all_to_all
 
@@ -111,13 +119,14 @@ def _train(rank, world, directory, export, checkpoint_dir, family, dp, pp, zero_
     piped = pp > 1
     kwargs = dict(loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, pipeline_layers="auto",
                   microbatches=2) if piped else dict(loss_fn=_loss)
-    par = parallelize(model, ctx, optimizer=_sgd, zero_stage=zero_stage, expert_parallel=True,
-                      activation_checkpointing=checkpointing, **kwargs)
+    par = parallelize(model, ctx, optimizer=_sgd, zero_stage=layout["zero"], expert_parallel=True,
+                      tp_plan="auto" if tp > 1 else None, sequence_parallel=layout["sequence_parallel"],
+                      activation_checkpointing=layout["checkpointing"], **kwargs)
     if build == "meta":
         hf.load_pretrained(directory, par)
     experts = [m for m in model.modules() if expert_parallel.is_expert_parallel_module(m)]
     shapes = {tuple(m.gate_up_proj.shape) for m in experts if not m.gate_up_proj.is_meta}
-    offsets = sorted({m.expert_offset for m in experts})
+    offsets = sorted({m.expert_parallel_offset for m in experts})
     first = received[:]
     losses, norms = [], []
     for step, ids in enumerate(_batches()):
@@ -145,7 +154,7 @@ def _train(rank, world, directory, export, checkpoint_dir, family, dp, pp, zero_
             resumed_diff = (plain.module(_probe()).logits - want).abs().max().item()
     expert_parallel._all_to_all = dispatch
     return dict(losses=losses, norms=norms, shapes=sorted(shapes), offsets=offsets, first_step_rows=first,
-                resumed_diff=resumed_diff)
+                resumed_diff=resumed_diff, dp_rank=ctx.coordinate("dp"), pp_rank=ctx.coordinate("pp"))
 
 
 def _reference(directory, family):
@@ -164,23 +173,26 @@ def _reference(directory, family):
 
 @pytest.mark.parametrize("case", CASES)
 def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, case):
-    family, dp, pp, zero_stage, build, checkpointing = CASES[case]
+    layout = {**LAYOUT, **CASES[case]}
+    family, dp, tp = layout["family"], layout["dp"], layout["tp"]
     directory, export = str(tmp_path / "model"), str(tmp_path / "export")
     _save(family, directory)
     ref_losses, ref_norms, ref_state = _reference(directory, family)
     checkpoint_dir = str(tmp_path / "checkpoint") if case.endswith("-checkpoint") else None
-    results = run_distributed(_train, dp * pp, args=(directory, export, checkpoint_dir, family, dp, pp, zero_stage,
-                                                     build, checkpointing), timeout_s=240, collective_timeout_s=60)
-    experts = transformers.AutoConfig.from_pretrained(directory)
-    experts = getattr(experts, "num_local_experts", None) or experts.num_experts
+    results = run_distributed(_train, dp * layout["pp"] * tp, args=(directory, export, checkpoint_dir, layout),
+                              timeout_s=240, collective_timeout_s=60)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    width = 2 * (getattr(config, "moe_intermediate_size", None) or config.intermediate_size) // tp
     for rank, r in enumerate(results):
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), (rank, r["losses"], ref_losses)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-4), (rank, r["norms"], ref_norms)
         # each rank holds its E / dp experts of every MoE layer it holds (Qwen2-MoE's second stage
-        # holds its dense layer only)
-        holds = family != "qwen2_moe" or rank < dp
-        assert bool(r["shapes"]) == holds and all(s[0] == experts // dp for s in r["shapes"]), (rank, r["shapes"])
-        assert r["offsets"] == [(rank % dp) * experts // dp], (rank, r["offsets"])
+        # holds its dense layer only); under tp each expert's gate and up rows are split too
+        holds = family != "qwen2_moe" or r["pp_rank"] == 0
+        assert bool(r["shapes"]) == holds and all(s[:2] == (experts // dp, width) for s in r["shapes"]), \
+            (rank, r["shapes"])
+        assert r["offsets"] == [r["dp_rank"] * experts // dp], (rank, r["offsets"])
         if r["resumed_diff"] is not None:
             assert r["resumed_diff"] < 1e-5, (rank, r["resumed_diff"])
     if family.endswith("-idle"):  # the premise: in the first step's first dispatch one rank's experts get no row
@@ -225,6 +237,14 @@ def test_expert_parallel_refusals_name_the_values(tmp_path):
         "parallelize: expert_parallel=True over dp=3 ranks cannot split model.layers.0.mlp.experts: MixtralExperts "
         "has 4 experts (num_experts = 4); Experts(split='experts') needs num_experts to match and to divide by dp=3; "
         "valid expert-parallel (data-parallel) sizes for it are [1, 2, 4]")
-    with pytest.raises(ValueError, match=r"expert_parallel=True spreads the experts over the data-parallel ranks and "
-                                         r"does not combine with tensor parallelism yet \(tp=2\)"):
-        expert_parallel.check(_load(str(tmp_path), "mixtral"), 2, 2)
+    # under tensor parallelism each expert must be split as its MLP (Experts()), not whole experts
+    from parallel_layers.tensor_parallel import Experts, parallelize, published_plan
+
+    model = _load(str(tmp_path), "mixtral")
+    with pytest.raises(ValueError, match=r"expert_parallel=True at tp > 1 splits each expert of "
+                                         r"model.layers.0.mlp.experts over the tensor-parallel ranks as its MLP .*; "
+                                         r"the plan left them not split \(no Experts\(\) entry in the plan\)"):
+        expert_parallel.check_tensor_parallel(model, ["model.layers.0.mlp.experts"])
+    parallelize(model, {**published_plan(model), "model.layers.*.mlp.experts": Experts(split="experts")})
+    with pytest.raises(ValueError, match=r"the plan left them whole experts per tensor-parallel rank"):
+        expert_parallel.check_tensor_parallel(model, ["model.layers.0.mlp.experts"])
