@@ -393,6 +393,7 @@ class TrainSpec:
     tensor_parallel: int | None = None  # None: searched; fixed to compare with a system that had one
     pipeline_parallel: int | None = None  # None: searched (e.g. 1 for a system without pipelines)
     vocab_parallel_loss: bool = True  # False: the head's logits are gathered to the whole vocab on every tp rank
+    expert_parallel: bool | None = None  # a mixture of experts' experts over dp; None: searched (both)
 
     def __post_init__(self):
         if self.precision not in _PRECISIONS:
@@ -429,11 +430,13 @@ class Layout:
     virtual: int = 1  # interleaved pipeline: chunks per rank
     recompute: str = "none"
     offload: bool = False  # optimizer state in host memory
+    ep: bool = False  # a mixture of experts' experts spread over dp (expert_parallel=True)
 
     def __str__(self) -> str:
         z = f"ZeRO-{self.zero}" if self.zero else ("DDP" if self.dp * self.cp > 1 else "-")
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += f" cp={self.cp}" if self.cp > 1 else ""
+        text += " ep" if self.ep else ""
         text += f" v={self.virtual}" if self.virtual > 1 else ""
         text += f" {z}{'+offload' if self.offload else ''} m={self.microbatches}"
         return text + (f" rc={self.recompute}" if self.recompute != "none" else "")
@@ -569,6 +572,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     shards = dp * cp  # ZeRO and the gradient reduction span dp x cp (the params are replicated over cp)
     pb, gb, ob = _PRECISIONS[train.precision]
     psi, layer = _stage_params(model, tp, pp, v)
+    # Note [experts over dp in the plan]: with layout.ep each rank holds 1 / dp of the stage's
+    # experts (and each of those split over tp), not reduced, sharded or gathered by ZeRO or
+    # DataParallel: params, gradient and optimizer state whole for them; the rest (`psi`,
+    # `layer`) as without. Instead, per MoE layer and microbatch, two all-to-alls of each
+    # token's k hidden vectors in forward and two in backward (and two more in a full recompute).
+    expert_layer = model.experts * model.mlp_params / tp if layout.ep else 0.0
+    experts = stage_layers(model, pp, v) * expert_layer / dp
+    psi, layer = psi - experts * dp, layer - expert_layer
     params, grads, opt = psi * pb, psi * gb, psi * ob
     if zero == 0 and shards > 1:
         grads += psi * gb  # DataParallel's bucket buffers
@@ -578,6 +589,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         grads = psi * gb / shards + layer * gb
     if zero == 3:
         params = psi * pb / shards + 2 * layer * pb
+    params, grads, opt = params + experts * pb, grads + experts * gb, opt + experts * ob
     host = 0.0
     if layout.offload:
         host, opt = opt, 0.0
@@ -621,7 +633,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     kv = tokens * cp * model.kv_width / tp * train.act_bytes  # the whole sequence's K and V, this tp shard
     cp_bytes = 3 * ring(cp) * kv * n_layers * m * (2 if rc == "full" else 1) if cp > 1 else 0.0
     pp_bytes = 2 * act * m * v if pp > 1 else 0.0
-    comm = {"dp": dp_bytes, "tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes}
+    ep_bytes = (2 * (6 if rc == "full" else 4) * ring(dp) * act * model.experts_per_token * n_layers * m
+                if layout.ep else 0.0)  # each all-to-all sends and receives (dp - 1) / dp of k rows a token
+    comm = {"dp": dp_bytes, "tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "ep": ep_bytes}
 
     def bandwidth(span: int) -> float:
         return cluster.intra_node_bw if span <= cluster.gpus_per_node else cluster.inter_node_bw
@@ -641,7 +655,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         offload_time = psi / shards * (gb + pb) / cluster.pcie_bw + psi / shards / cluster.cpu_adam_params_per_s
     step = (compute / (1 - bubble) + tp_bytes / bandwidth(tp) + cp_bytes / bandwidth(tp * cp)
             + pp_bytes / bandwidth(cluster.gpus) + max(0.0, dp_bytes / bandwidth(tp * cp * dp) - overlap * compute)
-            + offload_time)
+            + ep_bytes / bandwidth(tp * cp * dp) + offload_time)
     e = Estimate(layout, micro_batch, params, grads, opt, acts, comm, bubble, step, flops=flops, host=host,
                  loss_temporaries=temporaries, grads_at_loss=at_loss)
     if cp > 1:
@@ -743,21 +757,29 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> list
                     zeros = [train.zero] if train.zero is not None else list(range(4))
                     if train.optimizer_offload and dp * cp > 1:
                         zeros = [z for z in zeros if z >= 1]  # offload is a ZeRO feature
+                    # a mixture of experts also with its experts over dp, where they divide
+                    eps = (False, True) if model.experts and dp > 1 and cp == 1 else (False,)
+                    if train.expert_parallel is not None:
+                        eps = [ep for ep in eps if ep == train.expert_parallel] or [train.expert_parallel]
                     for zero in zeros if dp * cp > 1 else (0,):
-                        out.append(_best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v))
+                        for ep in eps:
+                            out.append(_best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep))
     return out
 
 
-def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v) -> Estimate:
+def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=False) -> Estimate:
     reason = _structural_reason(model, cluster, train, dp, tp, pp, zero, cp, v)
+    if reason is None and ep and (not model.experts or model.experts % dp or dp * cp == 1):
+        reason = (f"experts {model.experts} not divisible by dp={dp} (expert parallelism spreads them over dp > 1; "
+                  "cp = 1)")
     if reason is not None:
-        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v))
+        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=ep))
         e.reason = reason
         return e
     ms = _microbatch_choices(train.global_batch // dp, pp, train.micro_batch)
     options = _memory_options(train, zero)
     if not ms or not options:
-        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v))
+        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=ep))
         e.reason = (f"only {train.global_batch // (dp * train.micro_batch)} microbatches of {train.micro_batch} "
                     f"sequences per replica < pp={pp}: needs microbatches >= stages" if not ms else
                     f"optimizer offload needs ZeRO >= 1 (it moves the optimizer shard), and dp={dp} x cp={cp} runs "
@@ -769,7 +791,7 @@ def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v) -> Estimate:
         for group in (wide, [m for m in ms if m not in wide]):  # m >= 4p before m < 4p
             fit = []
             for m in group:
-                e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, m, cp, v, rc, off))
+                e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, m, cp, v, rc, off, ep))
                 if _fits(e, cluster):
                     fit.append(e)
                 elif smallest is None or e.memory < smallest.memory:
@@ -887,7 +909,8 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
                         "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
                         "virtual": lay.virtual if lay.virtual > 1 else None,
                         "activation_checkpointing": None if lay.recompute == "none" else lay.recompute,
-                        "sequence_parallel": bool(train.sequence_parallel and lay.tp > 1)},
+                        "sequence_parallel": bool(train.sequence_parallel and lay.tp > 1),
+                        "expert_parallel": lay.ep},
         "micro_batch": e.micro_batch,
         "unsupported": unsupported,
     }
@@ -898,7 +921,8 @@ _KINDS = (("same est. step", "tie"), ("slower", "slower"), ("m=", "m < 4p"), ("t
           ("needs", "out of memory"), ("tp=", "TP across nodes"), ("heads", "heads % tp"),
           ("kv heads", "kv heads % tp"), ("ffn", "ffn % tp"), ("layers", "layers < stages"), ("seq", "seq % 2cp"),
           ("global batch", "batch % dp"), ("ZeRO-", "ZeRO > 1 with PP or across nodes"),
-          ("only", "microbatches < stages"), ("optimizer offload", "offload without ZeRO"))
+          ("only", "microbatches < stages"), ("optimizer offload", "offload without ZeRO"),
+          ("experts", "experts % dp"))
 
 
 def reason_kind(reason: str) -> str:
@@ -1003,6 +1027,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     tr.add_argument("--context-parallel", type=_optional_int, default=1,
                     help="N or auto (modelled only: parallel_layers does not implement context parallel yet)")
     tr.add_argument("--zero", type=_optional_int, default=None, help="0-3, or auto")
+    tr.add_argument("--expert-parallel", choices=["auto", "on", "off"], default="auto",
+                    help="a mixture of experts' experts spread over dp (auto: with and without)")
     ap.add_argument("--rows", type=int, default=15, help="table rows to print")
     ver = ap.add_argument_group("verify on this machine (parallel_layers/_verify.py)")
     ver.add_argument("--verify", type=int, nargs="?", const=3, default=None, metavar="N",
@@ -1038,7 +1064,8 @@ def _train_from_args(args) -> TrainSpec:
     return TrainSpec(args.global_batch, args.precision or "mixed", False if args.no_dropout else None,
                      args.flash_attention, not args.no_sequence_parallel, args.recompute,
                      {"auto": None, "on": True, "off": False}[args.offload], args.micro_batch, args.virtual_stages,
-                     args.context_parallel, args.zero)
+                     args.context_parallel, args.zero,
+                     expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel])
 
 
 def _verify_main(ap: argparse.ArgumentParser, args) -> dict:

@@ -381,7 +381,8 @@ def test_launch_args_describe_how_to_run_a_layout():
     args = plan.launch_args(e, train)
     assert args["init_parallel"] == {"tp": 4, "pp": 4, "dp": 2}
     assert args["parallelize"] == {"zero_stage": 1, "microbatches": 16, "schedule": "interleaved", "virtual": 2,
-                                   "activation_checkpointing": "full", "sequence_parallel": False}
+                                   "activation_checkpointing": "full", "sequence_parallel": False,
+                                   "expert_parallel": False}
     assert args["micro_batch"] == 2 and args["unsupported"] == []
     # parallelize splits the sequence between TP regions only without a pipeline
     sp = dataclasses.replace(train, sequence_parallel=True)

@@ -175,3 +175,36 @@ def test_a_mixture_of_experts_counts_every_expert_and_computes_with_its_top_k():
     assert ModelSpec.from_hf_config({**published, "num_experts": 16}, seq=128).experts == 16
     with pytest.raises(ValueError, match=r"experts_per_token 3 must be in 1..experts \(2\)"):
         ModelSpec(None, 2, 256, 512, ffn=512, mlp="swiglu", experts=2, experts_per_token=3)
+
+
+def test_experts_over_dp_hold_their_share_and_add_the_all_to_alls():
+    """Layout(ep=True) (expert_parallel=True): each rank holds 1 / dp of the experts, whole (not
+    sharded by ZeRO, not averaged by DDP), and pays four all-to-alls of k rows a token per MoE
+    layer and microbatch; only a mixture of experts whose expert count dp divides gets ep
+    candidates, or the ones it asks for."""
+    moe = ModelSpec.from_hf_config(CONFIGS["mixtral"]().to_dict(), seq=512)
+    cluster = ClusterSpec.preset("h100", 4, 4)
+    train = TrainSpec(global_batch=8, flash_attention=True, dropout=False)
+    expert = moe.experts * moe.mlp_params * moe.layers  # every layer's experts, bf16 params and grads, fp32 Adam
+    for zero in (0, 1, 3):
+        plain = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1))
+        ep = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1, ep=True))
+        # without ep: every expert (ZeRO-3: a quarter, and two gathered layers' worth); with: a quarter
+        saved = 4 * expert / moe.layers if zero == 3 else 2 * expert - 2 * expert / 4
+        assert plain.params - ep.params == pytest.approx(saved, rel=1e-9)
+        assert plain.optimizer - ep.optimizer == pytest.approx(12 * expert / (1 if zero == 0 else 4) - 12 * expert / 4,
+                                                               rel=1e-9)
+        tokens = 2 * 512  # this rank's 2 sequences
+        assert ep.comm["ep"] == 2 * 4 * 3 / 4 * tokens * moe.hidden * 2 * moe.experts_per_token * moe.layers
+        assert plain.comm["ep"] == 0 and ep.comm["dp"] < plain.comm["dp"]
+    layouts = [e.layout for e in plan.candidates(moe, cluster, train)]
+    assert any(lay.ep for lay in layouts) and all(lay.dp > 1 for lay in layouts if lay.ep)
+    only = plan.candidates(moe, cluster, TrainSpec(global_batch=8, expert_parallel=True))
+    assert all(e.layout.ep for e in only) and any(e.reason is None for e in only)
+    assert any(e.reason.startswith("experts 8 not divisible by dp=1") for e in only if e.layout.dp == 1)
+    dense = ModelSpec.from_hf_config(CONFIGS["mistral"]().to_dict(), seq=512)
+    assert not any(e.layout.ep for e in plan.candidates(dense, cluster, train))
+    three = plan.candidates(moe, ClusterSpec.preset("h100", 3, 3), TrainSpec(global_batch=9, expert_parallel=True))
+    assert any(e.reason.startswith("experts 8 not divisible by dp=3") for e in three if e.layout.dp == 3)
+    best = min((e for e in only if e.reason is None), key=lambda e: e.step_time)
+    assert plan.launch_args(best, train)["parallelize"]["expert_parallel"] is True
