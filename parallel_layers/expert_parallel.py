@@ -36,7 +36,7 @@ sharding, no collective: the experts are already split), kept whole at every sta
 hooks, which would run again in an activation-checkpointing recompute), so its optimizer and
 checkpoints take them like any other; `clip_grad_norm_` sums their squares over dp (each rank's are
 other experts'). The all-to-alls run on a process group of their own, with the data-parallel
-ranks (`expert_group`): the wrappers' gradient reductions are issued asynchronously on the
+ranks (`expert_groups`): the wrappers' gradient reductions are issued asynchronously on the
 data-parallel group during the backward, and NCCL requires the collectives of one group to
 be issued in the same order on every rank.
 
@@ -119,20 +119,21 @@ def check_tensor_parallel(model: nn.Module, names: list[str]) -> None:
                          f"experts over the data-parallel ranks; the plan left them {how}")
 
 
-def expert_group(mesh) -> dist.ProcessGroup | None:
-    """A process group of this rank's data-parallel ranks, apart from the dp group's (Note
-    [experts over the data-parallel ranks]); every rank must call it (new groups are
-    collective)."""
+def expert_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(a process group of this rank's data-parallel ranks, apart from the dp group's; one of
+    this rank alone, for ZeRO's groups of its experts) (Note [experts over the data-parallel
+    ranks]). Every rank creates every group (torch names a group by how many each rank has
+    created, so all must create the same ones), including the pipeline stages without experts."""
     ranks = mesh.mesh  # (pp, dp, tp) global ranks
-    groups = ranks.permute(0, 2, 1).reshape(-1, ranks.shape[1]).tolist()
-    mine, _ = dist.new_subgroups_by_enumeration(groups)
-    return mine
+    mine, _ = dist.new_subgroups_by_enumeration(ranks.permute(0, 2, 1).reshape(-1, ranks.shape[1]).tolist())
+    own, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    return mine, own
 
 
 _EP_CLASSES: dict[type, type] = {}
 
 
-def convert(module: nn.Module, group: dist.ProcessGroup) -> None:
+def convert(module: nn.Module, group: dist.ProcessGroup, own: dist.ProcessGroup) -> None:
     """Keep this rank's experts of `module` and dispatch its tokens by all-to-all over `group`
     (Note [experts over the data-parallel ranks]); `check` must have passed."""
     spec = Experts(split="experts")
@@ -145,7 +146,7 @@ def convert(module: nn.Module, group: dist.ProcessGroup) -> None:
         placement.set_local_layout(p, placement.narrowed(placement.local_layout(full), 0, rank * local, local))
         if hasattr(full, "tp_shard"):  # split over tp as well (what a second parallelize refuses)
             p.tp_shard = full.tp_shard
-        placement.set_expert_group(p, group)
+        placement.set_expert_group(p, group, own)
         if p.requires_grad:  # the sum over dp's tokens, averaged as the replicas' gradients are
             p.register_hook(lambda g, ep=ep: g / ep)
         setattr(module, attr, p)
@@ -213,7 +214,7 @@ def apply(model: nn.Module, mesh, names: list[str]) -> None:
     `model` (`check`'s, after tensor parallelism if any)."""
     if mesh.size(mesh.mesh_dim_names.index("tp")) > 1:
         check_tensor_parallel(model, names)
-    group = expert_group(mesh)
+    group, own = expert_groups(mesh)
     modules = dict(model.named_modules())
     for name in names:
-        convert(modules[name], group)
+        convert(modules[name], group, own)

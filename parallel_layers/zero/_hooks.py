@@ -46,6 +46,14 @@ reason; FSDP2 does it for the root). Backward's end frees it with the others, an
 `ZeRO.step()` frees every stage-3 group before the optimizer step, so a forward that no
 backward followed cannot leave stale values gathered.
 
+Note [local groups]: a group over this rank alone (one rank's experts under expert
+parallelism, parallel_layers/expert_parallel.py) issues no collective, so there is no order to
+agree on: it is left out of the agreed order and reduced (a local copy into its shard) as soon
+as all its parameters' gradients are in, at any stage >= 2 (at stage 3 it has no module hooks:
+it stays gathered), or at the end of backward for parameters that got none; at stage 1 and
+after `no_sync()` with the others. In the agreed order it would hold back every group after it
+until the end of backward (all their full gradients alive, no reduce-scatter overlapped).
+
 Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first forward.
 Afterwards, while group i computes, the all-gather of the group after it runs (forward) or
 of the group before it (backward, which runs in reverse): one collective waited on, one in
@@ -100,11 +108,13 @@ class ZeROHooks:
 
     def __init__(self, module: nn.Module, groups: list[ParamGroup], module_group: dict[int, ParamGroup],
                  root: ParamGroup | None, stage: int, *, prefetch: bool, reshard_after_forward: bool,
-                 syncing: Callable[[], bool]):
+                 syncing: Callable[[], bool], local: list[ParamGroup] = ()):
         self.groups, self.stage, self.syncing = groups, stage, syncing
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.local = list(local)  # Note [local groups]
         # Note [agreed reduction order]
-        self.order = [g for g in reversed(groups) if g is not root] + ([root] if root is not None else [])
+        self.order = [g for g in reversed(groups) if g is not root and g not in self.local] + (
+            [root] if root is not None else [])
         self.reduced = 0  # groups of self.order reduced in this backward
         # Full gradients may wait for a reduction at step() (Note [agreed reduction order]):
         # decided by what every rank's program does (stage, no_sync, step), not by p.grad.
@@ -116,7 +126,9 @@ class ZeROHooks:
         self.reducing: ParamGroup | None = None  # Note [overlapped reduce-scatter]
         self.handles = []
         if stage == 2:
-            self._install_grad_hooks()
+            self._install_grad_hooks(self.order)
+        if stage >= 2:
+            self._install_grad_hooks(self.local)
         if stage == 3:
             self._install_module_hooks(module, module_group)
 
@@ -130,7 +142,7 @@ class ZeROHooks:
         group in the agreed order. Whether to reduce is decided by the calls every rank makes
         alike, never by this rank's gradients."""
         if self.unreduced:
-            for g in self.order:
+            for g in self.order + self.local:
                 g.reduce_grads(free_full_grads=True)
             self.unreduced = False
 
@@ -138,8 +150,13 @@ class ZeROHooks:
         self.unreduced = self.stage == 1
 
     def _backward_done(self, g: ParamGroup) -> None:
-        """Reduce, in the agreed order, the groups whose backward is done."""
+        """Reduce, in the agreed order, the groups whose backward is done (a local group at
+        once: Note [local groups])."""
         self.backward[g].done = True
+        if g in self.local:
+            if self.syncing():
+                g.reduce_grads(free_full_grads=True)
+            return
         while self.syncing() and self.reduced < len(self.order) and self.backward[self.order[self.reduced]].done:
             self._launch_reduce(self.order[self.reduced])
             self.reduced += 1
@@ -163,6 +180,9 @@ class ZeROHooks:
         if self.syncing():
             for g in self.order[self.reduced:]:
                 self._launch_reduce(g)
+            for g in self.local:
+                if not self.backward[g].done:  # parameters that got no gradient in this backward
+                    g.reduce_grads(free_full_grads=True)
             self.unreduced = False
         if self.reducing is not None:
             self.reducing.finish_reduce()
@@ -174,8 +194,8 @@ class ZeROHooks:
                 g.reshard()
 
     # ---- stage 2: a group is done when all its params' gradients arrived -----------------
-    def _install_grad_hooks(self) -> None:
-        for g in self.groups:
+    def _install_grad_hooks(self, groups: list[ParamGroup]) -> None:
+        for g in groups:
             for p in g.params:
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g)))

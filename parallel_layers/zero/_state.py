@@ -54,6 +54,13 @@ def full_state_dict(zero: ZeRO) -> dict[str, torch.Tensor]:
     for g in zero.groups:
         g.refresh_full()
     state = {k: v.detach().clone() for k, v in zero.module.state_dict().items()}
+    for name, p in zero.module.named_parameters():
+        group = placement.expert_group(p)
+        if group is not None and name in state:  # one rank's experts: every rank's, in rank order (dim 0)
+            parts = [torch.empty_like(state[name]) for _ in range(dist.get_world_size(group))]
+            with fault.collective("ZeRO full state dict: experts all_gather", group):
+                dist.all_gather(parts, state[name].contiguous(), group=group)
+            state[name] = torch.cat(parts)
     for g in zero.groups:
         if not g.keep_full:
             g.reshard()
@@ -61,7 +68,9 @@ def full_state_dict(zero: ZeRO) -> dict[str, torch.Tensor]:
 
 
 def _world_and_rank(zero: ZeRO) -> tuple[int, int]:
-    return (zero.groups[0].world, zero.groups[0].rank) if zero.groups else (1, 0)
+    if zero.group is None and not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(zero.group), dist.get_rank(zero.group)
 
 
 def sharded_state_dict(zero: ZeRO) -> dict:

@@ -52,18 +52,6 @@ def _default_wrap(model: nn.Module):
     return lambda m: id(m) in children
 
 
-_SOLO: dict = {}  # the default group -> this rank's group of itself
-
-
-def _solo_group() -> dist.ProcessGroup:
-    """A process group of this rank alone (created by this rank only, once per job)."""
-    world = dist.group.WORLD
-    if world not in _SOLO:
-        _SOLO.clear()
-        _SOLO[world] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return _SOLO[world]
-
-
 def _shared_parameters(model: nn.Module) -> set[int]:
     """Parameters registered by more than one module (a head tied to the embedding by sharing
     its weight, as Hugging Face models tie). Note [shared parameters]: at ZeRO-3 a wrapped
@@ -142,15 +130,18 @@ class ZeRO(LocalAccumulation, nn.Module):
         # One rank's experts (parallel_layers/expert_parallel.py) are split over the
         # data-parallel ranks already: each experts module's go in a group of its own, over this
         # rank alone - no sharding, no collective - kept whole at every stage (the master is a
-        # view of the parameter: no second copy), with the same optimizer, gradient hooks and
-        # checkpoints as the rest. No module hook gathers them: at ZeRO-3 the decoder layer
-        # around them may be checkpointed, and a wrapped module inside a checkpointed block
-        # would run its gather hooks again in the recompute.
+        # view of the parameter: no second copy), with the same optimizer and checkpoints as the
+        # rest. No module hook gathers them: at ZeRO-3 the decoder layer around them may be
+        # checkpointed, and a wrapped module inside a checkpointed block would run its gather
+        # hooks again in the recompute. With no collective to agree on, they are reduced (a
+        # local copy) as soon as their gradients are in, outside the agreed order (ZeROHooks).
         owned.update(id(p) for p in model.parameters() if placement.expert_group(p) is not None)
+        local = []
         for name, module in model.named_modules():
             experts = [p for p in module.parameters(recurse=False) if placement.expert_group(p) is not None]
             if experts:
-                self.groups.append(param_group(name, experts, root=False, group=_solo_group(), solo=True))
+                local.append(param_group(name, experts, root=False, group=placement.own_group(experts[0]), solo=True))
+                self.groups.append(local[-1])
                 continue
             if module is model or not wrap(module):
                 continue
@@ -166,7 +157,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.groups.append(self.root_group)
         self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
-                                reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync)
+                                reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync, local=local)
 
     def forward(self, *args, **kwargs):
         if self.stage == 3 and self.root_group is not None:

@@ -100,6 +100,7 @@ def _load(directory, family):
 def _train(rank, world, directory, export, checkpoint_dir, layout):
     from parallel_layers import checkpoint, expert_parallel, hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+    from parallel_layers.zero._hooks import ZeROHooks
 
     family, dp, pp, tp, build = layout["family"], layout["dp"], layout["pp"], layout["tp"], layout["build"]
     ctx = init_parallel(dp=dp, pp=pp, tp=tp, device="cpu")
@@ -111,6 +112,16 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
         return dispatch(x, recv, send, group)
 
     expert_parallel._all_to_all = counting
+    # ZeRO-3 reduce-scatters a group once its backward is done; one rank's experts (a group of
+    # that rank alone) must not hold the others back to the end of backward (Note [local groups])
+    in_backward = []
+    launch = ZeROHooks._launch_reduce
+
+    def launch_reduce(hooks, g):
+        in_backward.append(hooks.callback_queued)  # False once the end-of-backward callback runs
+        return launch(hooks, g)
+
+    ZeROHooks._launch_reduce = launch_reduce
     if build == "meta":
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
@@ -143,6 +154,12 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
         torch.distributed.all_reduce(mean, group=ctx.dp_group)
         losses.append(mean.item() / dp)
     hf.save_pretrained(par.module, export)
+    full = {}
+    if layout["zero"] and pp == 1:  # ZeRO's own full state dict gathers every rank's experts
+        full = {k: v.tolist() for k, v in par.module.full_state_dict().items() if k.endswith("mlp.experts.down_proj")}
+    # every rank created the same groups (the expert-parallel ones included): a new one still works
+    everyone = torch.ones(1)
+    torch.distributed.all_reduce(everyone, group=torch.distributed.new_group(list(range(world))))
     resumed_diff = None
     if checkpoint_dir is not None:  # saved with expert parallelism, loaded into plain ZeRO-3 over dp
         path = checkpoint.save(checkpoint_dir, STEPS, par.module, par.optimizer, prefix=par.prefix)
@@ -152,8 +169,9 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
         checkpoint.load(path, plain.module, plain.optimizer, prefix=plain.prefix)
         with torch.no_grad():
             resumed_diff = (plain.module(_probe()).logits - want).abs().max().item()
-    expert_parallel._all_to_all = dispatch
+    expert_parallel._all_to_all, ZeROHooks._launch_reduce = dispatch, launch
     return dict(losses=losses, norms=norms, shapes=sorted(shapes), offsets=offsets, first_step_rows=first,
+                full=full, everyone=everyone.item(), reduced_in_backward=in_backward,
                 resumed_diff=resumed_diff, dp_rank=ctx.coordinate("dp"), pp_rank=ctx.coordinate("pp"))
 
 
@@ -195,6 +213,12 @@ def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, c
         assert r["offsets"] == [r["dp_rank"] * experts // dp], (rank, r["offsets"])
         if r["resumed_diff"] is not None:
             assert r["resumed_diff"] < 1e-5, (rank, r["resumed_diff"])
+        assert r["everyone"] == dp * layout["pp"] * tp
+        for name, value in r["full"].items():  # every expert, not this rank's (tp-local under tp)
+            want = ref_state[name].chunk(tp, dim=2)[rank % tp]
+            torch.testing.assert_close(torch.tensor(value), want, rtol=1e-4, atol=1e-5)
+        if layout["zero"] == 3 and layout["pp"] == 1:
+            assert any(r["reduced_in_backward"]), (rank, r["reduced_in_backward"])
     if family.endswith("-idle"):  # the premise: in the first step's first dispatch one rank's experts get no row
         firsts = sorted(r["first_step_rows"][0] for r in results)
         assert firsts == [0, 2 * BATCH * SEQ], firsts  # top-2 of each token of both ranks, all to one rank
