@@ -137,9 +137,22 @@ class Parallelized:
 def declared_blocks(model: nn.Module) -> Callable[[nn.Module], bool] | None:
     """The blocks a Hugging Face model declares: the classes it names in `_no_split_modules`
     (its decoder layers), the unit accelerate's FSDP auto-wrap and `device_map` placement keep
-    whole; None for a model that declares none."""
+    whole, the outermost of them where they nest (MBart lists its attention beside its decoder
+    layer; checkpointed blocks must not nest); None for a model that declares none."""
     names = frozenset(getattr(model, "_no_split_modules", None) or ())
-    return (lambda m: type(m).__name__ in names) if names else None
+    if not names:
+        return None
+    inner: set[int] = set()  # declared modules inside another declared one
+
+    def visit(module: nn.Module, inside: bool) -> None:
+        for child in module.children():
+            declared = type(child).__name__ in names
+            if declared and inside:
+                inner.add(id(child))
+            visit(child, inside or declared)
+
+    visit(model, False)
+    return lambda m: type(m).__name__ in names and id(m) not in inner
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[list], torch.optim.Optimizer],

@@ -179,3 +179,23 @@ def test_refusals_name_the_fix():
                                       "'selective'") and messages[4].endswith("got True"), messages[4]
         assert "zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got 4" in messages[5]
         assert messages[6].startswith("TypeError: token_count must be None or a function") and "got int" in messages[6]
+
+
+def test_a_hugging_face_models_declared_blocks_are_its_outermost_no_split_modules():
+    # parallelize's default wrap (ZeRO's groups, the checkpointed blocks): the classes of
+    # _no_split_modules, the outermost where they nest - MBart lists MBartAttention beside
+    # MBartDecoderLayer, and nested blocks would be refused by activation checkpointing.
+    transformers = pytest.importorskip("transformers")
+    from parallel_layers import activation_checkpointing
+    from parallel_layers.parallelize import declared_blocks
+
+    config = transformers.MBartConfig(vocab_size=64, d_model=16, decoder_layers=2, decoder_attention_heads=2,
+                                      decoder_ffn_dim=32, encoder_layers=1, encoder_attention_heads=2,
+                                      encoder_ffn_dim=32, max_position_embeddings=32)
+    model = transformers.MBartForCausalLM(config)
+    assert "MBartAttention" in model._no_split_modules  # the premise: a declared class inside another
+    blocks = declared_blocks(model)
+    chosen = [n for n, m in model.named_modules() if blocks(m)]
+    assert chosen == ["model.decoder.layers.0", "model.decoder.layers.1"]
+    assert activation_checkpointing.checkpoint_blocks(model, "full", blocks) == chosen
+    assert declared_blocks(nn.Linear(2, 2)) is None  # declares none: wrap= is the caller's

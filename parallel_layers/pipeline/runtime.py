@@ -155,15 +155,20 @@ class PipelineParallel:
         m = self.microbatches
         x_mb = list(inputs.chunk(m)) if self.rank == 0 else None
         y_mb = list(targets.chunk(m)) if self.rank == self.last_rank else None
+        msg = self.messenger
+        msg.begin(sig)
         scale = None
         if y_mb is not None:
             if self.token_count is None:
                 scale = 1.0 / m
             else:  # the batch's count over the dp replicas' last stages (Note [token mean over data parallelism])
-                count = sum(int(self.token_count(t)) for t in y_mb)
-                scale = 1.0 / float(token_divisor(count, getattr(self.data_parallel, "group", None), self.device))
-        msg = self.messenger
-        msg.begin(sig)
+                try:
+                    count = sum(int(self.token_count(t)) for t in y_mb)
+                except Exception as e:  # the divisor is a collective: join it, raise at the end (Note [a failed stage])
+                    msg.fail(f"pipeline rank {self.rank} raised {type(e).__name__} in token_count: {e}", e)
+                    count = 0
+                divisor = float(token_divisor(count, self._dp_group(), self.device))
+                scale = 1.0 / divisor if divisor > 0 else 0.0
         sync = self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with sync:
@@ -182,18 +187,48 @@ class PipelineParallel:
             with fault.collective("pipeline loss and error all_reduce", self.group):
                 dist.all_reduce(summary, group=self.group)
         failed = bool(summary[1] > 0)
-        msg.finish(succeeded=not failed)  # not on an exception: a failed peer would make it wait for the timeout
-        if failed:  # Note [a failed stage] in _p2p.py
-            mine = (msg.error, msg.exception is not None) if msg.error is not None else None
-            errors = [mine] * self.ranks
-            if self.ranks > 1:
-                with fault.collective("pipeline error all_gather", self.group):
-                    dist.all_gather_object(errors, mine, group=self.group)
-            if msg.exception is not None:
-                raise msg.exception
-            error, raised = next(e for e in errors if e is not None)
-            raise (RuntimeError if raised else ValueError)(error)
+        # Another data-parallel replica's pipeline may have failed on its own data: then every
+        # replica raises, so that none takes the optimizer step the others skip.
+        dp_group = self._dp_group()
+        replicas = dist.get_world_size(dp_group) if self.data_parallel is not None and dist.is_initialized() else 1
+        anywhere = failed
+        if replicas > 1:
+            flag = torch.tensor([float(failed)], device=self.device)
+            with fault.collective("pipeline error all_reduce over data parallelism", dp_group):
+                dist.all_reduce(flag, group=dp_group)
+            anywhere = bool(flag.item() > 0)
+        msg.finish(succeeded=not anywhere)  # not on an exception: a failed peer would make it wait for the timeout
+        if anywhere:  # Note [a failed stage] in _p2p.py
+            self._raise_failure(failed, replicas, dp_group)
         return summary[0].float()
+
+    def _dp_group(self):
+        return getattr(self.data_parallel, "group", None) if self.data_parallel is not None else None
+
+    def _raise_failure(self, failed: bool, replicas: int, dp_group) -> None:
+        """Every rank raises a failed step's first error: the failing rank its own exception,
+        its pipeline's other ranks and the other replicas' a RuntimeError (a broken contract:
+        ValueError) with its message. `failed`: this replica's pipeline failed."""
+        msg = self.messenger
+        mine = (msg.error, msg.exception is not None) if msg.error is not None else None
+        errors = [mine] * self.ranks
+        if failed and self.ranks > 1:
+            with fault.collective("pipeline error all_gather", self.group):
+                dist.all_gather_object(errors, mine, group=self.group)
+        first = next((e for e in errors if e is not None), None)
+        replica = None
+        if replicas > 1:
+            firsts = [first] * replicas
+            with fault.collective("pipeline error all_gather over data parallelism", dp_group):
+                dist.all_gather_object(firsts, first, group=dp_group)
+            replica = next(i for i, e in enumerate(firsts) if e is not None)
+            first = first or firsts[replica]
+        if msg.exception is not None:
+            raise msg.exception
+        error, raised = first
+        if not failed:
+            raise RuntimeError(f"data-parallel replica {replica}'s pipeline failed this step: {error}")
+        raise (RuntimeError if raised else ValueError)(error)
 
     def clip_grad_norm_(self, max_norm: float, *, tp_group: dist.ProcessGroup | None = None) -> Tensor:
         """Clip by the global norm over this pipeline's stages, the TP group and (ZeRO) the

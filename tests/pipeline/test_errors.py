@@ -238,3 +238,67 @@ def test_an_output_that_cannot_be_sent_raises_on_every_rank():
     # Rank 2 never receives from stage 0: the error reaches it at the step's end.
     assert run_distributed(_too_many_dims, 3, collective_timeout_s=20) == \
         ["a stage output has 9 dims; the pipeline sends at most 8"] * 3
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)])
+
+
+def _replica_fails(rank, world, where):
+    """pp2 x dp2: in step 2, replica 0's last stage raises in loss_fn or in token_count; every
+    rank must raise, and the replicas stay equal (none stepped alone)."""
+    import torch.distributed as dist
+
+    from parallel_layers import init_parallel, parallelize
+
+    ctx = init_parallel(dp=2, pp=2, device="cpu")
+    torch.manual_seed(0)
+    calls = {"loss": 0, "token_count": 0}
+
+    def loss_fn(out, y):
+        calls["loss"] += 1
+        if where == "loss" and calls["loss"] == 3 and ctx.coordinate("dp") == 0:  # step 2, microbatch 0
+            raise StageError("loss refused")
+        return F.cross_entropy(out, y, reduction="sum")
+
+    def token_count(y):
+        calls["token_count"] += 1
+        if where == "token_count" and calls["token_count"] == 3 and ctx.coordinate("dp") == 0:
+            raise StageError("count refused")
+        return y.numel()
+
+    par = parallelize(_Net(), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=loss_fn,
+                      token_count=token_count, pipeline_layers="layers", microbatches=2)
+    g = torch.Generator().manual_seed(ctx.coordinate("dp"))
+    results = []
+    for _ in range(3):
+        x, y = torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+        try:
+            results.append(par.forward_backward(x, y).item())
+            par.step()
+        except Exception as e:
+            results.append((type(e).__name__, str(e)))
+        par.zero_grad()
+    checksum = torch.tensor([sum(p.double().sum().item() for p in par.module.parameters())])
+    sums = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(sums, checksum.double(), group=ctx.dp_group)
+    return ctx.coordinate("pp"), ctx.coordinate("dp"), results, [s.item() for s in sums]
+
+
+@pytest.mark.parametrize("where", ["loss", "token_count"])
+def test_a_failure_on_one_data_parallel_replica_raises_on_every_rank(where):
+    message = "loss refused" if where == "loss" else "count refused"
+    for pp, dp, results, sums in run_distributed(_replica_fails, 4, args=(where,), collective_timeout_s=20):
+        assert isinstance(results[0], float) and isinstance(results[2], float), (pp, dp, results)
+        kind, text = results[1]
+        if (pp, dp) == (1, 0):  # the last stage of replica 0 raised it
+            assert (kind, text) == ("StageError", message)
+        elif dp == 0:
+            assert kind == "RuntimeError" and text.startswith("pipeline rank 1 raised StageError in ") and \
+                text.endswith(message), (pp, dp, results[1])
+        else:  # the other replica's pipeline ran fine, and raises too
+            assert kind == "RuntimeError" and text.startswith("data-parallel replica 0's pipeline failed this step: "
+                                                              "pipeline rank 1 raised StageError"), (pp, dp, results[1])
+        assert sums[0] == sums[1], (pp, dp, sums)  # no replica took the failed step's update alone
