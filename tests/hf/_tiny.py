@@ -135,3 +135,20 @@ def train_losses(model, optimizer, steps: int, vocab: int, low: int = 0) -> list
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def token_batches(steps: int, batch: int, seq: int, vocab: int) -> list:
+    """`steps` batches of random token ids [batch, seq] in [0, vocab), the same on every call."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def probe_ids(seq: int, vocab: int):
+    """Two sequences no training step uses, the same on every call."""
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(2))
+
+
+def next_token_loss(out, ids):
+    """Next-token cross-entropy of a causal LM's output on `ids`, as transformers' causal-LM loss
+    computes it (float32 logits)."""
+    return torch.nn.functional.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())

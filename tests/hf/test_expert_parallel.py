@@ -20,7 +20,6 @@ rank's experts receive nothing and its backward must still join the all-to-alls.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.dist_harness import run_distributed
 from tests.hf import _tiny
@@ -63,17 +62,14 @@ def _save(family, directory):
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)
 
 
 def _probe():
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    return _tiny.probe_ids(SEQ, VOCAB)
 
 
-def _loss(out, ids):
-    """Next-token cross-entropy, as transformers' causal-LM loss computes it."""
-    return F.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+_loss = _tiny.next_token_loss
 
 
 def _sgd(params):

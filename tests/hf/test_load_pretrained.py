@@ -18,7 +18,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.dist_harness import run_distributed
 from tests.hf import _tiny
@@ -46,17 +45,14 @@ CASES = {"llama-tp2-index": ("llama", 2, 1, None, "tensor_parallel", True),
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)
 
 
 def _probe():
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    return _tiny.probe_ids(SEQ, VOCAB)
 
 
-def _loss(out, ids):
-    """Next-token cross-entropy, as transformers' causal-LM loss computes it (float32 logits)."""
-    return F.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+_loss = _tiny.next_token_loss
 
 
 def _adamw(params):
