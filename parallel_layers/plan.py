@@ -481,10 +481,11 @@ def stage_layers(model: ModelSpec, pp: int, v: int = 1) -> int:
     return -(-model.layers // (pp * v)) * v
 
 
-def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1) -> tuple[float, float]:
-    """(params on the largest stage per tp rank, params of one layer per tp rank)."""
+def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1, held_apart: float = 0.0) -> tuple[float, float]:
+    """(params on the largest stage per tp rank, params of one layer per tp rank), less
+    `held_apart` per layer per tp rank (the experts under expert parallelism)."""
     replicated = _REPLICATED * model.hidden
-    layer = (model.layer_params - replicated) / tp + replicated
+    layer = (model.layer_params - replicated) / tp + replicated - held_apart
     embedding = model.vocab * model.hidden / tp  # vocab-parallel
     first = embedding + model.positions * model.hidden
     last = 0.0 if model.tied and pp == 1 else embedding  # the head: tied shares the first's unless pp > 1
@@ -571,15 +572,15 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     cp, v, rc = layout.cp, layout.virtual, layout.recompute
     shards = dp * cp  # ZeRO and the gradient reduction span dp x cp (the params are replicated over cp)
     pb, gb, ob = _PRECISIONS[train.precision]
-    psi, layer = _stage_params(model, tp, pp, v)
     # Note [experts over dp in the plan]: with layout.ep each rank holds 1 / dp of the stage's
     # experts (and each of those split over tp), not reduced, sharded or gathered by ZeRO or
-    # DataParallel: params, gradient and optimizer state whole for them; the rest (`psi`,
-    # `layer`) as without. Instead, per MoE layer and microbatch, two all-to-alls of each
-    # token's k hidden vectors in forward and two in backward (and two more in a full recompute).
+    # DataParallel: params, gradient and optimizer state whole for them, and their gradients
+    # accumulated over microbatches; the rest (`psi`, `layer`) as without. Instead, per MoE
+    # layer and microbatch, two all-to-alls of each token's k hidden vectors in forward and two
+    # in backward (and two more in a full recompute).
     expert_layer = model.experts * model.mlp_params / tp if layout.ep else 0.0
     experts = stage_layers(model, pp, v) * expert_layer / dp
-    psi, layer = psi - experts * dp, layer - expert_layer
+    psi, layer = _stage_params(model, tp, pp, v, held_apart=expert_layer)
     params, grads, opt = psi * pb, psi * gb, psi * ob
     if zero == 0 and shards > 1:
         grads += psi * gb  # DataParallel's bucket buffers
@@ -612,7 +613,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     temporaries = max(first, last + loss_temporaries(model, train, tp, tokens)) - max(first, last)
     # With m > 1 a microbatch's gradient of a parameter is made in a buffer of its own and then
     # added to the accumulated one: the largest layer's (often the head's) is in flight too.
-    accumulated = psi * gb / (shards if zero >= 2 else 1) + layer * gb if m > 1 else 0.0
+    accumulated = psi * gb / (shards if zero >= 2 else 1) + layer * gb + experts * gb if m > 1 else 0.0
     at_loss = (psi * gb if zero == 0 and shards > 1 else 0.0) + accumulated
 
     ring = lambda n: (n - 1) / n  # noqa: E731  (fraction of a buffer each rank sends in a ring pass)
@@ -633,8 +634,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     kv = tokens * cp * model.kv_width / tp * train.act_bytes  # the whole sequence's K and V, this tp shard
     cp_bytes = 3 * ring(cp) * kv * n_layers * m * (2 if rc == "full" else 1) if cp > 1 else 0.0
     pp_bytes = 2 * act * m * v if pp > 1 else 0.0
-    ep_bytes = (2 * (6 if rc == "full" else 4) * ring(dp) * act * model.experts_per_token * n_layers * m
-                if layout.ep else 0.0)  # each all-to-all sends and receives (dp - 1) / dp of k rows a token
+    ep_bytes = ((6 if rc == "full" else 4) * ring(dp) * act * model.experts_per_token * n_layers * m
+                if layout.ep else 0.0)  # each all-to-all sends (dp - 1) / dp of k rows a token
     comm = {"dp": dp_bytes, "tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "ep": ep_bytes}
 
     def bandwidth(span: int) -> float:
@@ -735,6 +736,9 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> list
     """Every dp * tp * pp * cp = gpus layout with each ZeRO stage (ZeRO only with dp * cp > 1)
     and virtual stage count, estimated at its best microbatch count, recomputation and offload;
     those that break a rule or do not fit carry a reason."""
+    if train.expert_parallel and not model.experts:
+        raise ValueError(f"expert parallelism spreads a mixture of experts' experts over dp; {model.name or 'this model'} "
+                         "is dense (no experts): leave expert_parallel unset (--expert-parallel auto)")
     out = []
     n = cluster.gpus
     cps = [train.context_parallel] if train.context_parallel else [c for c in _divisors(n) if c == 1 or c % 2 == 0]
@@ -757,10 +761,12 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> list
                     zeros = [train.zero] if train.zero is not None else list(range(4))
                     if train.optimizer_offload and dp * cp > 1:
                         zeros = [z for z in zeros if z >= 1]  # offload is a ZeRO feature
-                    # a mixture of experts also with its experts over dp, where they divide
-                    eps = (False, True) if model.experts and dp > 1 and cp == 1 else (False,)
-                    if train.expert_parallel is not None:
-                        eps = [ep for ep in eps if ep == train.expert_parallel] or [train.expert_parallel]
+                    # a mixture of experts also with its experts over dp (dp > 1, cp = 1); with
+                    # expert_parallel set, only with or only without, where it applies
+                    applies = bool(model.experts) and dp > 1 and cp == 1
+                    eps = (False, True) if applies else (False,)
+                    if train.expert_parallel is not None and applies:
+                        eps = (train.expert_parallel,)
                     for zero in zeros if dp * cp > 1 else (0,):
                         for ep in eps:
                             out.append(_best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep))
@@ -769,9 +775,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> list
 
 def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=False) -> Estimate:
     reason = _structural_reason(model, cluster, train, dp, tp, pp, zero, cp, v)
-    if reason is None and ep and (not model.experts or model.experts % dp or dp * cp == 1):
-        reason = (f"experts {model.experts} not divisible by dp={dp} (expert parallelism spreads them over dp > 1; "
-                  "cp = 1)")
+    if reason is None and ep and model.experts % dp:
+        reason = f"experts {model.experts} not divisible by dp={dp} (expert parallelism spreads them over dp)"
     if reason is not None:
         e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=ep))
         e.reason = reason

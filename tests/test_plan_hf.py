@@ -189,22 +189,33 @@ def test_experts_over_dp_hold_their_share_and_add_the_all_to_alls():
     for zero in (0, 1, 3):
         plain = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1))
         ep = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1, ep=True))
-        # without ep: every expert (ZeRO-3: a quarter, and two gathered layers' worth); with: a quarter
-        saved = 4 * expert / moe.layers if zero == 3 else 2 * expert - 2 * expert / 4
+        # without ep: every expert (ZeRO-3: a quarter, and two gathered layers' worth, the larger of
+        # a layer and the embedding); with: a quarter
+        gathered = plan._stage_params(moe, 1, 1)[1] - plan._stage_params(moe, 1, 1, held_apart=expert / moe.layers)[1]
+        saved = 2 * 2 * gathered if zero == 3 else 2 * expert - 2 * expert / 4
         assert plain.params - ep.params == pytest.approx(saved, rel=1e-9)
         assert plain.optimizer - ep.optimizer == pytest.approx(12 * expert / (1 if zero == 0 else 4) - 12 * expert / 4,
                                                                rel=1e-9)
         tokens = 2 * 512  # this rank's 2 sequences
-        assert ep.comm["ep"] == 2 * 4 * 3 / 4 * tokens * moe.hidden * 2 * moe.experts_per_token * moe.layers
+        # sent bytes, as the other axes count: 4 all-to-alls of (dp - 1) / dp of k bf16 rows a token
+        assert ep.comm["ep"] == 4 * 3 / 4 * tokens * moe.hidden * 2 * moe.experts_per_token * moe.layers
         assert plain.comm["ep"] == 0 and ep.comm["dp"] < plain.comm["dp"]
+        # with microbatches, this rank's experts' gradients accumulate whole until the step
+        accumulating = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 2, ep=True))
+        assert accumulating.grads_at_loss >= 2 * expert / 4
     layouts = [e.layout for e in plan.candidates(moe, cluster, train)]
     assert any(lay.ep for lay in layouts) and all(lay.dp > 1 for lay in layouts if lay.ep)
-    only = plan.candidates(moe, cluster, TrainSpec(global_batch=8, expert_parallel=True))
-    assert all(e.layout.ep for e in only) and any(e.reason is None for e in only)
-    assert any(e.reason.startswith("experts 8 not divisible by dp=1") for e in only if e.layout.dp == 1)
+    # "on": every layout where it applies (dp > 1, cp = 1) takes it, the others run without
+    only = plan.candidates(moe, ClusterSpec.preset("h100", 8, 8),
+                           TrainSpec(global_batch=8, expert_parallel=True, context_parallel=None))
+    assert all(e.layout.ep == (e.layout.dp > 1 and e.layout.cp == 1) for e in only)
+    assert any(e.layout.cp > 1 for e in only) and any(e.layout.ep and e.reason is None for e in only)
     dense = ModelSpec.from_hf_config(CONFIGS["mistral"]().to_dict(), seq=512)
     assert not any(e.layout.ep for e in plan.candidates(dense, cluster, train))
+    with pytest.raises(ValueError, match="expert parallelism spreads a mixture of experts' experts over dp; .* is "
+                                         r"dense \(no experts\): leave expert_parallel unset"):
+        plan.candidates(dense, cluster, TrainSpec(global_batch=8, expert_parallel=True))
     three = plan.candidates(moe, ClusterSpec.preset("h100", 3, 3), TrainSpec(global_batch=9, expert_parallel=True))
     assert any(e.reason.startswith("experts 8 not divisible by dp=3") for e in three if e.layout.dp == 3)
-    best = min((e for e in only if e.reason is None), key=lambda e: e.step_time)
+    best = min((e for e in only if e.reason is None and e.layout.ep), key=lambda e: e.step_time)
     assert plan.launch_args(best, train)["parallelize"]["expert_parallel"] is True

@@ -148,9 +148,14 @@ class PipelineParallel:
         """Forward and backward of one batch by the schedule; returns the batch loss (every
         pipeline rank). attention_mask: [batch, seq] (1 attend, 0 padding), given with the
         inputs on pipeline rank 0, for pipelines whose layers take it (Note [side inputs])."""
-        sig, mask_sig = self._check_batch(inputs if self.rank == 0 else None,
-                                          targets if self.rank == self.last_rank else None,
-                                          attention_mask if self.rank == 0 else None)
+        try:
+            sig, mask_sig = self._check_batch(inputs if self.rank == 0 else None,
+                                              targets if self.rank == self.last_rank else None,
+                                              attention_mask if self.rank == 0 else None)
+            refused = None
+        except (TypeError, ValueError) as e:  # the same on every rank of this pipeline
+            refused = e
+        self._agree_on_batches(refused)
         side = self._side_inputs(attention_mask, mask_sig)
         m = self.microbatches
         x_mb = list(inputs.chunk(m)) if self.rank == 0 else None
@@ -189,8 +194,7 @@ class PipelineParallel:
         failed = bool(summary[1] > 0)
         # Another data-parallel replica's pipeline may have failed on its own data: then every
         # replica raises, so that none takes the optimizer step the others skip.
-        dp_group = self._dp_group()
-        replicas = dist.get_world_size(dp_group) if self.data_parallel is not None and dist.is_initialized() else 1
+        dp_group, replicas = self._dp_group(), self._replicas()
         anywhere = failed
         if replicas > 1:
             flag = torch.tensor([float(failed)], device=self.device)
@@ -204,6 +208,30 @@ class PipelineParallel:
 
     def _dp_group(self):
         return getattr(self.data_parallel, "group", None) if self.data_parallel is not None else None
+
+    def _replicas(self) -> int:
+        return dist.get_world_size(self._dp_group()) if self.data_parallel is not None and dist.is_initialized() else 1
+
+    def _agree_on_batches(self, refused: Exception | None) -> None:
+        """Raise `refused` (this pipeline's batch check), or another data-parallel replica's, on
+        every rank: a replica refusing its batch alone would leave the others in the step's
+        collectives (one flag all-reduce over dp a step; the messages only on a refusal)."""
+        replicas = self._replicas()
+        if replicas > 1:
+            flag = torch.tensor([float(refused is not None)], device=self.device)
+            with fault.collective("pipeline batch check all_reduce over data parallelism", self._dp_group()):
+                dist.all_reduce(flag, group=self._dp_group())
+            if flag.item() > 0:
+                mine = (type(refused).__name__, str(refused)) if refused is not None else None
+                found = [None] * replicas
+                with fault.collective("pipeline batch check all_gather over data parallelism", self._dp_group()):
+                    dist.all_gather_object(found, mine, group=self._dp_group())
+                if refused is None:
+                    replica, (kind, text) = next((i, e) for i, e in enumerate(found) if e is not None)
+                    raise (TypeError if kind == "TypeError" else ValueError)(
+                        f"data-parallel replica {replica}'s batch was refused: {text}")
+        if refused is not None:
+            raise refused
 
     def _raise_failure(self, failed: bool, replicas: int, dp_group) -> None:
         """Every rank raises a failed step's first error: the failing rank its own exception,
@@ -226,9 +254,10 @@ class PipelineParallel:
         if msg.exception is not None:
             raise msg.exception
         error, raised = first
+        kind = RuntimeError if raised else ValueError  # a broken contract is a ValueError everywhere
         if not failed:
-            raise RuntimeError(f"data-parallel replica {replica}'s pipeline failed this step: {error}")
-        raise (RuntimeError if raised else ValueError)(error)
+            raise kind(f"data-parallel replica {replica}'s pipeline failed this step: {error}")
+        raise kind(error)
 
     def clip_grad_norm_(self, max_norm: float, *, tp_group: dist.ProcessGroup | None = None) -> Tensor:
         """Clip by the global norm over this pipeline's stages, the TP group and (ZeRO) the

@@ -273,8 +273,10 @@ def _replica_fails(rank, world, where):
                       token_count=token_count, pipeline_layers="layers", microbatches=2)
     g = torch.Generator().manual_seed(ctx.coordinate("dp"))
     results = []
-    for _ in range(3):
+    for step in range(3):
         x, y = torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+        if where == "batch" and step == 1 and ctx.coordinate("dp") == 0:  # 3 sequences for 2 microbatches
+            x, y = x[:3], y[:3]
         try:
             results.append(par.forward_backward(x, y).item())
             par.step()
@@ -287,13 +289,18 @@ def _replica_fails(rank, world, where):
     return ctx.coordinate("pp"), ctx.coordinate("dp"), results, [s.item() for s in sums]
 
 
-@pytest.mark.parametrize("where", ["loss", "token_count"])
+@pytest.mark.parametrize("where", ["loss", "token_count", "batch"])
 def test_a_failure_on_one_data_parallel_replica_raises_on_every_rank(where):
     message = "loss refused" if where == "loss" else "count refused"
+    refused = ("the batch (3 inputs, 3 targets) must have equal sizes divisible by microbatches=2; 3 % 2 = 1; "
+               "valid batch sizes are multiples of 2")
     for pp, dp, results, sums in run_distributed(_replica_fails, 4, args=(where,), collective_timeout_s=20):
         assert isinstance(results[0], float) and isinstance(results[2], float), (pp, dp, results)
         kind, text = results[1]
-        if (pp, dp) == (1, 0):  # the last stage of replica 0 raised it
+        if where == "batch":  # refused before the step runs, on every rank of both replicas
+            want = refused if dp == 0 else f"data-parallel replica 0's batch was refused: {refused}"
+            assert (kind, text) == ("ValueError", want), (pp, dp, results[1])
+        elif (pp, dp) == (1, 0):  # the last stage of replica 0 raised it
             assert (kind, text) == ("StageError", message)
         elif dp == 0:
             assert kind == "RuntimeError" and text.startswith("pipeline rank 1 raised StageError in ") and \
