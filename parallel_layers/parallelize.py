@@ -20,7 +20,10 @@ applies TP, then activation checkpointing, then FSDP, with the pipeline schedule
   1. tensor parallelism (`tp_plan`, parallel_layers/tensor_parallel/plan.py) on the whole
      model, in place. Every rank holds the whole model at this point, so plan patterns name
      modules as the user wrote them, and the layers shard the same weights on every pipeline
-     rank (the same seed gives the same model).
+     rank (the same seed gives the same model). Then expert parallelism (`expert_parallel=True`:
+     each MoE layer's experts, split over tp if TP ran, spread over the dp ranks;
+     parallel_layers/expert_parallel.py), also on the whole model, so every rank creates the
+     same process groups whatever its pipeline stage holds.
   2. activation checkpointing (`activation_checkpointing="full"` or `"selective"`) of the
      blocks `wrap` selects (parallel_layers/activation_checkpointing.py): after TP, so the
      recompute re-runs the TP layers' collectives; before step 4, so the checkpointed forward
