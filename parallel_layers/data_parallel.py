@@ -10,7 +10,9 @@ while backward still computes the rest (Note [agreed bucket order]). The end of 
 waits for them and writes the averages back. `no_sync()` accumulates locally; the next
 backward outside it (or `reduce_gradients()`) reduces the sum. A parameter may go unused on
 some ranks (Note [unused parameters]).
-Parameters are broadcast from rank 0 at construction, so every replica starts equal.
+Parameters are broadcast from rank 0 at construction, so every replica starts equal. One
+rank's experts under expert parallelism are replicas over their replica group only: broadcast
+and averaged over it, in buckets of their own (Note [expert replicas] in expert_parallel.py).
 
 Note [agreed bucket order]: NCCL matches collectives by the order they are issued, not by
 content, so every rank must launch the same all-reduces, of the same sizes, in the same
@@ -108,6 +110,70 @@ def _split_into_buckets(params: list[nn.Parameter], bucket_bytes: int, first_byt
     return buckets
 
 
+class _Reducer:
+    """One process group's share of the gradients: its parameters' buckets, launched in the
+    agreed order (Note [agreed bucket order]) and averaged over `group`."""
+
+    def __init__(self, params: list[nn.Parameter], group, bucket_bytes: int, first_bytes: int):
+        self.params, self.group = params, group
+        self.world = dist.get_world_size(group)
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self._bucket_bytes, self._first_bytes = bucket_bytes, first_bytes
+        self.set_buckets(list(reversed(params)))
+        self.arrival: list[nn.Parameter] | None = []  # gradient order until the first reduction
+        self.seen: set[int] = set()  # params with a gradient since the last reduction
+        self.launched = 0  # buckets launched in this reduction
+
+    def set_buckets(self, ordered: list[nn.Parameter]) -> None:
+        self.buckets = _split_into_buckets(ordered, self._bucket_bytes, self._first_bytes)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    def broadcast(self, params: list[nn.Parameter]) -> None:
+        """Every replica starts from the values of the group's first rank. A module built on the
+        meta device has no values yet; its loader (hf.load_pretrained) writes the same values on
+        every replica."""
+        with torch.no_grad():
+            for p in (p for p in params if not p.is_meta):
+                fault.check_agreement("DataParallel parameter broadcast", p, self.group)
+                with fault.collective("DataParallel parameter broadcast", self.group):
+                    dist.broadcast(p, src=self.src, group=self.group)
+
+    def on_grad(self, p: nn.Parameter, sync: bool) -> None:
+        self.seen.add(id(p))
+        if self.arrival is not None:
+            self.arrival.append(p)
+        if not sync:
+            return
+        self.bucket_of[id(p)].arrived.add(id(p))
+        while self.launched < len(self.buckets) and self.buckets[self.launched].complete():
+            self.buckets[self.launched].launch(self.group, self.world, self.seen)
+            self.launched += 1
+
+    def reduce(self) -> None:
+        for b in self.buckets[self.launched:]:  # incomplete buckets, or all after no_sync()
+            b.launch(self.group, self.world, self.seen)
+        for b in self.buckets:
+            b.finish(self.group)
+        self.launched = 0
+        self.seen.clear()
+        if self.arrival is not None:
+            self._agree_on_order()
+
+    def _agree_on_order(self) -> None:
+        """Rebuild the buckets, once, in the first rank's gradient arrival order (Note [agreed bucket order])."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        arrived = [index[id(p)] for p in dict.fromkeys(self.arrival)]
+        self.arrival = None
+        if not self.params:
+            return
+        never = sorted(set(range(len(self.params))) - set(arrived), reverse=True)
+        order = torch.tensor(arrived + never, device=self.params[0].device)
+        fault.check_agreement("DataParallel bucket order broadcast", order, self.group)
+        with fault.collective("DataParallel bucket order broadcast", self.group):
+            dist.broadcast(order, src=self.src, group=self.group)
+        self.set_buckets([self.params[i] for i in order.tolist()])
+
+
 class DataParallel(LocalAccumulation, nn.Module):
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
@@ -120,29 +186,33 @@ class DataParallel(LocalAccumulation, nn.Module):
                                "init_process_group)")
         self.module, self.group = module, group
         self.world = dist.get_world_size(group)
-        self._src = dist.get_global_rank(group, 0) if group is not None else 0
-        self._bucket_bytes, self._first_bytes = int(bucket_mb * 2**20), int(first_bucket_mb * 2**20)
-        # One rank's experts (expert_parallel.py) are not replicas: neither broadcast nor averaged.
-        replicated = [p for p in module.parameters() if placement.expert_group(p) is None]
-        self._params = [p for p in replicated if p.requires_grad]
-        with torch.no_grad():
-            # A model built on the meta device has no values to broadcast yet; its loader
-            # (hf.load_pretrained) writes the same values on every replica.
-            for p in (p for p in replicated if not p.is_meta):
-                fault.check_agreement("DataParallel parameter broadcast", p, group)
-                with fault.collective("DataParallel parameter broadcast", group):
-                    dist.broadcast(p, src=self._src, group=group)
-        self._set_buckets(list(reversed(self._params)))
-        self._arrival: list[nn.Parameter] | None = []  # gradient order until the first reduction
-        self._seen: set[int] = set()  # params with a gradient since the last reduction
-        self._launched = 0  # buckets launched in this reduction, Note [agreed bucket order]
+        sizes = int(bucket_mb * 2**20), int(first_bucket_mb * 2**20)
+        # A rank's experts under expert parallelism (expert_parallel.py) are other experts on
+        # each rank of their expert-parallel group: replicas only over their replica group (the
+        # dp ranks with the same expert-parallel rank), where they are broadcast and averaged
+        # as the rest are over dp - Note [expert replicas] there. With ep = dp they have none.
+        by_group: dict[object, list[nn.Parameter]] = {None: []}
+        for p in module.parameters():
+            key = placement.expert_replica_group(p) if placement.expert_group(p) is not None else None
+            by_group.setdefault(key, []).append(p)
+        self._reducers: list[_Reducer] = []
+        for key, params in by_group.items():
+            reduce_over = group if key is None else key
+            if key is not None and dist.get_world_size(reduce_over) == 1:
+                continue
+            reducer = _Reducer([p for p in params if p.requires_grad], reduce_over, *sizes)
+            reducer.broadcast(params)
+            self._reducers.append(reducer)
+        self._reducer_of = {id(p): r for r in self._reducers for p in r.params}
         self._callback_queued = False
-        for p in self._params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        for r in self._reducers:
+            for p in r.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _set_buckets(self, ordered: list[nn.Parameter]) -> None:
-        self.buckets = _split_into_buckets(ordered, self._bucket_bytes, self._first_bytes)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+    @property
+    def buckets(self) -> list[_Bucket]:
+        """Every gradient bucket, the data-parallel group's first (Note [agreed bucket order])."""
+        return [b for r in self._reducers for b in r.buckets]
 
     def materialize(self, device: torch.device | str) -> None:
         """A module built on the meta device gets zero-filled storage on `device`, in place
@@ -151,7 +221,8 @@ class DataParallel(LocalAccumulation, nn.Module):
         from parallel_layers.meta import materialize_module
 
         materialize_module(self.module, device)
-        self._set_buckets([p for b in self.buckets for p in b.params])
+        for r in self._reducers:
+            r.set_buckets([p for b in r.buckets for p in b.params])
 
     def state_placement(self, prefix: str = "") -> placement.ModelPlacement:
         """Every rank holds the whole module (parallel_layers.placement)."""
@@ -164,46 +235,15 @@ class DataParallel(LocalAccumulation, nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._seen.add(id(p))
-        if self._arrival is not None:
-            self._arrival.append(p)
-        if not self._sync:
-            return
-        self._bucket_of[id(p)].arrived.add(id(p))
-        while self._launched < len(self.buckets) and self.buckets[self._launched].complete():
-            self.buckets[self._launched].launch(self.group, self.world, self._seen)
-            self._launched += 1
+        self._reducer_of[id(p)].on_grad(p, self._sync)
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
         if self._sync:
-            self._reduce()
+            self.reduce_gradients()
 
     def reduce_gradients(self) -> None:
         """All-reduce now the gradients accumulated under `no_sync()`: for a caller that runs
         several backwards per step and knows when the last one is done (PipelineParallel)."""
-        self._reduce()
-
-    def _reduce(self) -> None:
-        for b in self.buckets[self._launched:]:  # incomplete buckets, or all after no_sync()
-            b.launch(self.group, self.world, self._seen)
-        for b in self.buckets:
-            b.finish(self.group)
-        self._launched = 0
-        self._seen.clear()
-        if self._arrival is not None:
-            self._agree_on_order()
-
-    def _agree_on_order(self) -> None:
-        """Rebuild the buckets, once, in rank 0's gradient arrival order (Note [agreed bucket order])."""
-        index = {id(p): i for i, p in enumerate(self._params)}
-        arrived = [index[id(p)] for p in dict.fromkeys(self._arrival)]
-        self._arrival = None
-        if not self._params:
-            return
-        never = sorted(set(range(len(self._params))) - set(arrived), reverse=True)
-        order = torch.tensor(arrived + never, device=self._params[0].device)
-        fault.check_agreement("DataParallel bucket order broadcast", order, self.group)
-        with fault.collective("DataParallel bucket order broadcast", self.group):
-            dist.broadcast(order, src=self._src, group=self.group)
-        self._set_buckets([self._params[i] for i in order.tolist()])
+        for r in self._reducers:
+            r.reduce()

@@ -2,10 +2,12 @@
 rank's tokens sent to the rank that holds their expert and back by all-to-all.
 
     par = parallelize(model, init_parallel(dp=4), ..., expert_parallel=True, zero_stage=1)
+    par = parallelize(model, init_parallel(dp=16), ..., expert_parallel=8, zero_stage=3)
 
-Note [experts over the data-parallel ranks]: with dp = ep ranks, rank r holds experts
-[r * E / ep, (r + 1) * E / ep) of every MoE layer (both stacked parameters cut on dim 0) and
-no others; everything else stays replicated over dp as usual. Unlike tensor parallelism
+Note [experts over the data-parallel ranks]: over ep ranks (all of dp for expert_parallel=True),
+the rank of expert-parallel rank r holds experts [r * E / ep, (r + 1) * E / ep) of every MoE
+layer (both stacked parameters cut on dim 0) and no others; everything else stays replicated
+over dp as usual. Unlike tensor parallelism
 (tensor_parallel/experts.py), each rank has its own tokens, so a MoE layer's experts module
 (transformers' `<Family>Experts`, called with the hidden states [tokens, hidden] and the
 router's top-k expert ids and weights [tokens, k]) becomes:
@@ -28,17 +30,35 @@ runs both all-to-alls in the backward (its output is joined to the received rows
 
 Gradients. A replicated parameter's gradient is averaged over dp by the data-parallel wrapper
 (the sum of the ranks' gradients, divided by dp). An expert's weight gradient already holds
-the sum over every rank's tokens that reached it - the all-to-all did the summing - so it is
-not reduced over dp; a hook divides it by dp as the gradient arrives, which is what the
-wrapper's average does to the others. DataParallel leaves these parameters out of its
-broadcast and its buckets; ZeRO gives them groups over a process group of this rank alone (no
-sharding, no collective: the experts are already split), kept whole at every stage (no gather
+the sum over the tokens of every rank of its expert-parallel group that reached it - the
+all-to-all did the summing - so a hook divides it by ep as the gradient arrives, and the wrapper
+averages it over its replica group only (Note [expert replicas]): (sum over the dp / ep groups of
+each group's sum / ep) / (dp / ep) is the sum over all dp ranks / dp, the others' average. With ep
+= dp the replica group is this rank alone: DataParallel neither broadcasts nor averages them,
+ZeRO's groups of them issue no collective. ZeRO keeps them whole at every stage (no gather
 hooks, which would run again in an activation-checkpointing recompute), so its optimizer and
-checkpoints take them like any other; `clip_grad_norm_` sums their squares over dp (each rank's are
-other experts'). The all-to-alls run on a process group of their own, with the data-parallel
-ranks (`expert_groups`): the wrappers' gradient reductions are issued asynchronously on the
-data-parallel group during the backward, and NCCL requires the collectives of one group to
+checkpoints take them like any other; `clip_grad_norm_` sums their squares over the
+expert-parallel group (each rank's are other experts'). The all-to-alls run on a process group
+of their own (`expert_groups`): the wrappers' gradient reductions are issued asynchronously on
+the data-parallel group during the backward, and NCCL requires the collectives of one group to
 be issued in the same order on every rank.
+
+Note [expert replicas]: with ep < dp (expert_parallel=ep, a divisor of dp), the dp ranks form dp
+/ ep expert-parallel groups of ep consecutive ranks (consecutive: with tp innermost in the mesh,
+ep * tp consecutive global ranks, within a node as long as ep * tp GPUs fit in one, where the
+all-to-alls are cheapest), and each group holds every expert once. Dp rank d is expert-parallel
+rank d % ep of group d // ep; the ranks with the same d % ep hold the same experts and form its
+replica group (dp / ep ranks, strided). Tokens never leave their expert-parallel group. Under
+DataParallel the experts are broadcast from the replica group's first rank and averaged over it
+in buckets of their own (data_parallel.py); under ZeRO each MoE layer's experts form a group over
+the replica group: at every stage held whole (E / ep experts per rank), their gradients
+reduce-scattered over the replicas and their optimizer state sharded over them (ZeRO-2 for the
+experts: torchtitan shards them further at FSDP's stage 3, Megatron's distributed optimizer
+shards their optimizer state as ZeRO-1 does), in an agreed order of their own (Note [expert
+groups] in zero/_hooks.py), the full parameters all-gathered after each step. This lets a model
+with fewer experts than dp ranks (Mixtral's 8 at dp=16) use expert parallelism, and keeps the
+all-to-alls inside a node. Every rank creates every expert-parallel and every replica group
+(`new_subgroups_by_enumeration`: with ep = dp that is dp one-rank groups on every rank).
 
 Checkpoints, `hf.load_pretrained` and `hf.save_pretrained` see each rank's experts as rows
 [offset, offset + E / ep) of the logical stacked tensor (its placement layout), so a
@@ -46,7 +66,7 @@ checkpoint saved with expert parallelism loads into any other layout and back.
 
 With tensor parallelism too (tp > 1; Megatron's expert tensor parallelism): the plan's
 Experts() first splits every expert over the TP group as its MLP, then this rank keeps its
-dp rank's experts of those shards (the placement boxes cut on dim 0: `placement.narrowed`).
+expert-parallel rank's experts of those shards (the placement boxes cut on dim 0: `placement.narrowed`).
 The ranks of one TP group hold the same tokens and routing (the residual stream is
 replicated over tp), so the all-to-alls, one group per TP coordinate, hand each of them the
 same rows; the tensor-parallel forward inside (tensor_parallel/experts.py) computes each
@@ -56,9 +76,8 @@ gradient in the backward. The new parameters carry no hook of the old ones: tens
 parallelism registers none on split experts (sequence parallelism's gradient sums are for
 the replicated parameters).
 
-What it does not do (yet): expert parallelism over a group other than the whole dp group (ep
-< dp, experts replicated over dp / ep); whole experts per TP rank (Experts(split="experts"))
-under it; capacity factors or token dropping (every routed token is computed: dropless); overlapping the all-to-alls with
+What it does not do (yet): whole experts per TP rank (Experts(split="experts")) under it;
+sharding the experts' parameters themselves over their replicas at ZeRO-3; capacity factors or token dropping (every routed token is computed: dropless); overlapping the all-to-alls with
 compute (DeepEP, Megatron's A2A overlap); the routers' load-balancing loss is computed by the
 model on each rank's own tokens, as under plain data parallelism.
 """
@@ -85,21 +104,41 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
                    for attr in (spec.column, spec.row))]
 
 
-def check(model: nn.Module, ep: int) -> list[tuple[str, nn.Module]]:
-    """Why `model` cannot take expert parallelism over `ep` ranks, raised (the same on every
-    rank: it depends on the model and the degrees only); else its experts modules. Before
-    tensor parallelism converts them."""
+def degree(expert_parallel, dp: int) -> int:
+    """How many data-parallel ranks each MoE layer's experts are spread over: dp for True, 1
+    (no expert parallelism) for False, else the number given, which must divide dp (Note [expert
+    replicas])."""
+    divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+    if isinstance(expert_parallel, bool):
+        return dp if expert_parallel else 1
+    if not isinstance(expert_parallel, int):
+        raise TypeError(f"expert_parallel must be True (the experts over all dp={dp} ranks), False, or the number of "
+                        f"data-parallel ranks to spread them over (a divisor of dp: {divisors}), got "
+                        f"{expert_parallel!r}")
+    if expert_parallel not in divisors:
+        raise ValueError(f"expert_parallel={expert_parallel} must divide dp={dp} (the experts are spread over groups "
+                         f"of that many data-parallel ranks and replicated over dp / expert_parallel of them); valid "
+                         f"values at dp={dp}: {divisors} (or True, False)")
+    return expert_parallel
+
+
+def check(model: nn.Module, ep: int, flag=True) -> list[tuple[str, nn.Module]]:
+    """Why `model` cannot take expert parallelism over `ep` ranks (asked for as
+    expert_parallel=`flag`), raised (the same on every rank: it depends on the model and the
+    degrees only); else its experts modules. Before tensor parallelism converts them."""
     found = expert_modules(model)
     if not found:
-        raise ValueError(f"parallelize: expert_parallel=True found no mixture-of-experts module in "
+        raise ValueError(f"parallelize: expert_parallel={flag!r} found no mixture-of-experts module in "
                          f"{type(model).__name__} (a module holding stacked 3-D gate_up_proj [experts, 2 * "
                          "intermediate, hidden] and down_proj [experts, hidden, intermediate], as transformers 5's "
                          "Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE hold them)")
+    over = f"dp={ep} ranks" if flag is True else f"ep={ep} data-parallel ranks"
     for name, module in found:
         problem = layout_problem(module, Experts(split="experts"), ep)
         if problem is not None:
-            problem = problem.replace("tensor-parallel", "expert-parallel (data-parallel)").replace("tp=", "dp=")
-            raise ValueError(f"parallelize: expert_parallel=True over dp={ep} ranks cannot split {name}: {problem}")
+            problem = problem.replace("tensor-parallel", "expert-parallel (data-parallel)")
+            problem = problem.replace("tp=", "dp=" if flag is True else "ep=")
+            raise ValueError(f"parallelize: expert_parallel={flag!r} over {over} cannot split {name}: {problem}")
     return found
 
 
@@ -119,23 +158,27 @@ def check_tensor_parallel(model: nn.Module, names: list[str]) -> None:
                          f"experts over the data-parallel ranks; the plan left them {how}")
 
 
-def expert_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(a process group of this rank's data-parallel ranks, apart from the dp group's; one of
-    this rank alone, for ZeRO's groups of its experts) (Note [experts over the data-parallel
-    ranks]). Every rank creates every group (torch names a group by how many each rank has
-    created, so all must create the same ones), including the pipeline stages without experts."""
+def expert_groups(mesh, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's expert-parallel group: `ep` consecutive data-parallel ranks, apart from the dp
+    group; its replica group: the dp / ep data-parallel ranks at the same place in theirs) (Note
+    [expert replicas]). Every rank creates every group (torch names a group by how many each rank
+    has created, so all must create the same ones), including the pipeline stages without
+    experts."""
     ranks = mesh.mesh  # (pp, dp, tp) global ranks
-    mine, _ = dist.new_subgroups_by_enumeration(ranks.permute(0, 2, 1).reshape(-1, ranks.shape[1]).tolist())
-    own, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
-    return mine, own
+    pp, dp, tp = ranks.shape
+    blocks = ranks.permute(0, 2, 1).reshape(pp, tp, dp // ep, ep)  # [.., replica, expert-parallel rank]
+    spread, _ = dist.new_subgroups_by_enumeration(blocks.reshape(-1, ep).tolist())
+    replicas, _ = dist.new_subgroups_by_enumeration(blocks.transpose(2, 3).reshape(-1, dp // ep).tolist())
+    return spread, replicas
 
 
 _EP_CLASSES: dict[type, type] = {}
 
 
-def convert(module: nn.Module, group: dist.ProcessGroup, own: dist.ProcessGroup) -> None:
-    """Keep this rank's experts of `module` and dispatch its tokens by all-to-all over `group`
-    (Note [experts over the data-parallel ranks]); `check` must have passed."""
+def convert(module: nn.Module, group: dist.ProcessGroup, replicas: dist.ProcessGroup) -> None:
+    """Keep this rank's experts of `module` and dispatch its tokens by all-to-all over `group`;
+    `replicas` holds the same experts (Note [experts over the data-parallel ranks], Note [expert
+    replicas]); `check` must have passed."""
     spec = Experts(split="experts")
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     total = getattr(module, spec.column).shape[0]
@@ -146,8 +189,8 @@ def convert(module: nn.Module, group: dist.ProcessGroup, own: dist.ProcessGroup)
         placement.set_local_layout(p, placement.narrowed(placement.local_layout(full), 0, rank * local, local))
         if hasattr(full, "tp_shard"):  # split over tp as well (what a second parallelize refuses)
             p.tp_shard = full.tp_shard
-        placement.set_expert_group(p, group, own)
-        if p.requires_grad:  # the sum over dp's tokens, averaged as the replicas' gradients are
+        placement.set_expert_group(p, group, replicas)
+        if p.requires_grad:  # the sum over the group's tokens, averaged as the replicas' gradients are
             p.register_hook(lambda g, ep=ep: g / ep)
         setattr(module, attr, p)
     # not `expert_offset`: tensor_parallel/experts.py's forward renumbers ids by that one
@@ -209,12 +252,12 @@ def _all_to_all(x: Tensor, recv: list[int], send: list[int], group) -> Tensor:
     return out
 
 
-def apply(model: nn.Module, mesh, names: list[str]) -> None:
-    """Expert parallelism over the data-parallel ranks of `mesh` on the MoE layers `names` of
-    `model` (`check`'s, after tensor parallelism if any)."""
+def apply(model: nn.Module, mesh, names: list[str], ep: int) -> None:
+    """Expert parallelism over groups of `ep` data-parallel ranks of `mesh` on the MoE layers
+    `names` of `model` (`check`'s, after tensor parallelism if any)."""
     if mesh.size(mesh.mesh_dim_names.index("tp")) > 1:
         check_tensor_parallel(model, names)
-    group, own = expert_groups(mesh)
+    group, replicas = expert_groups(mesh, ep)
     modules = dict(model.named_modules())
     for name in names:
-        convert(modules[name], group, own)
+        convert(modules[name], group, replicas)

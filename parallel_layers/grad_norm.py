@@ -10,9 +10,10 @@ What a rank holds comes from its placement (parallel_layers.placement), whatever
   - under ZeRO the gradients are disjoint shards over the data-parallel group (the
     placement's `shard_group`: sum over it); after DataParallel's all-reduce they are
     replicated (do not), except one rank's experts under expert parallelism, which are other
-    experts on each data-parallel rank (sum them over their group, `placement.expert_group`).
-    Under ZeRO they sit in groups of their rank alone, so the shard group's sum counts each
-    expert once already.
+    experts on each rank of their expert-parallel group (sum them over it,
+    `placement.expert_group`; over their replica group they are replicated). Under ZeRO they
+    are sharded over their replica group, so the shard group's (dp's) sum counts each expert
+    once already.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ applies TP, then activation checkpointing, then FSDP, with the pipeline schedule
   1. tensor parallelism (`tp_plan`, parallel_layers/tensor_parallel/plan.py) on the whole
      model, in place. Every rank holds the whole model at this point, so plan patterns name
      modules as the user wrote them, and the layers shard the same weights on every pipeline
-     rank (the same seed gives the same model). Then expert parallelism (`expert_parallel=True`:
-     each MoE layer's experts, split over tp if TP ran, spread over the dp ranks;
+     rank (the same seed gives the same model). Then expert parallelism (`expert_parallel`:
+     each MoE layer's experts, split over tp if TP ran, spread over the dp ranks or groups of them;
      parallel_layers/expert_parallel.py), also on the whole model, so every rank creates the
      same process groups whatever its pipeline stage holds.
   2. activation checkpointing (`activation_checkpointing="full"` or `"selective"`) of the
@@ -165,7 +165,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                 wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
                 split_points: list[int] | None = None, fused_kernels: bool = True,
-                token_count: Callable[[Tensor], Tensor] | None = None, expert_parallel: bool = False
+                token_count: Callable[[Tensor], Tensor] | None = None, expert_parallel: bool | int = False
                 ) -> Parallelized:
     """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
 
@@ -189,10 +189,12 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     Hugging Face decoder's SwiGLU MLPs run as one GEMM with the activation fused, its RMSNorms as
     one pass, its attention residual add inside the next norm, over the same parameters
     (parallel_layers/fused.py); False keeps the model's own modules and forwards.
-    expert_parallel: a mixture of experts' experts spread over the dp ranks (E / dp each), every
-    rank's tokens sent to their experts' ranks and back by all-to-all
-    (parallel_layers/expert_parallel.py); with DataParallel or ZeRO, pipelines, and tensor
-    parallelism (each expert split over tp by the plan's Experts()).
+    expert_parallel: True spreads a mixture of experts' experts over the dp ranks (E / dp each),
+    every rank's tokens sent to their experts' ranks and back by all-to-all
+    (parallel_layers/expert_parallel.py); a number ep dividing dp spreads them over groups of ep
+    consecutive dp ranks (E / ep each), replicated over the dp / ep groups; False or 1: none.
+    With DataParallel or ZeRO, pipelines, and tensor parallelism (each expert split over tp by
+    the plan's Experts()).
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -203,8 +205,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if token_count is not None and not callable(token_count):  # else it would raise on the last stage only
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
-    if not isinstance(expert_parallel, bool):
-        raise TypeError(f"expert_parallel must be True or False, got {expert_parallel!r}")
+    ep = expert_parallel_module.degree(expert_parallel, ctx.dims.dp)
     wrap = wrap if wrap is not None else declared_blocks(model)
     activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
     pp = ctx.dims.pp
@@ -220,7 +221,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         raise ValueError(f"parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
                          f"tensor-parallel regions) and no pipeline; got {'no' if tp_plan is None else 'a'} "
                          f"tp_plan, pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
-    experts = [name for name, _ in expert_parallel_module.check(model, ctx.dims.dp)] if expert_parallel else []
+    asked = expert_parallel is True or ep > 1
+    experts = [name for name, _ in expert_parallel_module.check(model, ep, expert_parallel)] if asked else []
 
     # 1. tensor parallelism, and the fused modules (after it: they take its layers' shards);
     #    expert parallelism
@@ -229,8 +231,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                    sequence_parallel=sequence_parallel, fused_kernels=fused_kernels)
     elif fused_kernels:
         fused.fuse(model)
-    if experts and ctx.dims.dp > 1:  # on the whole model, before ranks drop other stages' layers
-        expert_parallel_module.apply(model, ctx.mesh, experts)
+    if experts and ep > 1:  # on the whole model, before ranks drop other stages' layers
+        expert_parallel_module.apply(model, ctx.mesh, experts, ep)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)

@@ -102,13 +102,13 @@ def narrowed(layout: LocalLayout, dim: int, start: int, length: int) -> LocalLay
 _EXPERT_GROUP_ATTR = "_parallel_layers_expert_group"
 
 
-def set_expert_group(t: Tensor, group, own) -> None:
-    """Record that `t` holds this rank's experts, split on dim 0 over the data-parallel ranks
-    of `group` and not replicated over them (parallel_layers/expert_parallel.py): the
-    data-parallel wrappers neither broadcast nor average it (ZeRO keeps it in a group over
-    `own`, a process group of this rank alone, which every rank created alike), gradient
-    clipping sums it over `group`."""
-    setattr(t, _EXPERT_GROUP_ATTR, (group, own))
+def set_expert_group(t: Tensor, group, replicas) -> None:
+    """Record that `t` holds this rank's experts, split on dim 0 over the ranks of `group` (its
+    expert-parallel group) and replicated over `replicas` (the data-parallel ranks with the same
+    expert-parallel rank; this rank alone when the experts are spread over all of dp):
+    parallel_layers/expert_parallel.py. The data-parallel wrappers broadcast and average it over
+    `replicas`, not over dp (ZeRO shards it over them); gradient clipping sums it over `group`."""
+    setattr(t, _EXPERT_GROUP_ATTR, (group, replicas))
 
 
 def expert_group(t: Tensor):
@@ -116,8 +116,8 @@ def expert_group(t: Tensor):
     return getattr(t, _EXPERT_GROUP_ATTR, (None, None))[0]
 
 
-def own_group(t: Tensor):
-    """The process group of this rank alone that set_expert_group recorded for `t`, or None."""
+def expert_replica_group(t: Tensor):
+    """The group `t`'s experts are replicated over (set_expert_group), or None."""
     return getattr(t, _EXPERT_GROUP_ATTR, (None, None))[1]
 
 

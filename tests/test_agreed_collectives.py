@@ -328,3 +328,40 @@ def _pipeline(rank, world, wrapper):
 def test_pipeline_dp2_pp2_with_a_parameter_unused_on_one_replica(wrapper):
     errors = run_distributed(_pipeline, 4, args=(wrapper,), timeout_s=180, collective_timeout_s=30)
     assert max(errors) < RTOL, errors
+
+
+class _RecordedGroup:
+    """Stands in for a ZeRO ParamGroup: records its reductions, holds no parameter."""
+
+    def __init__(self, name: str, world: int, log: list):
+        self.name, self.world, self.log, self.params, self.keep_full = name, world, log, [], True
+
+    def reduce_grads(self, free_full_grads: bool, async_op: bool = False) -> None:
+        self.log.append(self.name)
+
+    def finish_reduce(self) -> None:
+        pass
+
+
+def test_zero_expert_groups_over_replicas_reduce_in_their_own_agreed_order():
+    """Note [expert groups]: the experts' groups over a replica group of several ranks issue their
+    reduce-scatters in one order on every rank, whatever order their gradients complete in (a
+    layer whose experts got no row on this replica completes at the end of backward only); groups
+    of this rank alone are reduced as soon as they are done; the dp group's order is apart."""
+    from parallel_layers.zero._hooks import ZeROHooks
+
+    log = []
+    dense, root = _RecordedGroup("layers.1", 2, log), _RecordedGroup("<root>", 2, log)
+    experts = [_RecordedGroup(f"layers.{i}.experts", 2, log) for i in range(3)]
+    alone = _RecordedGroup("solo.experts", 1, log)
+    hooks = ZeROHooks(nn.Module(), [experts[0], dense, experts[1], experts[2], alone, root], {}, root, stage=2,
+                      prefetch=False, reshard_after_forward=True, syncing=lambda: True,
+                      experts=[experts[0], experts[1], experts[2], alone])
+    hooks._backward_done(experts[1])  # layers.2's experts come first in the order: held back
+    hooks._backward_done(alone)
+    assert log == ["solo.experts"]
+    hooks._backward_done(experts[2])
+    hooks._backward_done(dense)
+    assert log == ["solo.experts", "layers.2.experts", "layers.1.experts", "layers.1"]
+    hooks._finalize_backward()  # layers.0's experts got no gradient here: reduced at the end, in order
+    assert log == ["solo.experts", "layers.2.experts", "layers.1.experts", "layers.1", "<root>", "layers.0.experts"]

@@ -46,13 +46,17 @@ reason; FSDP2 does it for the root). Backward's end frees it with the others, an
 `ZeRO.step()` frees every stage-3 group before the optimizer step, so a forward that no
 backward followed cannot leave stale values gathered.
 
-Note [local groups]: a group over this rank alone (one rank's experts under expert
-parallelism, parallel_layers/expert_parallel.py) issues no collective, so there is no order to
-agree on: it is left out of the agreed order and reduced (a local copy into its shard) as soon
-as all its parameters' gradients are in, at any stage >= 2 (at stage 3 it has no module hooks:
-it stays gathered), or at the end of backward for parameters that got none; at stage 1 and
-after `no_sync()` with the others. In the agreed order it would hold back every group after it
-until the end of backward (all their full gradients alive, no reduce-scatter overlapped).
+Note [expert groups]: one rank's experts under expert parallelism
+(parallel_layers/expert_parallel.py) are in groups over their replica group (the data-parallel
+ranks holding the same experts), not over dp. Those groups' reductions are ordered among
+themselves, apart from the dp group's: their own agreed order (reverse registration order), each
+reduced once all its parameters' gradients are in (they have no module hooks: they stay gathered
+at stage 3) and those before it were, the rest at the end of backward; one reduce-scatter in
+flight. With the experts over all of dp the replica group is this rank alone: no collective, so
+no order to agree on, and each group is reduced (a local copy into its shard) as soon as its
+gradients are in. In the dp order they would hold back every group after them until the end of
+backward (all their full gradients alive, no reduce-scatter overlapped). At stage 1 and after
+`no_sync()` they are reduced with the others, in registration order.
 
 Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first forward.
 Afterwards, while group i computes, the all-gather of the group after it runs (forward) or
@@ -70,6 +74,16 @@ import torch.nn as nn
 import torch.utils._pytree
 
 from parallel_layers.zero._group import ParamGroup
+
+
+@dataclasses.dataclass
+class _Order:
+    """Groups over one process group, reduced in this order (Note [agreed reduction order]):
+    how many were launched in this backward, and the one whose reduce-scatter is in flight
+    (Note [overlapped reduce-scatter])."""
+    groups: list[ParamGroup]
+    reduced: int = 0
+    reducing: ParamGroup | None = None
 
 
 @dataclasses.dataclass
@@ -108,14 +122,16 @@ class ZeROHooks:
 
     def __init__(self, module: nn.Module, groups: list[ParamGroup], module_group: dict[int, ParamGroup],
                  root: ParamGroup | None, stage: int, *, prefetch: bool, reshard_after_forward: bool,
-                 syncing: Callable[[], bool], local: list[ParamGroup] = ()):
+                 syncing: Callable[[], bool], experts: list[ParamGroup] = ()):
         self.groups, self.stage, self.syncing = groups, stage, syncing
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
-        self.local = list(local)  # Note [local groups]
+        self.experts = list(experts)  # Note [expert groups]
+        self.alone = [g for g in self.experts if g.world == 1]
         # Note [agreed reduction order]
-        self.order = [g for g in reversed(groups) if g is not root and g not in self.local] + (
+        self.order = [g for g in reversed(groups) if g is not root and g not in self.experts] + (
             [root] if root is not None else [])
-        self.reduced = 0  # groups of self.order reduced in this backward
+        self.orders = [_Order(self.order), _Order([g for g in reversed(self.experts) if g not in self.alone])]
+        self.order_of = {g: o for o in self.orders for g in o.groups}
         # Full gradients may wait for a reduction at step() (Note [agreed reduction order]):
         # decided by what every rank's program does (stage, no_sync, step), not by p.grad.
         self.unreduced = stage == 1
@@ -123,12 +139,11 @@ class ZeROHooks:
         self.forward_order: list[ParamGroup] = []  # groups as their forward ran, first step (Note [ZeRO prefetch])
         self.order_known = False  # forward_order is complete (a backward has ended since it was recorded)
         self.callback_queued = False
-        self.reducing: ParamGroup | None = None  # Note [overlapped reduce-scatter]
         self.handles = []
         if stage == 2:
             self._install_grad_hooks(self.order)
         if stage >= 2:
-            self._install_grad_hooks(self.local)
+            self._install_grad_hooks(self.experts)
         if stage == 3:
             self._install_module_hooks(module, module_group)
 
@@ -142,7 +157,7 @@ class ZeROHooks:
         group in the agreed order. Whether to reduce is decided by the calls every rank makes
         alike, never by this rank's gradients."""
         if self.unreduced:
-            for g in self.order + self.local:
+            for g in self.order + self.experts:
                 g.reduce_grads(free_full_grads=True)
             self.unreduced = False
 
@@ -150,23 +165,27 @@ class ZeROHooks:
         self.unreduced = self.stage == 1
 
     def _backward_done(self, g: ParamGroup) -> None:
-        """Reduce, in the agreed order, the groups whose backward is done (a local group at
-        once: Note [local groups])."""
+        """Reduce, in their agreed order, the groups whose backward is done (a group of this rank
+        alone at once: Note [expert groups])."""
         self.backward[g].done = True
-        if g in self.local:
+        if g in self.alone:
             if self.syncing():
                 g.reduce_grads(free_full_grads=True)
             return
-        while self.syncing() and self.reduced < len(self.order) and self.backward[self.order[self.reduced]].done:
-            self._launch_reduce(self.order[self.reduced])
-            self.reduced += 1
+        order = self.order_of[g]
+        while (self.syncing() and order.reduced < len(order.groups)
+               and self.backward[order.groups[order.reduced]].done):
+            self._launch_reduce(order.groups[order.reduced])
+            order.reduced += 1
 
     def _launch_reduce(self, g: ParamGroup) -> None:
-        """Launch g's reduce-scatter, then finish the one before it (Note [overlapped reduce-scatter])."""
+        """Launch g's reduce-scatter, then finish the one before it in its order (Note
+        [overlapped reduce-scatter])."""
+        order = self.order_of[g]
         g.reduce_grads(free_full_grads=True, async_op=True)
-        if self.reducing is not None:
-            self.reducing.finish_reduce()
-        self.reducing = g
+        if order.reducing is not None:
+            order.reducing.finish_reduce()
+        order.reducing = g
 
     def _queue_finalize(self) -> None:
         if not self.callback_queued:
@@ -178,16 +197,17 @@ class ZeROHooks:
         self.callback_queued = False
         self.order_known = bool(self.forward_order)
         if self.syncing():
-            for g in self.order[self.reduced:]:
-                self._launch_reduce(g)
-            for g in self.local:
+            for order in self.orders:
+                for g in order.groups[order.reduced:]:
+                    self._launch_reduce(g)
+            for g in self.alone:
                 if not self.backward[g].done:  # parameters that got no gradient in this backward
                     g.reduce_grads(free_full_grads=True)
             self.unreduced = False
-        if self.reducing is not None:
-            self.reducing.finish_reduce()
-            self.reducing = None
-        self.reduced = 0
+        for order in self.orders:
+            if order.reducing is not None:
+                order.reducing.finish_reduce()
+            order.reducing, order.reduced = None, 0
         self.backward = {g: _BackwardState() for g in self.groups}
         for g in self.groups:
             if not g.keep_full:

@@ -127,21 +127,23 @@ class ZeRO(LocalAccumulation, nn.Module):
         owned: set[int] = set(shared)
         self.groups: list[ParamGroup] = []
         module_group: dict[int, ParamGroup] = {}
-        # One rank's experts (parallel_layers/expert_parallel.py) are split over the
-        # data-parallel ranks already: each experts module's go in a group of its own, over this
-        # rank alone - no sharding, no collective - kept whole at every stage (the master is a
-        # view of the parameter: no second copy), with the same optimizer and checkpoints as the
-        # rest. No module hook gathers them: at ZeRO-3 the decoder layer around them may be
-        # checkpointed, and a wrapped module inside a checkpointed block would run its gather
-        # hooks again in the recompute. With no collective to agree on, they are reduced (a
-        # local copy) as soon as their gradients are in, outside the agreed order (ZeROHooks).
+        # One rank's experts (parallel_layers/expert_parallel.py) are split over their
+        # expert-parallel ranks already: each experts module's go in a group of its own over
+        # their replica group (the dp ranks holding the same experts; this rank alone when they
+        # are spread over all of dp: no sharding, no collective), kept whole at every stage (at
+        # ZeRO-1/2 the master is a view of the parameter), with the same optimizer and
+        # checkpoints as the rest. No module hook gathers them: at ZeRO-3 the decoder layer
+        # around them may be checkpointed, and a wrapped module inside a checkpointed block
+        # would run its gather hooks again in the recompute. They are reduced in an order of
+        # their own (Note [expert groups] in _hooks.py).
         owned.update(id(p) for p in model.parameters() if placement.expert_group(p) is not None)
-        local = []
+        experts_groups = []
         for name, module in model.named_modules():
             experts = [p for p in module.parameters(recurse=False) if placement.expert_group(p) is not None]
             if experts:
-                local.append(param_group(name, experts, root=False, group=placement.own_group(experts[0]), solo=True))
-                self.groups.append(local[-1])
+                experts_groups.append(param_group(name, experts, root=False,
+                                                  group=placement.expert_replica_group(experts[0]), solo=True))
+                self.groups.append(experts_groups[-1])
                 continue
             if module is model or not wrap(module):
                 continue
@@ -157,7 +159,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.groups.append(self.root_group)
         self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
-                                reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync, local=local)
+                                reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync, experts=experts_groups)
 
     def forward(self, *args, **kwargs):
         if self.stage == 3 and self.root_group is not None:

@@ -16,6 +16,12 @@ MLP, then the experts over dp): Mixtral at tp2 x dp2 with ZeRO-3 from the meta d
 at tp2 x dp2 with sequence parallelism; a Mixtral whose routers send every token of the first
 step to one rank's experts (the same two experts for every token: equal scores), so the other
 rank's experts receive nothing and its backward must still join the all-to-alls.
+
+Over part of dp (expert_parallel=2 at dp=4: the experts spread over pairs of data-parallel ranks
+and replicated over the two pairs, Note [expert replicas]): Mixtral with DataParallel (the experts
+broadcast and averaged over their replica group), Qwen3-MoE with ZeRO-2 (the experts' groups
+reduce-scattered over the replica group during backward, in an order of their own), Mixtral with
+ZeRO-3 from the meta device with selective checkpointing, its checkpoint loaded into plain ZeRO-3.
 """
 
 import pytest
@@ -26,7 +32,7 @@ from tests.hf import _tiny
 
 transformers = pytest.importorskip("transformers")
 
-STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 12, 96, 0.5
+STEPS, BATCH, SEQ, VOCAB, LR = 3, 8, 12, 96, 0.5
 
 # name -> the layout: family, dp, and what differs from tp=1, pp=1, DataParallel, from_pretrained,
 # no activation checkpointing, no sequence parallelism
@@ -41,8 +47,15 @@ CASES = {
     # each expert split over tp as its MLP (the published plan's Experts()), the experts over dp
     "mixtral-tp2-dp2-zero3-meta": dict(family="mixtral", dp=2, tp=2, zero=3, build="meta"),
     "qwen3_moe-tp2-dp2-sequence-parallel": dict(family="qwen3_moe", dp=2, tp=2, sequence_parallel=True),
+    # the experts over pairs of the dp ranks, replicated over the pairs
+    "mixtral-dp4-ep2-dataparallel": dict(family="mixtral", dp=4, ep=2),
+    "qwen3_moe-dp4-ep2-zero2": dict(family="qwen3_moe", dp=4, ep=2, zero=2),
+    "mixtral-dp4-ep2-zero3-meta-selective-checkpoint": dict(family="mixtral", dp=4, ep=2, zero=3, build="meta",
+                                                            checkpointing="selective"),
+    "qwen2_moe-pp2-dp4-ep2-zero1": dict(family="qwen2_moe", dp=4, ep=2, pp=2, zero=1),
+    "mixtral-tp2-dp4-ep2-zero2": dict(family="mixtral", dp=4, ep=2, tp=2, zero=2),
 }
-LAYOUT = dict(tp=1, pp=1, zero=0, build="from_pretrained", checkpointing=None, sequence_parallel=False)
+LAYOUT = dict(tp=1, pp=1, ep=None, zero=0, build="from_pretrained", checkpointing=None, sequence_parallel=False)
 
 
 def _save_qwen2_moe(directory):
@@ -109,12 +122,12 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
 
     expert_parallel._all_to_all = counting
     # ZeRO-3 reduce-scatters a group once its backward is done; one rank's experts (a group of
-    # that rank alone) must not hold the others back to the end of backward (Note [local groups])
+    # that rank alone) must not hold the others back to the end of backward (Note [expert groups])
     in_backward = []
     launch = ZeROHooks._launch_reduce
 
     def launch_reduce(hooks, g):
-        in_backward.append(hooks.callback_queued)  # False once the end-of-backward callback runs
+        in_backward.append((g.name, hooks.callback_queued))  # False once the end-of-backward callback runs
         return launch(hooks, g)
 
     ZeROHooks._launch_reduce = launch_reduce
@@ -126,7 +139,7 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
     piped = pp > 1
     kwargs = dict(loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, pipeline_layers="auto",
                   microbatches=2) if piped else dict(loss_fn=_loss)
-    par = parallelize(model, ctx, optimizer=_sgd, zero_stage=layout["zero"], expert_parallel=True,
+    par = parallelize(model, ctx, optimizer=_sgd, zero_stage=layout["zero"], expert_parallel=layout["ep"] or True,
                       tp_plan="auto" if tp > 1 else None, sequence_parallel=layout["sequence_parallel"],
                       activation_checkpointing=layout["checkpointing"], **kwargs)
     if build == "meta":
@@ -189,6 +202,7 @@ def _reference(directory, family):
 def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, case):
     layout = {**LAYOUT, **CASES[case]}
     family, dp, tp = layout["family"], layout["dp"], layout["tp"]
+    ep = layout["ep"] or dp
     directory, export = str(tmp_path / "model"), str(tmp_path / "export")
     _save(family, directory)
     ref_losses, ref_norms, ref_state = _reference(directory, family)
@@ -201,12 +215,13 @@ def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, c
     for rank, r in enumerate(results):
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), (rank, r["losses"], ref_losses)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-4), (rank, r["norms"], ref_norms)
-        # each rank holds its E / dp experts of every MoE layer it holds (Qwen2-MoE's second stage
-        # holds its dense layer only); under tp each expert's gate and up rows are split too
+        # each rank holds its E / ep experts of every MoE layer it holds (Qwen2-MoE's second stage
+        # holds its dense layer only), those of its place in its group of ep consecutive dp ranks;
+        # under tp each expert's gate and up rows are split too
         holds = family != "qwen2_moe" or r["pp_rank"] == 0
-        assert bool(r["shapes"]) == holds and all(s[:2] == (experts // dp, width) for s in r["shapes"]), \
+        assert bool(r["shapes"]) == holds and all(s[:2] == (experts // ep, width) for s in r["shapes"]), \
             (rank, r["shapes"])
-        assert r["offsets"] == [r["dp_rank"] * experts // dp], (rank, r["offsets"])
+        assert r["offsets"] == [r["dp_rank"] % ep * experts // ep], (rank, r["offsets"])
         if r["resumed_diff"] is not None:
             assert r["resumed_diff"] < 1e-5, (rank, r["resumed_diff"])
         assert r["everyone"] == dp * layout["pp"] * tp
@@ -214,7 +229,10 @@ def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, c
             want = ref_state[name].chunk(tp, dim=2)[rank % tp]
             torch.testing.assert_close(torch.tensor(value), want, rtol=1e-4, atol=1e-5)
         if layout["zero"] == 3 and layout["pp"] == 1:
-            assert any(r["reduced_in_backward"]), (rank, r["reduced_in_backward"])
+            assert any(flag for _, flag in r["reduced_in_backward"]), (rank, r["reduced_in_backward"])
+        if ep < dp and layout["zero"] >= 2:  # the experts' groups over their replicas, in backward
+            assert any(flag for name, flag in r["reduced_in_backward"] if name.endswith(".experts")), \
+                (rank, r["reduced_in_backward"])
     if family.endswith("-idle"):  # the premise: in the first step's first dispatch one rank's experts get no row
         firsts = sorted(r["first_step_rows"][0] for r in results)
         assert firsts == [0, 2 * BATCH * SEQ], firsts  # top-2 of each token of both ranks, all to one rank
@@ -229,7 +247,8 @@ def _refusals(rank, world, directory):
 
     ctx = init_parallel(dp=world, device="cpu")
     messages = []
-    for model, flag in ((_tiny_llama(), True), (_load(directory, "mixtral"), 1), (_load(directory, "mixtral"), True)):
+    mixtral = _load(directory, "mixtral")
+    for model, flag in ((_tiny_llama(), True), (mixtral, 1.5), (mixtral, 2), (mixtral, 3), (mixtral, True)):
         try:
             parallelize(model, ctx, optimizer=_sgd, loss_fn=_loss, expert_parallel=flag)
         except (TypeError, ValueError) as e:
@@ -249,10 +268,18 @@ def test_expert_parallel_refusals_name_the_values(tmp_path):
     _tiny.save_tiny_mixtral(tmp_path)
     messages = run_distributed(_refusals, 3, args=(str(tmp_path),))
     assert messages[0] == messages[1] == messages[2]  # every rank raises
-    no_experts, not_bool, indivisible = messages[0]
+    no_experts, not_a_degree, not_dividing_dp, experts_indivisible, indivisible = messages[0]
     assert no_experts.startswith("parallelize: expert_parallel=True found no mixture-of-experts module in "
                                  "LlamaForCausalLM")
-    assert not_bool == "expert_parallel must be True or False, got 1"
+    assert not_a_degree == ("expert_parallel must be True (the experts over all dp=3 ranks), False, or the number of "
+                            "data-parallel ranks to spread them over (a divisor of dp: [1, 3]), got 1.5")
+    assert not_dividing_dp == ("expert_parallel=2 must divide dp=3 (the experts are spread over groups of that many "
+                               "data-parallel ranks and replicated over dp / expert_parallel of them); valid values at "
+                               "dp=3: [1, 3] (or True, False)")
+    assert experts_indivisible == (
+        "parallelize: expert_parallel=3 over ep=3 data-parallel ranks cannot split model.layers.0.mlp.experts: "
+        "MixtralExperts has 4 experts (num_experts = 4); Experts(split='experts') needs num_experts to match and to "
+        "divide by ep=3; valid expert-parallel (data-parallel) sizes for it are [1, 2, 4]")
     assert indivisible == (
         "parallelize: expert_parallel=True over dp=3 ranks cannot split model.layers.0.mlp.experts: MixtralExperts "
         "has 4 experts (num_experts = 4); Experts(split='experts') needs num_experts to match and to divide by dp=3; "
@@ -268,3 +295,28 @@ def test_expert_parallel_refusals_name_the_values(tmp_path):
     parallelize(model, {**published_plan(model), "model.layers.*.mlp.experts": Experts(split="experts")})
     with pytest.raises(ValueError, match=r"the plan left them whole experts per tensor-parallel rank"):
         expert_parallel.check_tensor_parallel(model, ["model.layers.0.mlp.experts"])
+
+
+@pytest.mark.parametrize("rank, ep, spread, replicas", [
+    (5, 2, [5, 7], [1, 5]),  # (pp 0, dp 2, tp 1): dp ranks {2, 3} hold the experts, dp {0, 2} the same ones
+    (14, 2, [12, 14], [10, 14]),  # (pp 1, dp 3, tp 0)
+    (5, 4, [1, 3, 5, 7], [5]),  # over all of dp: no replica but itself
+    (14, 1, [14], [8, 10, 12, 14]),
+])
+def test_expert_groups_are_consecutive_dp_ranks_and_their_replicas(rank, ep, spread, replicas):
+    """expert_groups on a (pp=2, dp=4, tp=2) mesh of 16 ranks (the fake process group): the
+    expert-parallel group is `ep` consecutive dp ranks at this rank's pp and tp coordinates, the
+    replica group the dp / ep ranks at the same place in theirs (Note [expert replicas])."""
+    import types
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallel_layers.expert_parallel import expert_groups
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=16)
+    try:
+        groups = expert_groups(types.SimpleNamespace(mesh=torch.arange(16).reshape(2, 4, 2)), ep)
+        assert [dist.get_process_group_ranks(g) for g in groups] == [spread, replicas]
+    finally:
+        dist.destroy_process_group()
