@@ -5,6 +5,7 @@ against plain transformers in one process, checkpoint it, export it and reload t
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --activation-checkpointing full
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --model-dir my-llama/ --tp 2
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --model-dir my-mixtral/ --zero 3 --expert-parallel
+    torchrun --standalone --nproc-per-node 8 examples/finetune_hf.py --model-dir my-mixtral/ --zero 2 --expert-parallel 4
     torchrun --standalone --nproc-per-node 1 examples/finetune_hf.py            # the reference
 
 Without --model-dir, rank 0 makes a small Llama from a config (grouped-query attention, SwiGLU,
@@ -16,7 +17,7 @@ pipeline stages cut at the model's own modules (--pp: embedding -> decoder layer
 head), ZeRO (--zero 1-3) or DataParallel (--zero 0) over dp, ZeRO's groups being the decoder
 layers (the model's `_no_split_modules`, parallelize's default), and for a mixture of experts
 (--model-dir of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE) its experts spread over dp
-(--expert-parallel). The loss is Hugging Face's causal-LM loss on generated sequences (each counts up from a
+(--expert-parallel) or over groups of EP dp ranks (--expert-parallel EP). The loss is Hugging Face's causal-LM loss on generated sequences (each counts up from a
 random token with a random stride, so there is something to learn; a fixed seed per step), each
 dp rank taking its rows of the global batch.
 
@@ -162,8 +163,9 @@ def main():
     ap.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 * pp with --pp > 1, else 1)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
                     help="recompute each decoder layer in backward: all of it, or all but its GEMM outputs")
-    ap.add_argument("--expert-parallel", action="store_true",
-                    help="a mixture of experts' experts spread over the dp ranks, tokens sent by all-to-all")
+    ap.add_argument("--expert-parallel", type=int, nargs="?", const=0, default=None, metavar="EP",
+                    help="a mixture of experts' experts spread over the dp ranks, tokens sent by all-to-all; with "
+                         "EP (a divisor of dp), over groups of EP consecutive dp ranks, replicated over dp / EP")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=8, help="global batch (sequences), split over dp")
     ap.add_argument("--seq-len", type=int, default=32)
@@ -196,7 +198,8 @@ def main():
                       activation_checkpointing=None if args.activation_checkpointing == "none"
                       else args.activation_checkpointing, zero_stage=args.zero,
                       pipeline_layers="auto" if pipelined else None, schedule=args.schedule,
-                      microbatches=args.microbatches, expert_parallel=args.expert_parallel)
+                      microbatches=args.microbatches,
+                      expert_parallel={None: False, 0: True}.get(args.expert_parallel, args.expert_parallel))
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -230,7 +233,8 @@ def main():
         pipeline = f", {args.schedule} schedule, {args.microbatches} microbatches" if pipelined else ""
         recompute = ("" if args.activation_checkpointing == "none"
                      else f", {args.activation_checkpointing} activation checkpointing")
-        experts = ", experts over dp" if args.expert_parallel else ""
+        experts = {None: "", 0: ", experts over dp"}.get(args.expert_parallel,
+                                                          f", experts over groups of {args.expert_parallel} dp ranks")
         print(f"layout: dp={dp} x tp={args.tp} x pp={args.pp} on {world} process(es), "
               f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
               f"{pipeline}{recompute}{experts}, plan: {'the published one' if args.tp > 1 else 'none'}")

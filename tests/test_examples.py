@@ -106,6 +106,9 @@ def test_finetune_hf_export_check_catches_a_wrong_export(tmp_path):
     # one expert per rank, tokens by all-to-all (tests/hf/test_expert_parallel.py checks the layouts)
     pytest.param("mixtral", "MixtralForCausalLM", ["--dp", "4", "--zero", "3", "--expert-parallel"],
                  marks=pytest.mark.slow),
+    # two experts per rank, over pairs of the dp ranks, replicated over the pairs
+    pytest.param("mixtral", "MixtralForCausalLM", ["--dp", "4", "--zero", "2", "--expert-parallel", "2"],
+                 marks=pytest.mark.slow),
 ])
 def test_finetune_hf_other_families(tmp_path, family, model, flags):
     # The other families of issue 16 through the same job, from their save_pretrained
