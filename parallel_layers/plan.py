@@ -393,7 +393,9 @@ class TrainSpec:
     tensor_parallel: int | None = None  # None: searched; fixed to compare with a system that had one
     pipeline_parallel: int | None = None  # None: searched (e.g. 1 for a system without pipelines)
     vocab_parallel_loss: bool = True  # False: the head's logits are gathered to the whole vocab on every tp rank
-    expert_parallel: bool | None = None  # a mixture of experts' experts over dp; None: searched (both)
+    # a mixture of experts' experts over groups of ep dp ranks: True (ep = dp), False, a number ep,
+    # or None: searched (without, and every ep dividing both dp and the expert count)
+    expert_parallel: bool | int | None = None
 
     def __post_init__(self):
         if self.precision not in _PRECISIONS:
@@ -410,6 +412,11 @@ class TrainSpec:
                 raise ValueError(f"{name} must be a positive integer or None (searched), got {value!r}")
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2, 3 or None (searched), got {self.zero!r}")
+        if not (self.expert_parallel is None or isinstance(self.expert_parallel, bool)
+                or isinstance(self.expert_parallel, int) and self.expert_parallel >= 1):
+            raise ValueError(f"expert_parallel must be True, False, a positive integer (the data-parallel ranks "
+                             f"each MoE layer's experts are spread over) or None (searched), got "
+                             f"{self.expert_parallel!r}")
         if self.optimizer_offload and self.zero == 0:
             raise ValueError("optimizer_offload=True needs ZeRO >= 1 (ZeRO-Offload moves the optimizer shard), "
                              "got zero=0")
@@ -430,13 +437,18 @@ class Layout:
     virtual: int = 1  # interleaved pipeline: chunks per rank
     recompute: str = "none"
     offload: bool = False  # optimizer state in host memory
-    ep: bool = False  # a mixture of experts' experts spread over dp (expert_parallel=True)
+    ep: int = 1  # a mixture of experts' experts spread over groups of ep dp ranks (expert_parallel); 1: none
+
+    def __post_init__(self):
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"Layout.ep is the number of data-parallel ranks the experts are spread over, a divisor "
+                             f"of dp={self.dp} (1: no expert parallelism), got {self.ep!r}")
 
     def __str__(self) -> str:
         z = f"ZeRO-{self.zero}" if self.zero else ("DDP" if self.dp * self.cp > 1 else "-")
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += f" cp={self.cp}" if self.cp > 1 else ""
-        text += " ep" if self.ep else ""
+        text += f" ep={self.ep}" if self.ep > 1 else ""
         text += f" v={self.virtual}" if self.virtual > 1 else ""
         text += f" {z}{'+offload' if self.offload else ''} m={self.microbatches}"
         return text + (f" rc={self.recompute}" if self.recompute != "none" else "")
@@ -572,14 +584,18 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     cp, v, rc = layout.cp, layout.virtual, layout.recompute
     shards = dp * cp  # ZeRO and the gradient reduction span dp x cp (the params are replicated over cp)
     pb, gb, ob = _PRECISIONS[train.precision]
-    # Note [experts over dp in the plan]: with layout.ep each rank holds 1 / dp of the stage's
-    # experts (and each of those split over tp), not reduced, sharded or gathered by ZeRO or
-    # DataParallel: params, gradient and optimizer state whole for them, and their gradients
-    # accumulated over microbatches; the rest (`psi`, `layer`) as without. Instead, per MoE
-    # layer and microbatch, two all-to-alls of each token's k hidden vectors in forward and two
-    # in backward (and two more in a full recompute).
-    expert_layer = model.experts * model.mlp_params / tp if layout.ep else 0.0
-    experts = stage_layers(model, pp, v) * expert_layer / dp
+    # Note [experts over dp in the plan]: with layout.ep > 1 each rank holds 1 / ep of the stage's
+    # experts (and each of those split over tp), whole: never gathered by ZeRO-3. Over their dp /
+    # ep replicas (`replicas`) they are averaged as the rest is over dp, and ZeRO shards their
+    # optimizer state (stage >= 1) and gradients (stage >= 2) over them; with ep = dp they have no
+    # replica: params, gradients and optimizer state whole, nothing reduced. Their gradients
+    # accumulate whole over microbatches. The rest (`psi`, `layer`) is as without. Per MoE layer
+    # and microbatch, two all-to-alls of each token's k hidden vectors in forward and two in
+    # backward (and two more in a full recompute), over the ep group.
+    ep = layout.ep
+    replicas = dp // ep
+    expert_layer = model.experts * model.mlp_params / tp if ep > 1 else 0.0
+    experts = stage_layers(model, pp, v) * expert_layer / ep
     psi, layer = _stage_params(model, tp, pp, v, held_apart=expert_layer)
     params, grads, opt = psi * pb, psi * gb, psi * ob
     if zero == 0 and shards > 1:
@@ -590,7 +606,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         grads = psi * gb / shards + layer * gb
     if zero == 3:
         params = psi * pb / shards + 2 * layer * pb
-    params, grads, opt = params + experts * pb, grads + experts * gb, opt + experts * ob
+    expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1 / replicas if zero >= 2 else 1)
+    params, grads = params + experts * pb, grads + expert_grads
+    opt += experts * ob / (replicas if zero >= 1 else 1)
     host = 0.0
     if layout.offload:
         host, opt = opt, 0.0
@@ -628,14 +646,17 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         dp_bytes = ring(shards) * psi * (m * gb + pb)
     else:
         dp_bytes = ring(shards) * psi * m * (gb + 2 * pb)
+    # the experts over their replicas: all-reduced (DDP) or reduce-scattered and gathered after the
+    # step (ZeRO: as its stage 1 at stages 1, as its stage 2 at stages 2 and 3)
+    dp_bytes += ring(replicas) * experts * ((2 * gb) if zero == 0 else (gb + pb) if zero == 1 else (m * gb + pb))
     act = tokens * model.hidden * train.act_bytes  # one [s, b, h] activation of this rank
     per_layer = 6 if rc == "full" else 4  # full recomputation repeats the forward's two all-reduces
     tp_bytes = 2 * ring(tp) * act * (per_layer * n_layers + 2) * m
     kv = tokens * cp * model.kv_width / tp * train.act_bytes  # the whole sequence's K and V, this tp shard
     cp_bytes = 3 * ring(cp) * kv * n_layers * m * (2 if rc == "full" else 1) if cp > 1 else 0.0
     pp_bytes = 2 * act * m * v if pp > 1 else 0.0
-    ep_bytes = ((6 if rc == "full" else 4) * ring(dp) * act * model.experts_per_token * n_layers * m
-                if layout.ep else 0.0)  # each all-to-all sends (dp - 1) / dp of k rows a token
+    ep_bytes = ((6 if rc == "full" else 4) * ring(ep) * act * model.experts_per_token * n_layers * m
+                if ep > 1 else 0.0)  # each all-to-all sends (ep - 1) / ep of k rows a token
     comm = {"dp": dp_bytes, "tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "ep": ep_bytes}
 
     def bandwidth(span: int) -> float:
@@ -656,7 +677,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         offload_time = psi / shards * (gb + pb) / cluster.pcie_bw + psi / shards / cluster.cpu_adam_params_per_s
     step = (compute / (1 - bubble) + tp_bytes / bandwidth(tp) + cp_bytes / bandwidth(tp * cp)
             + pp_bytes / bandwidth(cluster.gpus) + max(0.0, dp_bytes / bandwidth(tp * cp * dp) - overlap * compute)
-            + ep_bytes / bandwidth(tp * cp * dp) + offload_time)
+            + ep_bytes / bandwidth(tp * ep) + offload_time)
     e = Estimate(layout, micro_batch, params, grads, opt, acts, comm, bubble, step, flops=flops, host=host,
                  loss_temporaries=temporaries, grads_at_loss=at_loss)
     if cp > 1:
@@ -761,24 +782,38 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> list
                     zeros = [train.zero] if train.zero is not None else list(range(4))
                     if train.optimizer_offload and dp * cp > 1:
                         zeros = [z for z in zeros if z >= 1]  # offload is a ZeRO feature
-                    # a mixture of experts also with its experts over dp (dp > 1, cp = 1); with
-                    # expert_parallel set, only with or only without, where it applies
-                    applies = bool(model.experts) and dp > 1 and cp == 1
-                    eps = (False, True) if applies else (False,)
-                    if train.expert_parallel is not None and applies:
-                        eps = (train.expert_parallel,)
+                    eps = _expert_parallel_choices(model, train, dp, cp)
                     for zero in zeros if dp * cp > 1 else (0,):
                         for ep in eps:
                             out.append(_best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep))
     return out
 
 
-def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=False) -> Estimate:
+def _expert_parallel_choices(model: ModelSpec, train: TrainSpec, dp: int, cp: int) -> list[int]:
+    """The ep degrees to estimate at dp: a mixture of experts also with its experts over every
+    ep > 1 dividing dp and the expert count (cp = 1); with expert_parallel set, only with (ep =
+    dp for True; a degree that does not divide them gets a reason) or only without, where it
+    applies."""
+    asked = train.expert_parallel
+    if not model.experts or dp == 1 or cp > 1 or asked is False:
+        return [1]
+    if asked is True:
+        return [dp]
+    if asked is not None:
+        return [asked]
+    return [1] + [ep for ep in _divisors(dp) if ep > 1 and model.experts % ep == 0]
+
+
+def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=1) -> Estimate:
     reason = _structural_reason(model, cluster, train, dp, tp, pp, zero, cp, v)
-    if reason is None and ep and model.experts % dp:
-        reason = f"experts {model.experts} not divisible by dp={dp} (expert parallelism spreads them over dp)"
+    if reason is None and dp % ep:
+        reason = f"dp={dp} not divisible by ep={ep} (expert parallelism spreads the experts over groups of ep dp ranks)"
+    elif reason is None and model.experts % ep:
+        over = f"dp={dp} (expert parallelism spreads them over dp)" if ep == dp else f"ep={ep}"
+        reason = f"experts {model.experts} not divisible by {over}"
     if reason is not None:
-        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=ep))
+        shown = ep if dp % ep == 0 else 1
+        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=shown))
         e.reason = reason
         return e
     ms = _microbatch_choices(train.global_batch // dp, pp, train.micro_batch)
@@ -915,7 +950,7 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
                         "virtual": lay.virtual if lay.virtual > 1 else None,
                         "activation_checkpointing": None if lay.recompute == "none" else lay.recompute,
                         "sequence_parallel": bool(train.sequence_parallel and lay.tp > 1),
-                        "expert_parallel": lay.ep},
+                        "expert_parallel": False if lay.ep == 1 else True if lay.ep == lay.dp else lay.ep},
         "micro_batch": e.micro_batch,
         "unsupported": unsupported,
     }
@@ -1032,8 +1067,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     tr.add_argument("--context-parallel", type=_optional_int, default=1,
                     help="N or auto (modelled only: parallel_layers does not implement context parallel yet)")
     tr.add_argument("--zero", type=_optional_int, default=None, help="0-3, or auto")
-    tr.add_argument("--expert-parallel", choices=["auto", "on", "off"], default="auto",
-                    help="a mixture of experts' experts spread over dp (auto: with and without)")
+    tr.add_argument("--expert-parallel", type=_expert_parallel_arg, default="auto", metavar="auto|on|off|EP",
+                    help="a mixture of experts' experts spread over dp (on) or over groups of EP dp ranks (auto: "
+                         "without, and over every EP dividing dp and the expert count)")
     ap.add_argument("--rows", type=int, default=15, help="table rows to print")
     ver = ap.add_argument_group("verify on this machine (parallel_layers/_verify.py)")
     ver.add_argument("--verify", type=int, nargs="?", const=3, default=None, metavar="N",
@@ -1065,12 +1101,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(format_plan(model, cluster, train, best, rejected, rows=args.rows))
 
 
+def _expert_parallel_arg(text: str):
+    if text in ("auto", "on", "off"):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, on, off or a positive number of data-parallel ranks, got {text!r}")
+
+
 def _train_from_args(args) -> TrainSpec:
     return TrainSpec(args.global_batch, args.precision or "mixed", False if args.no_dropout else None,
                      args.flash_attention, not args.no_sequence_parallel, args.recompute,
                      {"auto": None, "on": True, "off": False}[args.offload], args.micro_batch, args.virtual_stages,
                      args.context_parallel, args.zero,
-                     expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel])
+                     expert_parallel={"auto": None, "on": True, "off": False}.get(args.expert_parallel,
+                                                                                   args.expert_parallel))
 
 
 def _verify_main(ap: argparse.ArgumentParser, args) -> dict:

@@ -178,7 +178,7 @@ def test_a_mixture_of_experts_counts_every_expert_and_computes_with_its_top_k():
 
 
 def test_experts_over_dp_hold_their_share_and_add_the_all_to_alls():
-    """Layout(ep=True) (expert_parallel=True): each rank holds 1 / dp of the experts, whole (not
+    """Layout(ep=dp) (expert_parallel=True): each rank holds 1 / dp of the experts, whole (not
     sharded by ZeRO, not averaged by DDP), and pays four all-to-alls of k rows a token per MoE
     layer and microbatch; only a mixture of experts whose expert count dp divides gets ep
     candidates, or the ones it asks for."""
@@ -188,7 +188,7 @@ def test_experts_over_dp_hold_their_share_and_add_the_all_to_alls():
     expert = moe.experts * moe.mlp_params * moe.layers  # every layer's experts, bf16 params and grads, fp32 Adam
     for zero in (0, 1, 3):
         plain = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1))
-        ep = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1, ep=True))
+        ep = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1, ep=4))
         # without ep: every expert (ZeRO-3: a quarter, and two gathered layers' worth, the larger of
         # a layer and the embedding); with: a quarter
         gathered = plan._stage_params(moe, 1, 1)[1] - plan._stage_params(moe, 1, 1, held_apart=expert / moe.layers)[1]
@@ -201,21 +201,58 @@ def test_experts_over_dp_hold_their_share_and_add_the_all_to_alls():
         assert ep.comm["ep"] == 4 * 3 / 4 * tokens * moe.hidden * 2 * moe.experts_per_token * moe.layers
         assert plain.comm["ep"] == 0 and ep.comm["dp"] < plain.comm["dp"]
         # with microbatches, this rank's experts' gradients accumulate whole until the step
-        accumulating = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 2, ep=True))
+        accumulating = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 2, ep=4))
         assert accumulating.grads_at_loss >= 2 * expert / 4
     layouts = [e.layout for e in plan.candidates(moe, cluster, train)]
-    assert any(lay.ep for lay in layouts) and all(lay.dp > 1 for lay in layouts if lay.ep)
+    assert any(lay.ep > 1 for lay in layouts) and all(lay.dp > 1 for lay in layouts if lay.ep > 1)
     # "on": every layout where it applies (dp > 1, cp = 1) takes it, the others run without
     only = plan.candidates(moe, ClusterSpec.preset("h100", 8, 8),
                            TrainSpec(global_batch=8, expert_parallel=True, context_parallel=None))
-    assert all(e.layout.ep == (e.layout.dp > 1 and e.layout.cp == 1) for e in only)
-    assert any(e.layout.cp > 1 for e in only) and any(e.layout.ep and e.reason is None for e in only)
+    assert all(e.layout.ep == (e.layout.dp if e.layout.dp > 1 and e.layout.cp == 1 else 1) for e in only)
+    assert any(e.layout.cp > 1 for e in only) and any(e.layout.ep > 1 and e.reason is None for e in only)
     dense = ModelSpec.from_hf_config(CONFIGS["mistral"]().to_dict(), seq=512)
-    assert not any(e.layout.ep for e in plan.candidates(dense, cluster, train))
+    assert not any(e.layout.ep > 1 for e in plan.candidates(dense, cluster, train))
     with pytest.raises(ValueError, match="expert parallelism spreads a mixture of experts' experts over dp; .* is "
                                          r"dense \(no experts\): leave expert_parallel unset"):
         plan.candidates(dense, cluster, TrainSpec(global_batch=8, expert_parallel=True))
     three = plan.candidates(moe, ClusterSpec.preset("h100", 3, 3), TrainSpec(global_batch=9, expert_parallel=True))
     assert any(e.reason.startswith("experts 8 not divisible by dp=3") for e in three if e.layout.dp == 3)
-    best = min((e for e in only if e.reason is None and e.layout.ep), key=lambda e: e.step_time)
+    best = min((e for e in only if e.reason is None and e.layout.ep > 1), key=lambda e: e.step_time)
     assert plan.launch_args(best, train)["parallelize"]["expert_parallel"] is True
+
+
+def test_experts_over_part_of_dp_are_sharded_over_their_replicas():
+    """Layout(ep=2) at dp=4 (expert_parallel=2, Note [experts over dp in the plan]): each rank
+    holds half the experts, whole, with their optimizer state (ZeRO >= 1) and gradients (ZeRO >=
+    2) sharded over the 2 replicas and their gradients averaged over them (DDP: in buckets of
+    their own); the all-to-alls span 2 ranks. The search tries every ep dividing dp and the
+    expert count; a degree asked for that dp does not divide is a reason."""
+    moe = ModelSpec.from_hf_config(CONFIGS["mixtral"]().to_dict(), seq=512)
+    cluster = ClusterSpec.preset("h100", 4, 4)
+    train = TrainSpec(global_batch=8, flash_attention=True, dropout=False)
+    expert = moe.experts * moe.mlp_params * moe.layers  # every layer's experts
+    for zero in (0, 1, 2, 3):
+        whole = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1, ep=4))
+        half = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1, ep=2))
+        assert half.params - whole.params == pytest.approx(2 * (expert / 2 - expert / 4), rel=1e-9)
+        replicas = 2 if zero >= 1 else 1
+        assert half.optimizer - whole.optimizer == pytest.approx(12 * (expert / 2 / replicas - expert / 4), rel=1e-9)
+        grads = {0: 2 * expert / 2, 1: expert / 2, 2: expert / 4, 3: expert / 4}[zero]  # bf16: 2 bytes
+        assert half.grads - whole.grads == pytest.approx(2 * (grads - expert / 4), rel=1e-9)
+        tokens = 2 * 512
+        assert half.comm["ep"] == 4 * 1 / 2 * tokens * moe.hidden * 2 * moe.experts_per_token * moe.layers
+        # the experts' reduction over their replicas, which ep = dp does not have
+        traffic = {0: 2 * 2, 1: 2 + 2, 2: 2 + 2, 3: 2 + 2}[zero] * expert / 2 / 2
+        assert half.comm["dp"] - whole.comm["dp"] == pytest.approx(traffic, rel=1e-9)
+    searched = {e.layout.ep for e in plan.candidates(moe, cluster, train) if e.layout.dp == 4}
+    assert searched == {d for d in (1, 2, 4) if moe.experts % d == 0} and 2 in searched
+    asked = plan.candidates(moe, ClusterSpec.preset("h100", 6, 6), TrainSpec(global_batch=12, expert_parallel=2))
+    assert all(e.layout.ep in ((2,) if e.layout.dp in (2, 6) else (1,)) for e in asked)
+    assert any(e.reason.startswith("dp=3 not divisible by ep=2") for e in asked if e.layout.dp == 3)
+    best = min((e for e in asked if e.reason is None and e.layout.dp == 6), key=lambda e: e.step_time)
+    assert plan.launch_args(best, train)["parallelize"]["expert_parallel"] == 2
+    with pytest.raises(ValueError, match=r"Layout.ep is the number of data-parallel ranks .* a divisor of dp=4 "
+                                         r"\(1: no expert parallelism\), got True"):
+        plan.Layout(4, 1, 1, 0, 1, ep=True)
+    with pytest.raises(ValueError, match=r"expert_parallel must be True, False, a positive integer"):
+        TrainSpec(expert_parallel=0)

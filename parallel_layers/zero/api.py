@@ -111,7 +111,8 @@ class ZeRO(LocalAccumulation, nn.Module):
                         solo: bool = False) -> ParamGroup:
             # ZeRO-3 frees the wrapped modules' full parameters between uses; the root's and
             # ZeRO-1/2's stay, and at ZeRO-1/2 a master shard may be a view of them, as it may
-            # for a group of this rank alone (its "shard" is the whole parameter).
+            # for the experts' groups (`solo`: whole at every stage). Those are reduced once a
+            # step, as ZeRO-2's are, so they take no pooled buffers (Note [CPU buffer reuse]).
             shared = _storage_shared_within(params)
             members = [ShardedParam(p, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                     keep_full=stage < 3 or root or solo, alias_full=stage < 3 or solo,
@@ -120,7 +121,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             for sp in members:  # every member took its shard from the shared storage: free it now
                 if sp.storage_shared and not sp.keep_full:
                     sp.free_full()
-            return ParamGroup(name, members, pool if stage == 3 and not root else None)
+            return ParamGroup(name, members, pool if stage == 3 and not (root or solo) else None)
 
         wrap = wrap or _default_wrap(model)
         shared = _shared_parameters(model)  # to the root group (Note [shared parameters])

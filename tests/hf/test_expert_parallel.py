@@ -163,6 +163,8 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
         torch.distributed.all_reduce(mean, group=ctx.dp_group)
         losses.append(mean.item() / dp)
     hf.save_pretrained(par.module, export)
+    # the experts' groups are reduced once a step: no pooled ZeRO-3 buffers held between steps
+    pooled = [g.name for g in getattr(getattr(par.module, "_hooks", None), "experts", []) if g.pool is not None]
     full = {}
     if layout["zero"] and pp == 1:  # ZeRO's own full state dict gathers every rank's experts
         full = {k: v.tolist() for k, v in par.module.full_state_dict().items() if k.endswith("mlp.experts.down_proj")}
@@ -180,7 +182,7 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
             resumed_diff = (plain.module(_probe()).logits - want).abs().max().item()
     expert_parallel._all_to_all, ZeROHooks._launch_reduce = dispatch, launch
     return dict(losses=losses, norms=norms, shapes=sorted(shapes), offsets=offsets, first_step_rows=first,
-                full=full, everyone=everyone.item(), reduced_in_backward=in_backward,
+                full=full, pooled=pooled, everyone=everyone.item(), reduced_in_backward=in_backward,
                 resumed_diff=resumed_diff, dp_rank=ctx.coordinate("dp"), pp_rank=ctx.coordinate("pp"))
 
 
@@ -225,6 +227,7 @@ def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, c
         if r["resumed_diff"] is not None:
             assert r["resumed_diff"] < 1e-5, (rank, r["resumed_diff"])
         assert r["everyone"] == dp * layout["pp"] * tp
+        assert r["pooled"] == [], (rank, r["pooled"])
         for name, value in r["full"].items():  # every expert, not this rank's (tp-local under tp)
             want = ref_state[name].chunk(tp, dim=2)[rank % tp]
             torch.testing.assert_close(torch.tensor(value), want, rtol=1e-4, atol=1e-5)
