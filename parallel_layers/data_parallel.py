@@ -112,10 +112,12 @@ def _split_into_buckets(params: list[nn.Parameter], bucket_bytes: int, first_byt
 
 class _Reducer:
     """One process group's share of the gradients: its parameters' buckets, launched in the
-    agreed order (Note [agreed bucket order]) and averaged over `group`."""
+    agreed order (Note [agreed bucket order]) and averaged over `group`; during backward as
+    they fill when `overlap`, else all at the end of backward."""
 
-    def __init__(self, params: list[nn.Parameter], group, bucket_bytes: int, first_bytes: int):
-        self.params, self.group = params, group
+    def __init__(self, params: list[nn.Parameter], group, bucket_bytes: int, first_bytes: int,
+                 overlap: bool = True):
+        self.params, self.group, self.overlap = params, group, overlap
         self.world = dist.get_world_size(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self._bucket_bytes, self._first_bytes = bucket_bytes, first_bytes
@@ -142,7 +144,7 @@ class _Reducer:
         self.seen.add(id(p))
         if self.arrival is not None:
             self.arrival.append(p)
-        if not sync:
+        if not (sync and self.overlap):
             return
         self.bucket_of[id(p)].arrived.add(id(p))
         while self.launched < len(self.buckets) and self.buckets[self.launched].complete():
@@ -191,6 +193,10 @@ class DataParallel(LocalAccumulation, nn.Module):
         # each rank of their expert-parallel group: replicas only over their replica group (the
         # dp ranks with the same expert-parallel rank), where they are broadcast and averaged
         # as the rest are over dp - Note [expert replicas] there. With ep = dp they have none.
+        # Their buckets are all-reduced at the end of backward, not as they fill: an expert that
+        # received no token on this replica gets no gradient, so that moment would depend on
+        # the data, and with the all-to-alls of other groups in between, ranks could wait on
+        # each other in a cycle (Note [expert groups] in zero/_hooks.py).
         by_group: dict[object, list[nn.Parameter]] = {None: []}
         for p in module.parameters():
             key = placement.expert_replica_group(p) if placement.expert_group(p) is not None else None
@@ -200,7 +206,7 @@ class DataParallel(LocalAccumulation, nn.Module):
             reduce_over = group if key is None else key
             if key is not None and dist.get_world_size(reduce_over) == 1:
                 continue
-            reducer = _Reducer([p for p in params if p.requires_grad], reduce_over, *sizes)
+            reducer = _Reducer([p for p in params if p.requires_grad], reduce_over, *sizes, overlap=key is None)
             reducer.broadcast(params)
             self._reducers.append(reducer)
         self._reducer_of = {id(p): r for r in self._reducers for p in r.params}

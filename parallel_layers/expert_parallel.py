@@ -52,10 +52,14 @@ replica group (dp / ep ranks, strided). Tokens never leave their expert-parallel
 DataParallel the experts are broadcast from the replica group's first rank and averaged over it
 in buckets of their own (data_parallel.py); under ZeRO each MoE layer's experts form a group over
 the replica group: at every stage held whole (E / ep experts per rank), their gradients
-reduce-scattered over the replicas and their optimizer state sharded over them (ZeRO-2 for the
-experts: torchtitan shards them further at FSDP's stage 3, Megatron's distributed optimizer
-shards their optimizer state as ZeRO-1 does), in an agreed order of their own (Note [expert
-groups] in zero/_hooks.py), the full parameters all-gathered after each step. This lets a model
+reduce-scattered over the replicas and their optimizer state sharded over them (ZeRO-1 for the
+experts, as Megatron's distributed optimizer shards theirs; torchtitan shards them further with
+FSDP), the full parameters all-gathered after each step. Both reduce them at the end of
+backward, not as their gradients arrive: an expert that received no token on one replica gets
+no gradient there, so that moment depends on the data, and ranks waiting for a replica's
+reduction mid-backward while their expert-parallel partners wait for them in the next
+all-to-all hang (Note [expert groups] in zero/_hooks.py). The cost: that reduction is not
+overlapped with backward. This lets a model
 with fewer experts than dp ranks (Mixtral's 8 at dp=16) use expert parallelism, and keeps the
 all-to-alls inside a node. Every rank creates every expert-parallel and every replica group
 (`new_subgroups_by_enumeration`: with ep = dp that is dp one-rank groups on every rank).

@@ -586,9 +586,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     pb, gb, ob = _PRECISIONS[train.precision]
     # Note [experts over dp in the plan]: with layout.ep > 1 each rank holds 1 / ep of the stage's
     # experts (and each of those split over tp), whole: never gathered by ZeRO-3. Over their dp /
-    # ep replicas (`replicas`) they are averaged as the rest is over dp, and ZeRO shards their
-    # optimizer state (stage >= 1) and gradients (stage >= 2) over them; with ep = dp they have no
-    # replica: params, gradients and optimizer state whole, nothing reduced. Their gradients
+    # ep replicas (`replicas`) they are averaged as the rest is over dp, at the end of backward
+    # (Note [expert groups] in zero/_hooks.py: their full gradients are all there then, at every
+    # stage), and ZeRO shards their optimizer state over them (stage >= 1); with ep = dp they have
+    # no replica: params, gradients and optimizer state whole, nothing reduced. Their gradients
     # accumulate whole over microbatches. The rest (`psi`, `layer`) is as without. Per MoE layer
     # and microbatch, two all-to-alls of each token's k hidden vectors in forward and two in
     # backward (and two more in a full recompute), over the ep group.
@@ -606,7 +607,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         grads = psi * gb / shards + layer * gb
     if zero == 3:
         params = psi * pb / shards + 2 * layer * pb
-    expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1 / replicas if zero >= 2 else 1)
+    expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: and their buckets
     params, grads = params + experts * pb, grads + expert_grads
     opt += experts * ob / (replicas if zero >= 1 else 1)
     host = 0.0
@@ -646,9 +647,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         dp_bytes = ring(shards) * psi * (m * gb + pb)
     else:
         dp_bytes = ring(shards) * psi * m * (gb + 2 * pb)
-    # the experts over their replicas: all-reduced (DDP) or reduce-scattered and gathered after the
-    # step (ZeRO: as its stage 1 at stages 1, as its stage 2 at stages 2 and 3)
-    dp_bytes += ring(replicas) * experts * ((2 * gb) if zero == 0 else (gb + pb) if zero == 1 else (m * gb + pb))
+    # the experts over their replicas, once a step: all-reduced (DDP) or reduce-scattered and
+    # gathered after the step (ZeRO, at every stage as its stage 1)
+    dp_bytes += ring(replicas) * experts * (2 * gb if zero == 0 else gb + pb)
     act = tokens * model.hidden * train.act_bytes  # one [s, b, h] activation of this rank
     per_layer = 6 if rc == "full" else 4  # full recomputation repeats the forward's two all-reduces
     tp_bytes = 2 * ring(tp) * act * (per_layer * n_layers + 2) * m

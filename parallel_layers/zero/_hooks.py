@@ -48,15 +48,19 @@ backward followed cannot leave stale values gathered.
 
 Note [expert groups]: one rank's experts under expert parallelism
 (parallel_layers/expert_parallel.py) are in groups over their replica group (the data-parallel
-ranks holding the same experts), not over dp. Those groups' reductions are ordered among
-themselves, apart from the dp group's: their own agreed order (reverse registration order), each
-reduced once all its parameters' gradients are in (they have no module hooks: they stay gathered
-at stage 3) and those before it were, the rest at the end of backward; one reduce-scatter in
-flight. With the experts over all of dp the replica group is this rank alone: no collective, so
-no order to agree on, and each group is reduced (a local copy into its shard) as soon as its
-gradients are in. In the dp order they would hold back every group after them until the end of
-backward (all their full gradients alive, no reduce-scatter overlapped). At stage 1 and after
-`no_sync()` they are reduced with the others, in registration order.
+ranks holding the same experts), not over dp, with no module hooks (they stay gathered at
+stage 3). With the experts over all of dp the replica group is this rank alone: no collective,
+so no order to agree on, and each group is reduced (a local copy into its shard) as soon as its
+parameters' gradients are in (in the dp order it would hold back every group after it until the
+end of backward). Over replicas of several ranks, they are reduced at the end of backward, every
+one, in one order (reverse registration), launched before any is waited for - not as their
+gradients arrive: an expert that received no token on this replica gets no gradient, so that
+moment depends on the data, and a rank blocked on a replica's reduce-scatter mid-backward while
+its expert-parallel partners wait for it in the next all-to-all is a cycle across the groups
+(a hang; NCCL also asks every rank to issue its communicators' collectives in one order). The
+cost: the experts' full gradients live until the end of backward (as at ZeRO-1) and their
+reduction is not overlapped with backward. At stage 1 and after `no_sync()` they are reduced
+with the others, in registration order.
 
 Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first forward.
 Afterwards, while group i computes, the all-gather of the group after it runs (forward) or
@@ -74,16 +78,6 @@ import torch.nn as nn
 import torch.utils._pytree
 
 from parallel_layers.zero._group import ParamGroup
-
-
-@dataclasses.dataclass
-class _Order:
-    """Groups over one process group, reduced in this order (Note [agreed reduction order]):
-    how many were launched in this backward, and the one whose reduce-scatter is in flight
-    (Note [overlapped reduce-scatter])."""
-    groups: list[ParamGroup]
-    reduced: int = 0
-    reducing: ParamGroup | None = None
 
 
 @dataclasses.dataclass
@@ -125,13 +119,14 @@ class ZeROHooks:
                  syncing: Callable[[], bool], experts: list[ParamGroup] = ()):
         self.groups, self.stage, self.syncing = groups, stage, syncing
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
-        self.experts = list(experts)  # Note [expert groups]
+        # Note [expert groups]: reduced as soon as done (this rank alone), or at the end of backward
+        self.experts = list(experts)
         self.alone = [g for g in self.experts if g.world == 1]
+        self.replicated = [g for g in reversed(self.experts) if g.world > 1]
         # Note [agreed reduction order]
         self.order = [g for g in reversed(groups) if g is not root and g not in self.experts] + (
             [root] if root is not None else [])
-        self.orders = [_Order(self.order), _Order([g for g in reversed(self.experts) if g not in self.alone])]
-        self.order_of = {g: o for o in self.orders for g in o.groups}
+        self.reduced = 0  # groups of self.order reduced in this backward
         # Full gradients may wait for a reduction at step() (Note [agreed reduction order]):
         # decided by what every rank's program does (stage, no_sync, step), not by p.grad.
         self.unreduced = stage == 1
@@ -139,11 +134,12 @@ class ZeROHooks:
         self.forward_order: list[ParamGroup] = []  # groups as their forward ran, first step (Note [ZeRO prefetch])
         self.order_known = False  # forward_order is complete (a backward has ended since it was recorded)
         self.callback_queued = False
+        self.reducing: ParamGroup | None = None  # Note [overlapped reduce-scatter]
         self.handles = []
         if stage == 2:
             self._install_grad_hooks(self.order)
         if stage >= 2:
-            self._install_grad_hooks(self.experts)
+            self._install_grad_hooks(self.alone + self.replicated)  # the latter: to queue the end of backward
         if stage == 3:
             self._install_module_hooks(module, module_group)
 
@@ -165,27 +161,25 @@ class ZeROHooks:
         self.unreduced = self.stage == 1
 
     def _backward_done(self, g: ParamGroup) -> None:
-        """Reduce, in their agreed order, the groups whose backward is done (a group of this rank
-        alone at once: Note [expert groups])."""
+        """Reduce, in the agreed order, the groups whose backward is done (Note [expert groups]:
+        a group of this rank alone at once, the replicated experts' at the end of backward)."""
         self.backward[g].done = True
         if g in self.alone:
             if self.syncing():
                 g.reduce_grads(free_full_grads=True)
             return
-        order = self.order_of[g]
-        while (self.syncing() and order.reduced < len(order.groups)
-               and self.backward[order.groups[order.reduced]].done):
-            self._launch_reduce(order.groups[order.reduced])
-            order.reduced += 1
+        if g in self.replicated:
+            return
+        while self.syncing() and self.reduced < len(self.order) and self.backward[self.order[self.reduced]].done:
+            self._launch_reduce(self.order[self.reduced])
+            self.reduced += 1
 
     def _launch_reduce(self, g: ParamGroup) -> None:
-        """Launch g's reduce-scatter, then finish the one before it in its order (Note
-        [overlapped reduce-scatter])."""
-        order = self.order_of[g]
+        """Launch g's reduce-scatter, then finish the one before it (Note [overlapped reduce-scatter])."""
         g.reduce_grads(free_full_grads=True, async_op=True)
-        if order.reducing is not None:
-            order.reducing.finish_reduce()
-        order.reducing = g
+        if self.reducing is not None:
+            self.reducing.finish_reduce()
+        self.reducing = g
 
     def _queue_finalize(self) -> None:
         if not self.callback_queued:
@@ -197,17 +191,20 @@ class ZeROHooks:
         self.callback_queued = False
         self.order_known = bool(self.forward_order)
         if self.syncing():
-            for order in self.orders:
-                for g in order.groups[order.reduced:]:
-                    self._launch_reduce(g)
+            for g in self.order[self.reduced:]:
+                self._launch_reduce(g)
             for g in self.alone:
                 if not self.backward[g].done:  # parameters that got no gradient in this backward
                     g.reduce_grads(free_full_grads=True)
+            for g in self.replicated:  # all launched before any is waited for (Note [expert groups])
+                g.reduce_grads(free_full_grads=True, async_op=True)
             self.unreduced = False
-        for order in self.orders:
-            if order.reducing is not None:
-                order.reducing.finish_reduce()
-            order.reducing, order.reduced = None, 0
+        if self.reducing is not None:
+            self.reducing.finish_reduce()
+            self.reducing = None
+        for g in self.replicated:
+            g.finish_reduce()
+        self.reduced = 0
         self.backward = {g: _BackwardState() for g in self.groups}
         for g in self.groups:
             if not g.keep_full:

@@ -24,6 +24,8 @@ reduce-scattered over the replica group during backward, in an order of their ow
 ZeRO-3 from the meta device with selective checkpointing, its checkpoint loaded into plain ZeRO-3.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -54,8 +56,13 @@ CASES = {
                                                             checkpointing="selective"),
     "qwen2_moe-pp2-dp4-ep2-zero1": dict(family="qwen2_moe", dp=4, ep=2, pp=2, zero=1),
     "mixtral-tp2-dp4-ep2-zero2": dict(family="mixtral", dp=4, ep=2, tp=2, zero=2),
+    # routed by token id, so that one replica's second expert rank gets no token and the other's
+    # does: its experts' gradients come at different moments (or not at all) on the two replicas
+    "mixtral-split-dp4-ep2-zero2": dict(family="mixtral-split", dp=4, ep=2, zero=2),
+    "mixtral-split-dp4-ep2-dataparallel-debug": dict(family="mixtral-split", dp=4, ep=2, debug=True),
 }
-LAYOUT = dict(tp=1, pp=1, ep=None, zero=0, build="from_pretrained", checkpointing=None, sequence_parallel=False)
+LAYOUT = dict(tp=1, pp=1, ep=None, zero=0, build="from_pretrained", checkpointing=None, sequence_parallel=False,
+              debug=False)
 
 
 def _save_qwen2_moe(directory):
@@ -67,15 +74,35 @@ def _save_qwen2_moe(directory):
     transformers.Qwen2MoeForCausalLM(config).save_pretrained(directory)
 
 
+def _save_mixtral_split(directory):
+    """A Mixtral whose routers send each token by its id: ids below VOCAB / 2 to experts 0 and 1,
+    the others to experts 2 and 3 (embedding feature 0 is +30 or -30 by id, the only one the
+    routers read, with weight +1 for experts 0 and 1, -1 for 2 and 3)."""
+    _tiny.save_tiny_mixtral(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = torch.where(torch.arange(model.config.vocab_size) < VOCAB // 2, 30., -30.)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+            layer.mlp.gate.weight[:2, 0], layer.mlp.gate.weight[2:, 0] = 1.0, -1.0
+    model.save_pretrained(directory)
+
+
 def _save(family, directory):
     if family == "qwen2_moe":
         _save_qwen2_moe(directory)
+    elif family == "mixtral-split":
+        _save_mixtral_split(directory)
     else:
         getattr(_tiny, f"save_tiny_{family.removesuffix('-idle')}")(directory)
 
 
-def _batches():
-    return _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)
+def _batches(family):
+    batches = _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)
+    if family == "mixtral-split":  # the first half of the rows (dp ranks 0 and 1 at dp=4) low ids only
+        for ids in batches:
+            ids[:BATCH // 2] %= VOCAB // 2
+    return batches
 
 
 def _probe():
@@ -98,20 +125,25 @@ def _zero_routers(model):
 
 
 def _load(directory, family):
-    if not family.endswith("-idle"):
+    if not family.endswith(("-idle", "-split")):
         return transformers.AutoModelForCausalLM.from_pretrained(directory)
-    # transformers' eager expert loop returns zeros unconnected to its input when no expert is hit
+    # transformers' eager expert loop leaves an expert no token reached out of autograd (no
+    # gradient), and returns zeros unconnected to its input when no expert is hit
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, experts_implementation="eager")
-    _zero_routers(model)
+    if family.endswith("-idle"):
+        _zero_routers(model)
     return model
 
 
 def _train(rank, world, directory, export, checkpoint_dir, layout):
     from parallel_layers import checkpoint, expert_parallel, hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+    from parallel_layers.zero._group import ParamGroup
     from parallel_layers.zero._hooks import ZeROHooks
 
     family, dp, pp, tp, build = layout["family"], layout["dp"], layout["pp"], layout["tp"], layout["build"]
+    if layout["debug"]:  # every collective of the library checked for agreement first (fault.check_agreement)
+        os.environ["PARALLEL_LAYERS_DEBUG"] = "1"
     ctx = init_parallel(dp=dp, pp=pp, tp=tp, device="cpu")
     received = []  # rows this rank's experts received, per all-to-all of tokens
     dispatch = expert_parallel._all_to_all
@@ -131,6 +163,22 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
         return launch(hooks, g)
 
     ZeROHooks._launch_reduce = launch_reduce
+    # experts over replicas of several ranks are reduced at the end of backward (Note [expert groups])
+    ending, at_end = [False], []
+    finalize, reduce_grads = ZeROHooks._finalize_backward, ParamGroup.reduce_grads
+
+    def finalize_backward(hooks):
+        ending[0] = True
+        try:
+            return finalize(hooks)
+        finally:
+            ending[0] = False
+
+    def recording_reduce_grads(g, *args, **kwargs):
+        at_end.append((g.name, ending[0]))
+        return reduce_grads(g, *args, **kwargs)
+
+    ZeROHooks._finalize_backward, ParamGroup.reduce_grads = finalize_backward, recording_reduce_grads
     if build == "meta":
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
@@ -149,7 +197,7 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
     offsets = sorted({m.expert_parallel_offset for m in experts})
     first = received[:]
     losses, norms = [], []
-    for step, ids in enumerate(_batches()):
+    for step, ids in enumerate(_batches(family)):
         mine = ids.chunk(dp)[ctx.coordinate("dp")]  # equal token counts: the mean of means is the batch mean
         if step == 0:
             del received[:]
@@ -181,8 +229,10 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
         with torch.no_grad():
             resumed_diff = (plain.module(_probe()).logits - want).abs().max().item()
     expert_parallel._all_to_all, ZeROHooks._launch_reduce = dispatch, launch
+    ZeROHooks._finalize_backward, ParamGroup.reduce_grads = finalize, reduce_grads
     return dict(losses=losses, norms=norms, shapes=sorted(shapes), offsets=offsets, first_step_rows=first,
                 full=full, pooled=pooled, everyone=everyone.item(), reduced_in_backward=in_backward,
+                experts_reduced_at_end=[flag for name, flag in at_end if name.endswith(".experts")],
                 resumed_diff=resumed_diff, dp_rank=ctx.coordinate("dp"), pp_rank=ctx.coordinate("pp"))
 
 
@@ -190,7 +240,7 @@ def _reference(directory, family):
     model = _load(directory, family)
     opt = _sgd(model.parameters())
     losses, norms = [], []
-    for ids in _batches():
+    for ids in _batches(family):
         loss = _loss(model(ids), ids)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
@@ -233,9 +283,11 @@ def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, c
             torch.testing.assert_close(torch.tensor(value), want, rtol=1e-4, atol=1e-5)
         if layout["zero"] == 3 and layout["pp"] == 1:
             assert any(flag for _, flag in r["reduced_in_backward"]), (rank, r["reduced_in_backward"])
-        if ep < dp and layout["zero"] >= 2:  # the experts' groups over their replicas, in backward
-            assert any(flag for name, flag in r["reduced_in_backward"] if name.endswith(".experts")), \
-                (rank, r["reduced_in_backward"])
+        if ep < dp and layout["zero"] >= 2:  # the experts' groups over their replicas: at the end of backward
+            assert r["experts_reduced_at_end"] and all(r["experts_reduced_at_end"]), (rank, r["experts_reduced_at_end"])
+    if family.endswith("-split"):  # the premise: one replica's second expert rank gets no row, the other's do
+        firsts = {r["dp_rank"]: r["first_step_rows"][0] for r in results}
+        assert firsts[1] == 0 and firsts[3] > 0, firsts
     if family.endswith("-idle"):  # the premise: in the first step's first dispatch one rank's experts get no row
         firsts = sorted(r["first_step_rows"][0] for r in results)
         assert firsts == [0, 2 * BATCH * SEQ], firsts  # top-2 of each token of both ranks, all to one rank
