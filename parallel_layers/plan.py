@@ -76,6 +76,7 @@ import re
 
 GB = 1e9
 _PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}  # bytes per parameter: param, grad, optimizer
+_REDUCE_BYTES = 4  # ZeRO's reduce-scatter buffers: float32 (its default reduce_dtype)
 RECOMPUTE = ("none", "selective", "full")
 MLP_KINDS = ("gelu", "swiglu")
 
@@ -603,8 +604,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         grads += psi * gb  # DataParallel's bucket buffers
     if zero >= 1:
         opt /= shards
-    if zero >= 2:
-        grads = psi * gb / shards + layer * gb
+    if zero >= 2:  # the shards, the layer whose gradients are being made, and the one before it
+        # being reduce-scattered meanwhile (Note [overlapped reduce-scatter]: a float32 buffer)
+        grads = psi * gb / shards + layer * gb + (layer * _REDUCE_BYTES if shards > 1 else 0.0)
     if zero == 3:
         params = psi * pb / shards + 2 * layer * pb
     expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: and their buckets

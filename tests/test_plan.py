@@ -39,7 +39,8 @@ def test_activations_are_megatrons_formula():
 def test_model_states_follow_the_zero_paper():
     """The ZeRO paper (docs/parallelism.md): 7.5B params, N = 64, mixed precision Adam: DP 120 GB, ZeRO-1 31.4,
     ZeRO-2 16.6, ZeRO-3 1.9. Ours adds DataParallel's gradient buckets (2 bytes/param), one
-    layer's full gradients in flight for stage 2 and two layers' gathered params for stage 3."""
+    layer's full gradients being made and the one before it in its float32 reduce-scatter buffer
+    for stages 2 and 3, and two layers' gathered params for stage 3."""
     model = ModelSpec(7.5e9, 128, 2048, 1024, vocab=1000)  # small layers: the in-flight terms stay small
     cluster = ClusterSpec(64, 8, 80 * GB)
     states = {}
@@ -50,8 +51,8 @@ def test_model_states_follow_the_zero_paper():
     assert round(states[1], 1) == 31.4  # the paper's figure, to its rounding
     assert states[0] == pytest.approx(16 * psi + 2 * psi, rel=1e-9)
     assert states[1] == pytest.approx((4 + 12 / 64) * psi, rel=1e-9)
-    assert states[2] == pytest.approx((2 + 14 / 64) * psi + 2 * layer, rel=1e-9)
-    assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2) * layer, rel=1e-9)
+    assert states[2] == pytest.approx((2 + 14 / 64) * psi + (2 + 4) * layer, rel=1e-9)
+    assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2 + 4) * layer, rel=1e-9)
 
 
 # ---- recommendations against docs/parallelism.md's rules ------------------------------------
