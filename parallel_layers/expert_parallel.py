@@ -81,9 +81,11 @@ parallelism registers none on split experts (sequence parallelism's gradient sum
 the replicated parameters).
 
 What it does not do (yet): whole experts per TP rank (Experts(split="experts")) under it;
-sharding the experts' parameters themselves over their replicas at ZeRO-3; capacity factors or token dropping (every routed token is computed: dropless); overlapping the all-to-alls with
-compute (DeepEP, Megatron's A2A overlap); the routers' load-balancing loss is computed by the
-model on each rank's own tokens, as under plain data parallelism.
+sharding the experts' parameters themselves over their replicas at ZeRO-3; overlapping their
+reduction over the replicas with backward; capacity factors or token dropping (every routed
+token is computed: dropless); overlapping the all-to-alls with compute (DeepEP, Megatron's A2A
+overlap); the routers' load-balancing loss is computed by the model on each rank's own tokens,
+as under plain data parallelism.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import fault, placement
-from parallel_layers.tensor_parallel.experts import Experts, _Joined, is_tensor_parallel_experts, layout_problem
+from parallel_layers.tensor_parallel.experts import Experts, JoinedToInputs, is_tensor_parallel_experts, layout_problem
 
 _DISPATCH = "expert-parallel all_to_all"
 
@@ -228,7 +230,7 @@ def _forward(own_forward):
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
         out = own_forward(self, rows, ids[:, None], ones)
         if torch.is_grad_enabled() and rows.requires_grad:  # a rank given no row still joins the backward
-            out = _Joined.apply(out, rows)
+            out = JoinedToInputs.apply(out, rows)
         back = _AllToAll.apply(out, send, recv, group)  # in `order`
         slots = torch.empty_like(back).index_copy(0, order, back).view(tokens, k, -1)
         return (slots * top_k_weights.unsqueeze(-1).to(slots.dtype)).sum(1).to(hidden_states.dtype)

@@ -37,8 +37,8 @@ over ranks. Each rank's work is the tokens routed to its experts: balanced only 
 routing is. A rank whose experts get no token at all computes nothing from its inputs
 (transformers' eager kernel returns zeros it never connects to them), and its backward would
 then skip the input-gradient all-reduces its peers run - a mismatched collective. So the output
-is joined to every floating input by `_Joined` (identity forward, zero gradients backward),
-and every rank reaches those all-reduces. True expert parallelism - experts spread over data-parallel ranks, each with its own
+is joined to every floating input by `JoinedToInputs` (identity forward, zero gradients
+backward), and every rank reaches those all-reduces. True expert parallelism - experts spread over data-parallel ranks, each with its own
 tokens, exchanged by all-to-all - is not this.
 
 The module keeps its class's forward (and transformers' expert kernels, chosen by
@@ -161,7 +161,8 @@ def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool 
                 kwargs = {k: comm.copy_to_tp(v, group) if _floating(v) else v for k, v in kwargs.items()}
             out = own_forward(self, *args, **kwargs)
             if self.expert_offset is not None and torch.is_grad_enabled():  # idle experts (see the Note)
-                out = _Joined.apply(out, *(a for a in (*args, *kwargs.values()) if _floating(a) and a.requires_grad))
+                joined = (a for a in (*args, *kwargs.values()) if _floating(a) and a.requires_grad)
+                out = JoinedToInputs.apply(out, *joined)
             # under sequence parallelism a partial sum, reduce-scattered by the block's hook
             return out if self.sequence_parallel else comm.reduce_from_tp(out, group)
 
@@ -174,7 +175,7 @@ def is_tensor_parallel_experts(module: nn.Module) -> bool:
     return type(module) in _TP_CLASSES.values()
 
 
-class _Joined(torch.autograd.Function):
+class JoinedToInputs(torch.autograd.Function):
     """`out` as it is, with an autograd edge to each of `inputs` (a zero gradient): so that the
     backward reaches them on every rank (Note [whole experts per rank])."""
 

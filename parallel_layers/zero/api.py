@@ -160,7 +160,8 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.groups.append(self.root_group)
         self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
-                                reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync, experts=experts_groups)
+                                reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync,
+                                experts=experts_groups)
 
     def forward(self, *args, **kwargs):
         if self.stage == 3 and self.root_group is not None:

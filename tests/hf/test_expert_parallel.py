@@ -81,7 +81,8 @@ def _save_mixtral_split(directory):
     _tiny.save_tiny_mixtral(directory)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = torch.where(torch.arange(model.config.vocab_size) < VOCAB // 2, 30., -30.)
+        low = torch.arange(model.config.vocab_size) < VOCAB // 2
+        model.model.embed_tokens.weight[:, 0] = torch.where(low, 30.0, -30.0)
         for layer in model.model.layers:
             layer.mlp.gate.weight.zero_()
             layer.mlp.gate.weight[:2, 0], layer.mlp.gate.weight[2:, 0] = 1.0, -1.0
