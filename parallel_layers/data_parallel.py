@@ -30,7 +30,9 @@ each rank; give them a group of their own.
 
 Note [unused parameters]: a parameter that got no gradient on this rank since the last
 reduction (data-dependent control flow) contributes zeros: the average is over all ranks,
-as if that rank's gradient were zero. Each bucket's all-reduce carries, after the gradients,
+as if that rank's gradient were zero - or, when an earlier backward of the same step left it a
+gradient (the average of that reduction, equal on every rank), that gradient, so that a second
+backward before the step adds its average to the first's as the single process would. Each bucket's all-reduce carries, after the gradients,
 one count per parameter of the ranks that used it, so every rank learns without another
 collective which parameters no rank used: their `.grad` is left as it was (None after
 `zero_grad()`, as PyTorch DDP does). Every other parameter's `.grad` gets the average.
@@ -65,7 +67,9 @@ class _Bucket:
         offset = 0
         for p in self.params:
             chunk = self.buffer[offset:offset + p.numel()]
-            chunk.copy_(p.grad.reshape(-1)) if id(p) in used else chunk.zero_()
+            # Unused here since the last reduction: that reduction's average if it left one (the
+            # same on every rank, so a second backward before the step keeps it whole), else zeros.
+            chunk.copy_(p.grad.reshape(-1)) if p.grad is not None else chunk.zero_()
             offset += p.numel()
         self.all_used = all(id(p) in used for p in self.params)
         if self.all_used:  # the common case: no host-to-device copy

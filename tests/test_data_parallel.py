@@ -95,3 +95,38 @@ def test_buckets_rebuilt_in_gradient_arrival_order():
     assert sum(before, []) and sorted(sum(before, [])) == sorted(sum(after, []))
     assert after[0][0].startswith("c.")  # the last layer's gradients arrive first in backward
     assert after[-1][-1].startswith("a.")
+
+
+def _two_backwards(rank, world):
+    from parallel_layers import init_parallel
+
+    ctx = init_parallel(dp=2, device="cpu")
+    a, b = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        a.weight.fill_(1.0)
+        b.weight.fill_(1.0)
+
+    class Branch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, x, use_b):
+            y = self.a(x)
+            return self.b(y) if use_b else y
+
+    model = DataParallel(Branch(), group=ctx.dp_group)
+    x = torch.ones(1, 1)
+    model(x, use_b=rank == 0).sum().backward()  # b's gradient 1 on rank 0 only: average 0.5
+    first = b.weight.grad.item()
+    model(x, use_b=rank == 1).sum().backward()  # on rank 1 only: + 0.5
+    return first, b.weight.grad.item(), a.weight.grad.item()
+
+
+def test_two_backwards_before_a_step_keep_the_first_average_of_a_parameter_unused_in_the_second():
+    """Note [unused parameters]: without no_sync(), each backward averages the accumulated
+    gradient; a rank that did not use a parameter in the second backward sends the first's
+    average (equal everywhere), not zeros, so the sum of the two averages survives: b's gradient
+    is 0.5 + 0.5 on both ranks as in one process on both samples (0.75 before the fix)."""
+    for first, second, used_twice in run_distributed(_two_backwards, 2):
+        assert (first, second, used_twice) == (0.5, 1.0, 2.0)
