@@ -26,7 +26,8 @@ router's top-k expert ids and weights [tokens, k]) becomes:
 The backward runs the two all-to-alls in reverse (the gradients of the sent rows come back to
 the rank that sent them), and the routing weights' gradient is computed where they are used,
 on the token's own rank: the router needs nothing. A rank whose experts receive no row still
-runs both all-to-alls in the backward (its output is joined to the received rows).
+runs both all-to-alls in the backward (its output is joined to the received rows), and its
+weights get a zero gradient, as the plain model's stacked experts do (`unreached_weights`).
 
 Gradients. A replicated parameter's gradient is averaged over dp by the data-parallel wrapper
 (the sum of the ranks' gradients, divided by dp). An expert's weight gradient already holds
@@ -97,7 +98,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import fault, placement
-from parallel_layers.tensor_parallel.experts import Experts, JoinedToInputs, is_tensor_parallel_experts, layout_problem
+from parallel_layers.tensor_parallel.experts import (Experts, JoinedToInputs, is_tensor_parallel_experts, layout_problem,
+                                                     unreached_weights)
 
 _DISPATCH = "expert-parallel all_to_all"
 
@@ -231,7 +233,7 @@ def _forward(own_forward):
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
         out = own_forward(self, rows, ids[:, None], ones)
         if torch.is_grad_enabled() and rows.requires_grad:  # a rank given no row still joins the backward
-            out = JoinedToInputs.apply(out, rows)
+            out = JoinedToInputs.apply(out, rows, *unreached_weights(self, out))
         back = _AllToAll.apply(out, send, recv, group)  # in `order`
         slots = torch.empty_like(back).index_copy(0, order, back).view(tokens, k, -1)
         return (slots * top_k_weights.unsqueeze(-1).to(slots.dtype)).sum(1).to(hidden_states.dtype)

@@ -38,7 +38,9 @@ routing is. A rank whose experts get no token at all computes nothing from its i
 (transformers' eager kernel returns zeros it never connects to them), and its backward would
 then skip the input-gradient all-reduces its peers run - a mismatched collective. So the output
 is joined to every floating input by `JoinedToInputs` (identity forward, zero gradients
-backward), and every rank reaches those all-reduces. True expert parallelism - experts spread over data-parallel ranks, each with its own
+backward), and every rank reaches those all-reduces; and to the expert weights (a zero
+gradient), which the plain model's stacked experts always get - zero rows for an expert no
+token reached - so that an optimizer's weight decay or step count treats them alike. True expert parallelism - experts spread over data-parallel ranks, each with its own
 tokens, exchanged by all-to-all - is not this.
 
 The module keeps its class's forward (and transformers' expert kernels, chosen by
@@ -161,8 +163,8 @@ def convert(module: nn.Module, spec: Experts, tp_group, sequence_parallel: bool 
                 kwargs = {k: comm.copy_to_tp(v, group) if _floating(v) else v for k, v in kwargs.items()}
             out = own_forward(self, *args, **kwargs)
             if self.expert_offset is not None and torch.is_grad_enabled():  # idle experts (see the Note)
-                joined = (a for a in (*args, *kwargs.values()) if _floating(a) and a.requires_grad)
-                out = JoinedToInputs.apply(out, *joined)
+                joined = [a for a in (*args, *kwargs.values()) if _floating(a) and a.requires_grad]
+                out = JoinedToInputs.apply(out, *joined, *unreached_weights(self, out))
             # under sequence parallelism a partial sum, reduce-scattered by the block's hook
             return out if self.sequence_parallel else comm.reduce_from_tp(out, group)
 
@@ -187,6 +189,18 @@ class JoinedToInputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad, *(torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.inputs))
+
+
+def unreached_weights(module: nn.Module, out: Tensor) -> list[nn.Parameter]:
+    """The expert weights of `module` needing a gradient when its output `out` was computed
+    from none of them (no token reached any of its experts: transformers' eager kernel returns
+    zeros connected to nothing), else []. In the plain model every expert is a row of one
+    stacked weight, whose gradient always exists (zero rows for an unreached expert), so a rank
+    holding some of the experts must give its weights one too (`JoinedToInputs`)."""
+    if out.requires_grad:
+        return []
+    spec = Experts()
+    return [w for w in (getattr(module, spec.column), getattr(module, spec.row)) if w.requires_grad]
 
 
 def _local_ids(x, offset: int, count: int):

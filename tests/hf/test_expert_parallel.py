@@ -45,7 +45,7 @@ CASES = {
     "mixtral-dp4-zero3-meta-selective": dict(family="mixtral", dp=4, zero=3, build="meta", checkpointing="selective"),
     "qwen3_moe-dp2-zero1-checkpoint": dict(family="qwen3_moe", dp=2, zero=1),
     "qwen2_moe-pp2-dp2-zero1": dict(family="qwen2_moe", dp=2, pp=2, zero=1),
-    "mixtral-dp2-idle-rank": dict(family="mixtral-idle", dp=2),
+    "mixtral-dp2-idle-rank": dict(family="mixtral-idle", dp=2, optimizer="decay"),
     # each expert split over tp as its MLP (the published plan's Experts()), the experts over dp
     "mixtral-tp2-dp2-zero3-meta": dict(family="mixtral", dp=2, tp=2, zero=3, build="meta"),
     "qwen3_moe-tp2-dp2-sequence-parallel": dict(family="qwen3_moe", dp=2, tp=2, sequence_parallel=True),
@@ -59,10 +59,10 @@ CASES = {
     # routed by token id, so that one replica's second expert rank gets no token and the other's
     # does: its experts' gradients come at different moments (or not at all) on the two replicas
     "mixtral-split-dp4-ep2-zero2": dict(family="mixtral-split", dp=4, ep=2, zero=2),
-    "mixtral-split-dp4-ep2-dataparallel-debug": dict(family="mixtral-split", dp=4, ep=2, debug=True),
+    "mixtral-split-dp4-ep2-dataparallel-debug": dict(family="mixtral-split", dp=4, ep=2, debug=True, optimizer="decay"),
 }
 LAYOUT = dict(tp=1, pp=1, ep=None, zero=0, build="from_pretrained", checkpointing=None, sequence_parallel=False,
-              debug=False)
+              debug=False, optimizer="sgd")
 
 
 def _save_qwen2_moe(directory):
@@ -115,6 +115,16 @@ _loss = _tiny.next_token_loss
 
 def _sgd(params):
     return torch.optim.SGD(params, lr=LR)
+
+
+def _decaying_sgd(params):
+    """Decays every parameter with a gradient, a zero one included: a rank's experts that no token
+    reached must still get one (the plain model's stacked experts do: zero rows). SGD, not Adam,
+    whose normalised step turns the last bits of a near-zero gradient into whole steps."""
+    return torch.optim.SGD(params, lr=LR, weight_decay=0.1)
+
+
+_OPTIMIZERS = {"sgd": _sgd, "decay": _decaying_sgd}
 
 
 def _zero_routers(model):
@@ -188,7 +198,8 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
     piped = pp > 1
     kwargs = dict(loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, pipeline_layers="auto",
                   microbatches=2) if piped else dict(loss_fn=_loss)
-    par = parallelize(model, ctx, optimizer=_sgd, zero_stage=layout["zero"], expert_parallel=layout["ep"] or True,
+    optimizer = _OPTIMIZERS[layout["optimizer"]]
+    par = parallelize(model, ctx, optimizer=optimizer, zero_stage=layout["zero"], expert_parallel=layout["ep"] or True,
                       tp_plan="auto" if tp > 1 else None, sequence_parallel=layout["sequence_parallel"],
                       activation_checkpointing=layout["checkpointing"], **kwargs)
     if build == "meta":
@@ -237,9 +248,9 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
                 resumed_diff=resumed_diff, dp_rank=ctx.coordinate("dp"), pp_rank=ctx.coordinate("pp"))
 
 
-def _reference(directory, family):
+def _reference(directory, family, optimizer="sgd"):
     model = _load(directory, family)
-    opt = _sgd(model.parameters())
+    opt = _OPTIMIZERS[optimizer](model.parameters())
     losses, norms = [], []
     for ids in _batches(family):
         loss = _loss(model(ids), ids)
@@ -258,7 +269,7 @@ def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, c
     ep = layout["ep"] or dp
     directory, export = str(tmp_path / "model"), str(tmp_path / "export")
     _save(family, directory)
-    ref_losses, ref_norms, ref_state = _reference(directory, family)
+    ref_losses, ref_norms, ref_state = _reference(directory, family, layout["optimizer"])
     checkpoint_dir = str(tmp_path / "checkpoint") if case.endswith("-checkpoint") else None
     results = run_distributed(_train, dp * layout["pp"] * tp, args=(directory, export, checkpoint_dir, layout),
                               timeout_s=240, collective_timeout_s=60)

@@ -469,10 +469,11 @@ def test_experts_refusals_name_the_values():
         parallelize(model, {"model.layers.*.mlp.experts": "experts"})
 
 
-def _sgd_losses(model, steps, lr):
+def _sgd_losses(model, steps, lr, weight_decay=0.0):
     """The losses of `steps` SGD steps on fixed random token ids (ids >= 3: no special token)."""
     from tests.hf._tiny import train_losses
-    return train_losses(model, torch.optim.SGD(model.parameters(), lr=lr), steps, vocab=96, low=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return train_losses(model, optimizer, steps, vocab=96, low=3)
 
 
 def _idle_experts(rank, ws, impl, sequence_parallel):
@@ -490,7 +491,9 @@ def _idle_experts(rank, ws, impl, sequence_parallel):
                 tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
     _, _, picked = ref.model.layers[0].mlp.gate(torch.randn(5, 32))  # the router's choice for any token
     idle = not any(2 * rank <= e < 2 * rank + 2 for e in picked.flatten().tolist())  # this rank's experts unused
-    worst = {model is par: _sgd_losses(model, steps=2, lr=0.1) for model in (ref, par)}
+    # weight decay: the idle rank's experts must get a (zero) gradient, as the plain model's
+    # stacked experts do, or the decay skips them
+    worst = {model is par: _sgd_losses(model, steps=2, lr=0.1, weight_decay=0.1) for model in (ref, par)}
     params = _full_params(par, dist.group.WORLD)
     return worst, max(_rel(params[n], p.detach()) for n, p in ref.named_parameters()), idle
 
