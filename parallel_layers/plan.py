@@ -610,6 +610,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     if zero == 3:
         params = psi * pb / shards + 2 * layer * pb
     expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: and their buckets
+    if zero >= 2 and replicas > 1:  # reduced at the end of backward, a layer's float32 buffer in flight
+        expert_grads += expert_layer / ep * _REDUCE_BYTES
     params, grads = params + experts * pb, grads + expert_grads
     opt += experts * ob / (replicas if zero >= 1 else 1)
     host = 0.0

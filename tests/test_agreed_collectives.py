@@ -335,12 +335,16 @@ class _RecordedGroup:
 
     def __init__(self, name: str, world: int, log: list):
         self.name, self.world, self.log, self.params, self.keep_full = name, world, log, [], True
+        self.in_flight = False
 
     def reduce_grads(self, free_full_grads: bool, async_op: bool = False) -> None:
-        self.log.append(self.name)
+        self.log.append(self.name)  # launched (and, without async_op, done)
+        self.in_flight = async_op
 
     def finish_reduce(self) -> None:
-        pass
+        if self.in_flight:
+            self.log.append("~" + self.name)  # waited for
+        self.in_flight = False
 
 
 def test_zero_expert_groups_over_replicas_reduce_at_the_end_of_backward_in_one_order():
@@ -349,7 +353,7 @@ def test_zero_expert_groups_over_replicas_reduce_at_the_end_of_backward_in_one_o
     arrive in: mid-backward, a rank whose experts got no token would reduce later than its
     replicas, which then wait for it while its expert-parallel partners wait for them (a hang).
     Groups of this rank alone are reduced as soon as they are done; the dp group's order is
-    apart, and launched before the experts' at the end."""
+    apart, and launched before the experts' at the end, whose buffers are two in flight at most."""
     from parallel_layers.zero._hooks import ZeROHooks
 
     log = []
@@ -365,4 +369,6 @@ def test_zero_expert_groups_over_replicas_reduce_at_the_end_of_backward_in_one_o
     hooks._backward_done(dense)
     assert log == ["solo.experts", "layers.1"]
     hooks._finalize_backward()  # layers.0's experts got no gradient here: reduced all the same
-    assert log == ["solo.experts", "layers.1", "<root>", "layers.2.experts", "layers.1.experts", "layers.0.experts"]
+    # every dp group launched first; then the experts, two in flight at a time
+    assert log == ["solo.experts", "layers.1", "<root>", "~layers.1", "layers.2.experts", "layers.1.experts",
+                   "~layers.2.experts", "layers.0.experts", "~layers.1.experts", "~<root>", "~layers.0.experts"]

@@ -53,8 +53,9 @@ stage 3). With the experts over all of dp the replica group is this rank alone: 
 so no order to agree on, and each group is reduced (a local copy into its shard) as soon as its
 parameters' gradients are in (in the dp order it would hold back every group after it until the
 end of backward). Over replicas of several ranks, they are reduced at the end of backward, every
-one, in one order (reverse registration), launched before any is waited for - not as their
-gradients arrive: an expert that received no token on this replica gets no gradient, so that
+one, in one order (reverse registration), after every dp group's reduce-scatter was launched,
+two in flight at a time (by then no all-to-all is left to wait on) - not as their gradients
+arrive: an expert that received no token on this replica gets no gradient, so that
 moment depends on the data, and a rank blocked on a replica's reduce-scatter mid-backward while
 its expert-parallel partners wait for it in the next all-to-all is a cycle across the groups
 (a hang; NCCL also asks every rank to issue its communicators' collectives in one order). The
@@ -196,14 +197,18 @@ class ZeROHooks:
             for g in self.alone:
                 if not self.backward[g].done:  # parameters that got no gradient in this backward
                     g.reduce_grads(free_full_grads=True)
-            for g in self.replicated:  # all launched before any is waited for (Note [expert groups])
+            previous = None  # the experts over replicas, two in flight (Note [expert groups])
+            for g in self.replicated:
                 g.reduce_grads(free_full_grads=True, async_op=True)
+                if previous is not None:
+                    previous.finish_reduce()
+                previous = g
             self.unreduced = False
         if self.reducing is not None:
             self.reducing.finish_reduce()
             self.reducing = None
         for g in self.replicated:
-            g.finish_reduce()
+            g.finish_reduce()  # the last one launched (the others are done: a no-op)
         self.reduced = 0
         self.backward = {g: _BackwardState() for g in self.groups}
         for g in self.groups:
