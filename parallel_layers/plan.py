@@ -604,9 +604,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         grads += psi * gb  # DataParallel's bucket buffers
     if zero >= 1:
         opt /= shards
-    if zero >= 2:  # the shards, the layer whose gradients are being made, and the one before it
-        # being reduce-scattered meanwhile (Note [overlapped reduce-scatter]: a float32 buffer)
+    if zero >= 2 and m == 1:  # the shards, the layer whose gradients are being made, and the one
+        # before it being reduce-scattered meanwhile (Note [overlapped reduce-scatter]: float32)
         grads = psi * gb / shards + layer * gb + (layer * _REDUCE_BYTES if shards > 1 else 0.0)
+    elif zero >= 2:  # with microbatches (a PipelineParallel step, under no_sync()): the full
+        # gradients accumulate as at stage 1 and are reduce-scattered once, after the last one
+        grads = psi * gb + (layer * _REDUCE_BYTES if shards > 1 else 0.0)
     if zero == 3:
         params = psi * pb / shards + 2 * layer * pb
     expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: and their buckets
@@ -636,21 +639,20 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     temporaries = max(first, last + loss_temporaries(model, train, tp, tokens)) - max(first, last)
     # With m > 1 a microbatch's gradient of a parameter is made in a buffer of its own and then
     # added to the accumulated one: the largest layer's (often the head's) is in flight too.
-    accumulated = psi * gb / (shards if zero >= 2 else 1) + layer * gb + experts * gb if m > 1 else 0.0
+    accumulated = psi * gb + layer * gb + experts * gb if m > 1 else 0.0
     at_loss = (psi * gb if zero == 0 and shards > 1 else 0.0) + accumulated
 
     ring = lambda n: (n - 1) / n  # noqa: E731  (fraction of a buffer each rank sends in a ring pass)
-    # Stages 0 and 1 accumulate full gradients locally over the microbatches and reduce once;
-    # stage 2 keeps only a gradient shard, so it reduce-scatters every microbatch, and stage 3
-    # also gathers the params for every microbatch's forward and backward.
+    # Every stage reduces the gradients once a step: with microbatches PipelineParallel runs
+    # them all under no_sync() and reduces after the last (stages 2 and 3 included); stages 1-2
+    # gather the updated params after the step, stage 3 for every microbatch's forward and
+    # backward instead.
     if zero == 0:
         dp_bytes = 2 * ring(shards) * psi * gb
-    elif zero == 1:
+    elif zero in (1, 2):
         dp_bytes = ring(shards) * psi * (gb + pb)
-    elif zero == 2:
-        dp_bytes = ring(shards) * psi * (m * gb + pb)
     else:
-        dp_bytes = ring(shards) * psi * m * (gb + 2 * pb)
+        dp_bytes = ring(shards) * psi * (gb + 2 * pb * m)
     # the experts over their replicas, once a step: all-reduced (DDP) or reduce-scattered and
     # gathered after the step (ZeRO, at every stage as its stage 1)
     dp_bytes += ring(replicas) * experts * (2 * gb if zero == 0 else gb + pb)
@@ -673,9 +675,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     idle = (pp - 1) / v  # microbatch slots the pipeline idles (interleaving divides them by v)
     bubble = idle / (m + idle)
     # What the dp traffic can hide under: ZeRO-3 gathers in forward and backward (all of it);
-    # ZeRO-2 reduce-scatters in every microbatch's backward (2/3 of compute); stages 0 and 1
-    # reduce once, in the last microbatch's backward (pp = 1), or after the pipeline's flush
-    # (pp > 1: PipelineParallel reduces once after the last microbatch, as Megatron-LM did).
+    # ZeRO-2 reduce-scatters during backward (2/3 of compute); stages 0 and 1 reduce once, in the
+    # last microbatch's backward (pp = 1), or after the pipeline's flush (pp > 1: PipelineParallel
+    # reduces once after the last microbatch, as Megatron-LM did). (An approximation: with
+    # microbatches PipelineParallel reduces every stage after the last one, and ZeRO-1 at the
+    # step, so less hides than this says; the step time is the estimate's least exact part.)
     overlap = {3: 1.0, 2: 2 / 3}.get(zero, 2 / 3 / m if pp == 1 else 0.0)
     offload_time = 0.0
     if layout.offload:  # gradient shard down, updated param shard up, Adam on the host

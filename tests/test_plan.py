@@ -55,6 +55,25 @@ def test_model_states_follow_the_zero_paper():
     assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2 + 4) * layer, rel=1e-9)
 
 
+
+def test_with_microbatches_every_stage_reduces_whole_gradients_once():
+    """With m > 1 the step runs through PipelineParallel, every microbatch under the wrapper's
+    no_sync() and one reduction after the last: ZeRO-2/3 then hold the whole accumulated
+    gradients as ZeRO-1 does (not a shard) and reduce-scatter them once, not per microbatch;
+    ZeRO-3 still gathers the parameters for every microbatch's forward and backward."""
+    model = ModelSpec(7.5e9, 128, 2048, 1024, vocab=1000)
+    cluster = ClusterSpec(64, 8, 80 * GB)
+    train = TrainSpec(global_batch=256)
+    one, two, three = (plan.estimate(model, cluster, train, Layout(64, 1, 1, zero, 4)) for zero in (1, 2, 3))
+    psi, layer = 7.5e9, model.layer_params
+    assert two.grads == pytest.approx(2 * psi + 4 * layer, rel=1e-9)  # whole, and one float32 reduce buffer
+    assert three.grads == two.grads and one.grads == 2 * psi
+    assert two.comm["dp"] == one.comm["dp"] == pytest.approx(63 / 64 * psi * (2 + 2), rel=1e-9)
+    assert three.comm["dp"] == pytest.approx(63 / 64 * psi * (2 + 2 * 2 * 4), rel=1e-9)
+    lone = plan.estimate(model, cluster, train, Layout(64, 1, 1, 2, 1))  # one backward: reduced layer by layer
+    assert lone.grads == pytest.approx(2 * psi / 64 + (2 + 4) * layer, rel=1e-9)
+
+
 # ---- recommendations against docs/parallelism.md's rules ------------------------------------
 CASES = {
     # fits on one device: DDP/ZeRO only
