@@ -123,6 +123,20 @@ def test_cli_reads_a_model_directory(tmp_path, capsys):
     assert f"recommended: {best.layout}," in out
 
 
+def test_cli_takes_an_expert_parallel_degree(tmp_path, capsys):
+    """--expert-parallel N: every layout whose dp N divides spreads the experts over groups of N
+    dp ranks (shown ep=N); anything but auto, on, off or a positive number is refused by name."""
+    CONFIGS["mixtral"]().save_pretrained(tmp_path)
+    args = ["--hf-config", str(tmp_path), "--seq", "512", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "h100",
+            "--global-batch", "16", "--rows", "40"]
+    plan.main([*args, "--expert-parallel", "2"])
+    out = capsys.readouterr().out
+    assert re.search(r"dp=8 tp=1 pp=1 ep=2 ", out) and not re.search(r" ep=(4|8) ", out), out
+    with pytest.raises(SystemExit):
+        plan.main([*args, "--expert-parallel", "two"])
+    assert "expected auto, on, off or a positive number of data-parallel ranks, got 'two'" in capsys.readouterr().err
+
+
 def test_errors_name_the_values(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match=re.escape(f"the directory '{tmp_path}' has no config.json")):
         ModelSpec.from_hf_config(tmp_path, seq=128)
