@@ -163,7 +163,7 @@ def main():
     ap.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 * pp with --pp > 1, else 1)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
                     help="recompute each decoder layer in backward: all of it, or all but its GEMM outputs")
-    ap.add_argument("--expert-parallel", type=int, nargs="?", const=0, default=None, metavar="EP",
+    ap.add_argument("--expert-parallel", type=int, nargs="?", const=-1, default=None, metavar="EP",
                     help="a mixture of experts' experts spread over the dp ranks, tokens sent by all-to-all; with "
                          "EP (a divisor of dp), over groups of EP consecutive dp ranks, replicated over dp / EP")
     ap.add_argument("--steps", type=int, default=10)
@@ -199,7 +199,7 @@ def main():
                       else args.activation_checkpointing, zero_stage=args.zero,
                       pipeline_layers="auto" if pipelined else None, schedule=args.schedule,
                       microbatches=args.microbatches,
-                      expert_parallel={None: False, 0: True}.get(args.expert_parallel, args.expert_parallel))
+                      expert_parallel={None: False, -1: True}.get(args.expert_parallel, args.expert_parallel))
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -233,8 +233,8 @@ def main():
         pipeline = f", {args.schedule} schedule, {args.microbatches} microbatches" if pipelined else ""
         recompute = ("" if args.activation_checkpointing == "none"
                      else f", {args.activation_checkpointing} activation checkpointing")
-        experts = {None: "", 0: ", experts over dp"}.get(args.expert_parallel,
-                                                          f", experts over groups of {args.expert_parallel} dp ranks")
+        experts = {None: "", 1: "", -1: ", experts over dp"}.get(args.expert_parallel,
+                                                                  f", experts over groups of {args.expert_parallel} dp ranks")
         print(f"layout: dp={dp} x tp={args.tp} x pp={args.pp} on {world} process(es), "
               f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
               f"{pipeline}{recompute}{experts}, plan: {'the published one' if args.tp > 1 else 'none'}")

@@ -64,6 +64,8 @@ class _Bucket:
         return len(self.arrived) == len(self.params)
 
     def launch(self, group, world: int, used: set[int]) -> None:
+        # a gradient set to None since (zero_grad after a no_sync() backward) is not a use
+        used = {id(p) for p in self.params if id(p) in used and p.grad is not None}
         offset = 0
         for p in self.params:
             chunk = self.buffer[offset:offset + p.numel()]
@@ -197,10 +199,10 @@ class DataParallel(LocalAccumulation, nn.Module):
         # each rank of their expert-parallel group: replicas only over their replica group (the
         # dp ranks with the same expert-parallel rank), where they are broadcast and averaged
         # as the rest are over dp - Note [expert replicas] there. With ep = dp they have none.
-        # Their buckets are all-reduced at the end of backward, not as they fill: an expert that
-        # received no token on this replica gets no gradient, so that moment would depend on
-        # the data, and with the all-to-alls of other groups in between, ranks could wait on
-        # each other in a cycle (Note [expert groups] in zero/_hooks.py).
+        # Their buckets are all-reduced at the end of backward, not as they fill: when they fill
+        # depends on the routing (an expert no token reached gets its zero gradient at another
+        # point of the backward), and with the all-to-alls of other groups in between, ranks
+        # could wait on each other in a cycle (Note [expert groups] in zero/_hooks.py).
         by_group: dict[object, list[nn.Parameter]] = {None: []}
         for p in module.parameters():
             key = placement.expert_replica_group(p) if placement.expert_group(p) is not None else None

@@ -56,8 +56,10 @@ the replica group: at every stage held whole (E / ep experts per rank), their gr
 reduce-scattered over the replicas and their optimizer state sharded over them (ZeRO-1 for the
 experts, as Megatron's distributed optimizer shards theirs; torchtitan shards them further with
 FSDP), the full parameters all-gathered after each step. Both reduce them at the end of
-backward, not as their gradients arrive: an expert that received no token on one replica gets
-no gradient there, so that moment depends on the data, and ranks waiting for a replica's
+backward, not as their gradients arrive: when they arrive depends on the routing (where no
+token reached a rank's experts, transformers' eager kernel computes nothing from their weights,
+and their zero gradient comes at another point of the backward), so it differs between
+replicas, and ranks waiting for a replica's
 reduction mid-backward while their expert-parallel partners wait for them in the next
 all-to-all hang (Note [expert groups] in zero/_hooks.py). The cost: that reduction is not
 overlapped with backward. This lets a model with fewer experts than dp ranks (Mixtral's 8 at
@@ -232,8 +234,9 @@ def _forward(own_forward):
         ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep), received)
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
         out = own_forward(self, rows, ids[:, None], ones)
-        if torch.is_grad_enabled() and rows.requires_grad:  # a rank given no row still joins the backward
-            out = JoinedToInputs.apply(out, rows, *unreached_weights(self, out))
+        if torch.is_grad_enabled():  # a rank given no row still joins the backward
+            joined = ([rows] if rows.requires_grad else []) + unreached_weights(self, out)
+            out = JoinedToInputs.apply(out, *joined) if joined else out
         back = _AllToAll.apply(out, send, recv, group)  # in `order`
         slots = torch.empty_like(back).index_copy(0, order, back).view(tokens, k, -1)
         return (slots * top_k_weights.unsqueeze(-1).to(slots.dtype)).sum(1).to(hidden_states.dtype)

@@ -55,8 +55,9 @@ parameters' gradients are in (in the dp order it would hold back every group aft
 end of backward). Over replicas of several ranks, they are reduced at the end of backward, every
 one, in one order (reverse registration), after every dp group's reduce-scatter was launched,
 two in flight at a time (by then no all-to-all is left to wait on) - not as their gradients
-arrive: an expert that received no token on this replica gets no gradient, so that
-moment depends on the data, and a rank blocked on a replica's reduce-scatter mid-backward while
+arrive: when they arrive depends on the routing (where no token reached this rank's experts,
+transformers' eager kernel computes nothing from their weights, and their zero gradient comes
+at another point of the backward: expert_parallel.py), and a rank blocked on a replica's reduce-scatter mid-backward while
 its expert-parallel partners wait for it in the next all-to-all is a cycle across the groups
 (a hang; NCCL also asks every rank to issue its communicators' collectives in one order). The
 cost: the experts' full gradients live until the end of backward (as at ZeRO-1) and their

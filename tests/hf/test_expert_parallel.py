@@ -46,6 +46,8 @@ CASES = {
     "qwen3_moe-dp2-zero1-checkpoint": dict(family="qwen3_moe", dp=2, zero=1),
     "qwen2_moe-pp2-dp2-zero1": dict(family="qwen2_moe", dp=2, pp=2, zero=1),
     "mixtral-dp2-idle-rank": dict(family="mixtral-idle", dp=2, optimizer="decay"),
+    # only the experts trained: the idle rank's output joins the backward through its weights alone
+    "mixtral-dp2-idle-rank-only-experts": dict(family="mixtral-idle", dp=2, optimizer="decay", only_experts=True),
     # each expert split over tp as its MLP (the published plan's Experts()), the experts over dp
     "mixtral-tp2-dp2-zero3-meta": dict(family="mixtral", dp=2, tp=2, zero=3, build="meta"),
     "qwen3_moe-tp2-dp2-sequence-parallel": dict(family="qwen3_moe", dp=2, tp=2, sequence_parallel=True),
@@ -62,7 +64,7 @@ CASES = {
     "mixtral-split-dp4-ep2-dataparallel-debug": dict(family="mixtral-split", dp=4, ep=2, debug=True, optimizer="decay"),
 }
 LAYOUT = dict(tp=1, pp=1, ep=None, zero=0, build="from_pretrained", checkpointing=None, sequence_parallel=False,
-              debug=False, optimizer="sgd")
+              debug=False, optimizer="sgd", only_experts=False)
 
 
 def _save_qwen2_moe(directory):
@@ -135,7 +137,15 @@ def _zero_routers(model):
                 p.zero_()
 
 
-def _load(directory, family):
+def _load(directory, family, only_experts=False):
+    model = _load_family(directory, family)
+    if only_experts:  # nothing before the experts needs a gradient: their input rows neither
+        for name, p in model.named_parameters():
+            p.requires_grad_(".experts." in name)
+    return model
+
+
+def _load_family(directory, family):
     if not family.endswith(("-idle", "-split")):
         return transformers.AutoModelForCausalLM.from_pretrained(directory)
     # transformers' eager expert loop leaves an expert no token reached out of autograd (no
@@ -194,7 +204,7 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
     else:
-        model = _load(directory, family)
+        model = _load(directory, family, layout["only_experts"])
     piped = pp > 1
     kwargs = dict(loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, pipeline_layers="auto",
                   microbatches=2) if piped else dict(loss_fn=_loss)
@@ -248,8 +258,8 @@ def _train(rank, world, directory, export, checkpoint_dir, layout):
                 resumed_diff=resumed_diff, dp_rank=ctx.coordinate("dp"), pp_rank=ctx.coordinate("pp"))
 
 
-def _reference(directory, family, optimizer="sgd"):
-    model = _load(directory, family)
+def _reference(directory, family, optimizer="sgd", only_experts=False):
+    model = _load(directory, family, only_experts)
     opt = _OPTIMIZERS[optimizer](model.parameters())
     losses, norms = [], []
     for ids in _batches(family):
@@ -269,7 +279,7 @@ def test_experts_over_data_parallel_ranks_train_like_the_plain_model(tmp_path, c
     ep = layout["ep"] or dp
     directory, export = str(tmp_path / "model"), str(tmp_path / "export")
     _save(family, directory)
-    ref_losses, ref_norms, ref_state = _reference(directory, family, layout["optimizer"])
+    ref_losses, ref_norms, ref_state = _reference(directory, family, layout["optimizer"], layout["only_experts"])
     checkpoint_dir = str(tmp_path / "checkpoint") if case.endswith("-checkpoint") else None
     results = run_distributed(_train, dp * layout["pp"] * tp, args=(directory, export, checkpoint_dir, layout),
                               timeout_s=240, collective_timeout_s=60)
