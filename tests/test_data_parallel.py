@@ -130,3 +130,34 @@ def test_two_backwards_before_a_step_keep_the_first_average_of_a_parameter_unuse
     is 0.5 + 0.5 on both ranks as in one process on both samples (0.75 before the fix)."""
     for first, second, used_twice in run_distributed(_two_backwards, 2):
         assert (first, second, used_twice) == (0.5, 1.0, 2.0)
+
+
+def _cleared_after_no_sync(rank, world):
+    from parallel_layers import init_parallel
+
+    ctx = init_parallel(dp=2, device="cpu")
+    a, b = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+
+    class Branch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, x, use_b):
+            y = self.a(x)
+            return self.b(y) if use_b else y
+
+    model = DataParallel(Branch(), group=ctx.dp_group)
+    x = torch.ones(1, 1)
+    with model.no_sync():
+        model(x, use_b=True).sum().backward()
+    a.weight.grad = b.weight.grad = None  # zero_grad(set_to_none=True) before any reduction
+    model(x, use_b=False).sum().backward()
+    return b.weight.grad is None, a.weight.grad is not None
+
+
+def test_a_gradient_cleared_after_no_sync_is_not_a_use():
+    """Note [unused parameters]: b was used in a no_sync() backward whose gradients were then set to
+    None; no rank uses it in the next backward, so its .grad stays None (as for a parameter no rank
+    used), not zeros that weight decay or Adam would then step on."""
+    assert run_distributed(_cleared_after_no_sync, 2) == [(True, True), (True, True)]
