@@ -97,26 +97,32 @@ def test_buckets_rebuilt_in_gradient_arrival_order():
     assert after[-1][-1].startswith("a.")
 
 
-def _two_backwards(rank, world):
+class _Branch(nn.Module):
+    """a(x), then b on it when asked: b goes unused on the ranks that do not ask. Weights 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.a.weight.fill_(1.0)
+            self.b.weight.fill_(1.0)
+
+    def forward(self, x, use_b):
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+def _wrapped_branch():
+    """(DataParallel over a _Branch at dp=2, its a, its b, an input)."""
     from parallel_layers import init_parallel
 
     ctx = init_parallel(dp=2, device="cpu")
-    a, b = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
-    with torch.no_grad():
-        a.weight.fill_(1.0)
-        b.weight.fill_(1.0)
+    branch = _Branch()
+    return DataParallel(branch, group=ctx.dp_group), branch.a, branch.b, torch.ones(1, 1)
 
-    class Branch(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = a, b
 
-        def forward(self, x, use_b):
-            y = self.a(x)
-            return self.b(y) if use_b else y
-
-    model = DataParallel(Branch(), group=ctx.dp_group)
-    x = torch.ones(1, 1)
+def _two_backwards(rank, world):
+    model, a, b, x = _wrapped_branch()
     model(x, use_b=rank == 0).sum().backward()  # b's gradient 1 on rank 0 only: average 0.5
     first = b.weight.grad.item()
     model(x, use_b=rank == 1).sum().backward()  # on rank 1 only: + 0.5
@@ -133,22 +139,7 @@ def test_two_backwards_before_a_step_keep_the_first_average_of_a_parameter_unuse
 
 
 def _cleared_after_no_sync(rank, world):
-    from parallel_layers import init_parallel
-
-    ctx = init_parallel(dp=2, device="cpu")
-    a, b = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
-
-    class Branch(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = a, b
-
-        def forward(self, x, use_b):
-            y = self.a(x)
-            return self.b(y) if use_b else y
-
-    model = DataParallel(Branch(), group=ctx.dp_group)
-    x = torch.ones(1, 1)
+    model, a, b, x = _wrapped_branch()
     with model.no_sync():
         model(x, use_b=True).sum().backward()
     a.weight.grad = b.weight.grad = None  # zero_grad(set_to_none=True) before any reduction
