@@ -335,6 +335,7 @@ class _RecordedGroup:
 
     def __init__(self, name: str, world: int, log: list):
         self.name, self.world, self.log, self.params, self.keep_full = name, world, log, [], True
+        self.pool = None  # no CPU buffer pool (Note [CPU buffer reuse])
         self.in_flight = False
 
     def reduce_grads(self, free_full_grads: bool, async_op: bool = False) -> None:

@@ -9,6 +9,7 @@ sum of the members' shard sizes, rank-major (parallel_layers/ops/shard_copy.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,32 +84,54 @@ class _Works:
 
 class BufferPool:
     """Note [CPU buffer reuse]: the [W, S] gather and reduce buffers of a ZeRO-3 wrapper's
-    wrapped groups, kept for the next group of the same size instead of freed. On the CPU a
+    repeated blocks, kept for the next group of the same size instead of freed. On the CPU a
     buffer of tens of MB is a fresh mmap each time, and first touching its pages (the
     copy-in) costs more than the copy: ~5% of a Llama ZeRO-3 step at hidden 1024 on 2 CPU
     ranks. The decoder layers' groups are all one size, so a few buffers serve every layer:
-    at most `keep` per size are kept, as many as are in use at once (two gathers and two
-    reductions in flight), so the pool holds what the step's peak held anyway. Only stage 3's
-    wrapped groups use it: the root and ZeRO-1/2 gather and reduce once a step, where a kept
-    buffer would be memory held for a whole step to save one fault per step. CUDA's caching
-    allocator already reuses device memory: there, buffers are plain torch.empty."""
+    at most `keep` per size are kept during a backward, as many as are in use at once there
+    (two gathers and two reductions in flight). At the end of backward (`trim`) the pool keeps
+    only the two gather buffers the next forward needs (the gathered group and the prefetched
+    one): the reduce buffers would otherwise sit idle through the next forward and its
+    activations' peak, which the planner does not count (measured: 35 MB over the prediction
+    on a Llama at hidden 512). Only stage 3's wrapped groups of a size at least three groups
+    share use it (the repeated blocks: ZeRO's `_pooled`): the root, ZeRO-1/2 and the
+    vocabulary units gather and reduce once or twice a step, where a kept buffer would be
+    memory held idle for a whole step to save a fault or two. CUDA's caching allocator already
+    reuses device memory: there, buffers are plain torch.empty."""
 
-    def __init__(self, keep: int = 4):
-        self.keep = keep
+    def __init__(self, keep: int = 4, keep_between_steps: int = 2):
+        self.keep, self.keep_between_steps = keep, keep_between_steps
         self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._gather_keys: set[tuple] = set()  # the sizes and dtypes the gathers take
         self.allocated = 0  # buffers made so far (the rest of the requests were served from _free)
 
-    def empty(self, shape, *, dtype: torch.dtype, device) -> torch.Tensor:
-        free = self._free.get((tuple(shape), dtype, torch.device(device) if device is not None else None))
+    @staticmethod
+    def _key(shape, dtype: torch.dtype, device) -> tuple:
+        return tuple(shape), dtype, torch.device(device) if device is not None else None
+
+    def empty(self, shape, *, dtype: torch.dtype, device, gather: bool = False) -> torch.Tensor:
+        key = self._key(shape, dtype, device)
+        if gather:
+            self._gather_keys.add(key)
+        free = self._free.get(key)
         if free:
             return free.pop()
         self.allocated += 1
         return torch.empty(shape, dtype=dtype, device=device)
 
     def give_back(self, t: torch.Tensor) -> None:
-        free = self._free.setdefault((tuple(t.shape), t.dtype, t.device), [])
+        free = self._free.setdefault(self._key(t.shape, t.dtype, t.device), [])
         if t.device.type == "cpu" and len(free) < self.keep:
             free.append(t)
+
+    def trim(self) -> None:
+        """End of backward: keep `keep_between_steps` buffers of each gather size, none else."""
+        for key, free in self._free.items():
+            del free[self.keep_between_steps if key in self._gather_keys else 0:]
+
+    @property
+    def idle_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
 
 
 def _settings(sp: ShardedParam) -> tuple:
@@ -151,9 +174,11 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return all(sp.is_unsharded for sp in self.members)
 
-    def _empty(self, device: torch.device):
+    def _empty(self, device: torch.device, gather: bool = False):
         """Where a [W, S] buffer comes from: the pool on the CPU (Note [CPU buffer reuse])."""
-        return self.pool.empty if self.pool is not None and device.type == "cpu" else None
+        if self.pool is None or device.type != "cpu":
+            return None
+        return functools.partial(self.pool.empty, gather=gather)
 
     def _give_back(self, buf: torch.Tensor) -> None:
         if self.pool is not None:
@@ -168,7 +193,8 @@ class ParamGroup:
         device = self.members[0].full.device
         with _all_gather_stream(device):
             shards = [sp.gather_input(device) for sp in self.members]
-            buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype, empty=self._empty(device))
+            buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
+                                                     empty=self._empty(device, gather=True))
             work = None
             if self.world > 1:
                 # NCCL all-gathers in place from this rank's row; gloo's collective wants a separate input.

@@ -215,6 +215,8 @@ class ZeROHooks:
         for g in self.groups:
             if not g.keep_full:
                 g.reshard()
+        for pool in {id(g.pool): g.pool for g in self.groups if g.pool is not None}.values():
+            pool.trim()  # Note [CPU buffer reuse] in _group.py
 
     # ---- stage 2: a group is done when all its params' gradients arrived -----------------
     def _install_grad_hooks(self, groups: list[ParamGroup]) -> None:

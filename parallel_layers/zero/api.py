@@ -67,6 +67,20 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {i for i, n in count.items() if n > 1}
 
 
+def _pooled(groups: list[ParamGroup]) -> list[ParamGroup]:
+    """The stage-3 groups that share the CPU buffer pool (Note [CPU buffer reuse] in _group.py):
+    gathered and freed ones (not the root, not experts) whose parameter shapes at least three
+    groups have: the repeated blocks, not the one-off units such as the vocabulary's."""
+    def shapes(g: ParamGroup) -> tuple:
+        return tuple((tuple(sp.full.shape), sp.full.dtype) for sp in g.members)
+
+    freed = [g for g in groups if not g.keep_full]
+    count: dict[tuple, int] = {}
+    for g in freed:
+        count[shapes(g)] = count.get(shapes(g), 0) + 1
+    return [g for g in freed if count[shapes(g)] >= 3]
+
+
 def _storage_shared_within(params: list[nn.Parameter]) -> set[int]:
     """Ids of the parameters whose storage is shared by several of `params` and by nothing
     else: their bytes add up to the whole storage (Note [storage shared within a group] in
@@ -121,7 +135,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             for sp in members:  # every member took its shard from the shared storage: free it now
                 if sp.storage_shared and not sp.keep_full:
                     sp.free_full()
-            return ParamGroup(name, members, pool if stage == 3 and not (root or solo) else None)
+            return ParamGroup(name, members)
 
         wrap = wrap or _default_wrap(model)
         shared = _shared_parameters(model)  # to the root group (Note [shared parameters])
@@ -158,6 +172,8 @@ class ZeRO(LocalAccumulation, nn.Module):
         self.root_group = param_group("<root>", rest, root=True) if rest else None
         if self.root_group is not None:
             self.groups.append(self.root_group)
+        for g in _pooled(self.groups) if stage == 3 else ():
+            g.pool = pool
         self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
                                 reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync,
