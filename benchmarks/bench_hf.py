@@ -19,7 +19,8 @@ advises:
                     the plan the model publishes, no plan of our own
         hf_tp:      transformers' from_pretrained(dir, distributed_config=DistributedConfig(
                     tp_plan="auto")) (DTensor; tp_plan="auto" as a keyword is its deprecated spelling)
-  dp=2  zero3:      parallelize(model, init_parallel(dp=2), zero_stage=3, wrap=the decoder layers)
+  dp=2  zero3:      parallelize(model, init_parallel(dp=2), zero_stage=3): its default units, the
+                    decoder layers, the embedding and the head (Note [vocabulary units])
         fsdp2:      torch.distributed.fsdp.fully_shard on each decoder layer, then on the root
                     (reshard_after_forward=True, its default)
         ddp:        torch.nn.parallel.DistributedDataParallel
@@ -155,12 +156,10 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
     # Mixed precision keeps float32 weights: FSDP2 and DDP take the float32 model and cast (below).
     mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if mixed else dtype)
-    decoder_layer = type(model.model.layers[0])
     if kind in ("ours", "zero3", "zero3_ep"):
         ctx = init_parallel(tp=2 if kind == "ours" else 1, device="cpu")
         par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan="auto" if kind == "ours" else None,
-                          zero_stage=0 if kind == "ours" else 3, wrap=lambda m: isinstance(m, decoder_layer),
-                          expert_parallel=kind == "zero3_ep")
+                          zero_stage=0 if kind == "ours" else 3, expert_parallel=kind == "zero3_ep")
 
         def step(ids):
             par.forward_backward(ids, ids)

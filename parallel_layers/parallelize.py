@@ -206,7 +206,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
     ep = expert_parallel_module.degree(expert_parallel, ctx.dims.dp)
-    wrap = wrap if wrap is not None else declared_blocks(model)
+    user_wrap, wrap = wrap, wrap if wrap is not None else declared_blocks(model)
     activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
     pp = ctx.dims.pp
     microbatches = microbatches if microbatches is not None else (2 * pp if pp > 1 else 1)
@@ -233,6 +233,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         fused.fuse(model)
     if experts and ep > 1:  # on the whole model, before ranks drop other stages' layers
         expert_parallel_module.apply(model, ctx.mesh, experts, ep)
+    # ZeRO's units: the blocks, and a Hugging Face model's vocabulary matrices (after step 1,
+    # which may have replaced those modules; before the pipeline cut of step 3)
+    zero_units = wrap if user_wrap is not None or wrap is None else vocabulary_units(model, wrap)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         activation_checkpointing_module.checkpoint_blocks(model, activation_checkpointing, wrap)
@@ -253,7 +256,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         fused.pack(net)  # the move gave every tensor storage of its own
     # 4. data parallelism over the dp axis
     if zero_stage:
-        wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=wrap)
+        wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=zero_units)
         opt = wrapper.optimizer
     else:
         wrapper = DataParallel(net, group=ctx.dp_group) if ctx.dims.dp > 1 else None
@@ -265,6 +268,36 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                 token_count=token_count, data_parallel=wrapper, device=ctx.device)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
                         loss_fn=loss_fn, ctx=ctx, token_count=token_count)
+
+
+def vocabulary_units(model: nn.Module, blocks: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
+    """ZeRO's units for a Hugging Face model by default (Note [vocabulary units]): its blocks,
+    and its input embedding and output head each a unit of its own when they are not tied."""
+    def get(name: str) -> nn.Module | None:
+        fn = getattr(model, name, None)
+        module = fn() if callable(fn) else None
+        return module if isinstance(module, nn.Module) else None
+
+    embedding, head = get("get_input_embeddings"), get("get_output_embeddings")
+    ends = [m for m in (embedding, head) if m is not None and any(True for _ in m.parameters())]
+    tied = embedding is not None and head is not None and \
+        {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}
+    units = set() if tied else {id(m) for m in ends}
+    return lambda m: blocks(m) or id(m) in units
+
+
+# Note [vocabulary units]: with the default `wrap`, ZeRO's units for a Hugging Face model are
+# its declared blocks (the decoder layers) and, untied, the input embedding and the output
+# head, each its own unit, as torchtitan shards its token embeddings and output layer apart from
+# the blocks. Left in the root group they would stay gathered for the whole step at stage 3,
+# gradients included: vocab x hidden twice, on every rank. On a Llama-3-8B (a vocabulary of
+# 128256 at hidden 4096) that is 1.05B parameters, an eighth of the model, held whole where
+# everything else is divided by dp. As units they are gathered for their forward and backward
+# only (the head, whose forward runs last, stays gathered into backward: Note [last group stays
+# gathered] in zero/_hooks.py) and their gradients are reduce-scattered as soon as backward has
+# made them, the head's first of all. A tied pair shares one weight, which the root keeps
+# gathered for the whole forward (Note [shared parameters] in zero/api.py). Activation
+# checkpointing still takes the blocks alone.
 
 
 def _check_layers_hold_every_parameter(model: nn.Module, layers, name: str) -> None:

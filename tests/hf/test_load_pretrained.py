@@ -30,6 +30,8 @@ STEPS, BATCH, SEQ, VOCAB = 3, 4, 12, 96  # VOCAB: ids valid for every tiny famil
 CASES = {"llama-tp2-index": ("llama", 2, 1, None, "tensor_parallel", True),
          "llama-tp2-dp2-zero3": ("llama", 2, 2, 3, "parallelize", False),
          "gpt2-tp2-dp2-zero1": ("gpt2", 2, 2, 1, "parallelize", False),
+         # the head is the embedding's weight: one parameter, in ZeRO's root group (Note [vocabulary units])
+         "llama-tied-dp2-zero3": ("llama-tied", 1, 2, 3, "parallelize", False),
          "qwen2-dp2-dataparallel": ("qwen2", 1, 2, 0, "parallelize", False),
          # q_norm / k_norm: replicated, gradients summed over tp (its published plan), under ZeRO-3
          "qwen3-tp2-dp2-zero3": ("qwen3", 2, 2, 3, "parallelize", False),
@@ -96,10 +98,9 @@ def _meta_load_and_train(rank, world, directory, tp, dp, stage, api, family=None
         one_bad_rank = _load_with_one_bad_rank(rank, model, directory)
         # built on the meta parameters, as parallelize() does: they keep their identity
         target, opt = model, _adamw(model.parameters())
-    else:
-        block = lambda m: type(m).__name__.endswith(("DecoderLayer", "Block"))  # noqa: E731
+    else:  # ZeRO's default units (Note [vocabulary units] in parallelize.py)
         target = parallelize(model, ctx, optimizer=_adamw, loss_fn=_loss, tp_plan="auto" if tp > 1 else None,
-                             zero_stage=stage, wrap=block)
+                             zero_stage=stage)
     assert any(p.is_meta for p in model.parameters())  # the premise: nothing allocated yet
     hf.load_pretrained(directory, target, device=None if api == "parallelize" else "cpu")  # ctx.device
     net = target.module if api == "parallelize" else model
@@ -123,7 +124,15 @@ def _meta_load_and_train(rank, world, directory, tp, dp, stage, api, family=None
     with torch.no_grad():
         logits.append(net(_probe()).logits.tolist())
     vocab_parallel = isinstance(model.get_input_embeddings(), tensor_parallel.VocabParallelEmbedding)
-    return logits, losses, one_bad_rank if api == "tensor_parallel" else None, vocab_parallel
+    units = None
+    if api == "parallelize" and stage:  # ZeRO's groups: name -> its parameters' names
+        names = {id(p): n for n, p in target.module.module.named_parameters()}
+        units = {g.name: sorted(names[id(p)] for p in g.params) for g in target.module.groups}
+        if stage == 3:  # what stays gathered between uses: the root's parameters alone
+            root = target.module.root_group
+            units["held bytes"] = [target.module.memory_bytes()["params"],
+                                   sum(p.numel() * p.element_size() for p in root.params) if root else 0]
+    return logits, losses, one_bad_rank if api == "tensor_parallel" else None, vocab_parallel, units
 
 
 def _reference(directory):
@@ -151,9 +160,24 @@ def test_meta_built_model_loads_and_trains_like_from_pretrained(tmp_path, case):
     (ref_before, ref_after), ref_losses, _ = _reference(tmp_path)
     results = run_distributed(_meta_load_and_train, tp * dp, args=(str(tmp_path), tp, dp, stage, api, family),
                               timeout_s=240)
-    for (before, after), losses, _, vocab_parallel in results:
+    for (before, after), losses, _, vocab_parallel, units in results:
         # the published plans of Llama and Qwen2 split an untied embedding on the vocabulary
         assert vocab_parallel == (tp > 1 and family != "gpt2")
+        if units is not None:  # the decoder layers, and an untied embedding and head, each a unit
+            head = "lm_head.weight"
+            embedding = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+            held, root_bytes = units.pop("held bytes", (None, None))
+            embedding_bytes = VOCAB * 32 * 4 / tp  # a table of at least VOCAB rows of hidden 32, float32
+            if held is not None:  # ZeRO-3: an untied embedding and head are not held between steps
+                assert held == root_bytes and (held >= embedding_bytes) == (family == "llama-tied"), (held, units)
+            layers = sorted(n for n in units if n.rpartition(".")[2].isdigit())
+            assert len(layers) == 2 and all(n.endswith(("layers.0", "layers.1", "h.0", "h.1")) for n in layers), units
+            if family in ("gpt2", "llama-tied"):
+                assert set(units) == {*layers, "<root>"} and embedding in units["<root>"], units
+                assert head not in units["<root>"]  # the same parameter, registered once
+            else:
+                assert units["lm_head"] == [head] and embedding in units[embedding.rpartition(".")[0]], units
+                assert not {head, embedding} & set(units.get("<root>", [])), units
         # float32; the parallel model sums its row layers and the dp halves in another order
         # (~1e-7 relative), which AdamW's normalisation amplifies over 3 steps to ~1e-6.
         assert torch.allclose(torch.tensor(before), ref_before, rtol=1e-4, atol=1e-4)
