@@ -22,8 +22,10 @@ stage's params / tp, with norms and row biases replicated over tp, N = dp * cp):
   precision "fp32": 4 param + 4 grad + 8 optimizer (Adam m, v; the param is the master).
   ZeRO 0 = DataParallel: all of it, plus one more gradient-sized buffer when dp > 1 (our
            DataParallel packs gradients into bucket buffers of their own, not views of .grad).
-  ZeRO 1: optimizer / N. ZeRO 2: also grads / N, plus one layer's full grads (reduced per layer).
-  ZeRO 3: also params / N, plus two layers' full params (the gathered one and the prefetched one).
+  ZeRO 1: optimizer / N. ZeRO 2: also grads / N, plus one layer's full grads (reduced per layer)
+           and the root group's (reduced last: a tied embedding, a position table, the final norm).
+  ZeRO 3: also params / N, plus two units' full params (the gathered one and the prefetched one;
+           a unit is a layer, or the embedding or head when untied) and the root's, whole all step.
   Optimizer offload (ZeRO >= 1): the optimizer shard lives in host memory instead.
   The peak (Note [peak memory]): params + optimizer + the larger of (activations + the loss's
   temporaries + the gradients that exist by the loss: DataParallel's buckets, and with m > 1
@@ -506,6 +508,18 @@ def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1, held_apart: fl
     return stage_layers(model, pp, v) * layer + ends, max(layer, embedding)
 
 
+# Note [ZeRO-3's units in the plan]: parallelize's ZeRO-3 gathers a Hugging Face model's units
+# one at a time with the next one prefetched: the decoder layers and, untied, the embedding and
+# the head each a unit of its own (Note [vocabulary units] in parallelize.py), so two of the
+# largest (`layer`, the larger of a layer and the vocabulary matrix) are whole at once. The
+# root group - a tied embedding (its weight read by the head too), a learned position table, the
+# final norm - stays whole for the whole step on every rank, and so do its gradients until the
+# end of backward, where the root is reduce-scattered last.
+def _root_params(model: ModelSpec, tp: int) -> float:
+    """Parameters per tp rank that ZeRO-3 keeps whole in its root group."""
+    return (model.vocab * model.hidden / tp if model.tied else 0.0) + model.positions * model.hidden + model.hidden
+
+
 def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: str) -> float:
     """Bytes one layer keeps for backward per token of this rank (Korthikanti et al. 2022)."""
     e, h, a, s = train.act_bytes, model.hidden, model.n_heads, model.seq
@@ -607,11 +621,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     if zero >= 2 and m == 1:  # the shards, the layer whose gradients are being made, and the one
         # before it being reduce-scattered meanwhile (Note [overlapped reduce-scatter]: float32)
         grads = psi * gb / shards + layer * gb + (layer * _REDUCE_BYTES if shards > 1 else 0.0)
+        grads += _root_params(model, tp) * gb * (1 - 1 / shards)  # the root's, whole until it is reduced, last
     elif zero >= 2:  # with microbatches (a PipelineParallel step, under no_sync()): the full
         # gradients accumulate as at stage 1 and are reduce-scattered once, after the last one
         grads = psi * gb + (layer * _REDUCE_BYTES if shards > 1 else 0.0)
-    if zero == 3:
-        params = psi * pb / shards + 2 * layer * pb
+    if zero == 3:  # the shards, two units gathered (Note [ZeRO-3's units in the plan]) and the root whole
+        kept = _root_params(model, tp)
+        params = (psi - kept) * pb / shards + kept * pb + 2 * layer * pb
     expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: and their buckets
     if zero >= 2 and replicas > 1:  # reduced at the end of backward, a layer's float32 buffer in flight
         expert_grads += expert_layer / ep * _REDUCE_BYTES

@@ -40,7 +40,9 @@ def test_model_states_follow_the_zero_paper():
     """The ZeRO paper (docs/parallelism.md): 7.5B params, N = 64, mixed precision Adam: DP 120 GB, ZeRO-1 31.4,
     ZeRO-2 16.6, ZeRO-3 1.9. Ours adds DataParallel's gradient buckets (2 bytes/param), one
     layer's full gradients being made and the one before it in its float32 reduce-scatter buffer
-    for stages 2 and 3, and two layers' gathered params for stage 3."""
+    for stages 2 and 3, the root group's gradients whole until it is reduced, last, at stages 2
+    and 3 (the tied embedding and the final norm), and for stage 3 two layers' gathered params
+    and the root's params whole (Note [ZeRO-3's units in the plan])."""
     model = ModelSpec(7.5e9, 128, 2048, 1024, vocab=1000)  # small layers: the in-flight terms stay small
     cluster = ClusterSpec(64, 8, 80 * GB)
     states = {}
@@ -48,11 +50,12 @@ def test_model_states_follow_the_zero_paper():
         e = plan.estimate(model, cluster, TrainSpec(global_batch=64), Layout(64, 1, 1, zero, 1))
         states[zero] = (e.params + e.grads + e.optimizer) / GB
     psi, layer = 7.5e9 / GB, model.layer_params / GB
+    root = (1000 * 2048 + 2048) / GB  # the tied embedding and the final norm
     assert round(states[1], 1) == 31.4  # the paper's figure, to its rounding
     assert states[0] == pytest.approx(16 * psi + 2 * psi, rel=1e-9)
     assert states[1] == pytest.approx((4 + 12 / 64) * psi, rel=1e-9)
-    assert states[2] == pytest.approx((2 + 14 / 64) * psi + (2 + 4) * layer, rel=1e-9)
-    assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2 + 4) * layer, rel=1e-9)
+    assert states[2] == pytest.approx((2 + 14 / 64) * psi + (2 + 4) * layer + 2 * 63 / 64 * root, rel=1e-9)
+    assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2 + 4) * layer + (2 + 2) * 63 / 64 * root, rel=1e-9)
 
 
 
@@ -71,7 +74,8 @@ def test_with_microbatches_every_stage_reduces_whole_gradients_once():
     assert two.comm["dp"] == one.comm["dp"] == pytest.approx(63 / 64 * psi * (2 + 2), rel=1e-9)
     assert three.comm["dp"] == pytest.approx(63 / 64 * psi * (2 + 2 * 2 * 4), rel=1e-9)
     lone = plan.estimate(model, cluster, train, Layout(64, 1, 1, 2, 1))  # one backward: reduced layer by layer
-    assert lone.grads == pytest.approx(2 * psi / 64 + (2 + 4) * layer, rel=1e-9)
+    root = 1000 * 2048 + 2048  # the root group's (tied embedding, final norm), reduced last
+    assert lone.grads == pytest.approx(2 * psi / 64 + (2 + 4) * layer + 2 * 63 / 64 * root, rel=1e-9)
 
 
 # ---- recommendations against docs/parallelism.md's rules ------------------------------------
