@@ -160,6 +160,7 @@ class ParamGroup:
         self._gloo = dist.get_backend(self.group) == "gloo"
         self._direct = self._gloo and GLOO_DIRECT
         self.pool = pool  # Note [CPU buffer reuse]; None: every buffer is new
+        self.gather_for_backward = True  # Note [backward without parameters] in _hooks.py
 
     # The members' full parameters and master shards, in order (the optimizer, hooks, tests).
     @property

@@ -64,6 +64,16 @@ cost: the experts' full gradients live until the end of backward (as at ZeRO-1) 
 reduction is not overlapped with backward. At stage 1 and after `no_sync()` they are reduced
 with the others, in registration order.
 
+Note [backward without parameters]: an embedding's backward reads no parameter (the gradient
+of a lookup is a scatter-add of the output's gradient into rows: the ids and the table's size
+are all it needs), so a unit that is a plain lookup - an nn.Embedding or a
+VocabParallelEmbedding running its own class's forward - is not gathered again for backward
+(`ParamGroup.gather_for_backward`, set by ZeRO, the same on every rank). Its gradient
+accumulates into the full parameter's .grad while the parameter's storage stays freed (autograd
+checks the gradient against the parameter's shape, which freeing keeps). That saves an all-gather
+of vocab x hidden a step, what FSDP2 spends on a fully_shard-ed embedding. A subclass with its
+own forward (Gemma's scaled rows) may read its weight in ways its backward needs: gathered.
+
 Note [ZeRO prefetch]: the order of the groups' forwards is recorded in the first forward.
 Afterwards, while group i computes, the all-gather of the group after it runs (forward) or
 of the group before it (backward, which runs in reverse): one collective waited on, one in
@@ -247,10 +257,13 @@ class ZeROHooks:
             self.handles.append(m.register_forward_hook(self._make_post_forward(g)))
 
     def _neighbour(self, g: ParamGroup, step: int) -> ParamGroup | None:
-        """The group `step` places after g in forward order, to prefetch (Note [ZeRO prefetch])."""
+        """The group `step` places after g in forward order, to prefetch (Note [ZeRO prefetch]);
+        in backward (step -1), skipping the groups whose backward reads no parameter."""
         if not self.prefetch or g not in self.forward_order:
             return None
         i = self.forward_order.index(g) + step
+        while step < 0 and i >= 0 and not self.forward_order[i].gather_for_backward:
+            i -= 1
         return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
 
     def _pre_forward(self, g: ParamGroup, args, kwargs):
@@ -309,7 +322,8 @@ class ZeROHooks:
 
     def _pre_backward(self, g: ParamGroup) -> None:
         self._queue_finalize()
-        g.unshard()
+        if g.gather_for_backward:  # Note [backward without parameters]
+            g.unshard()
         prev = self._neighbour(g, -1)
         if prev is not None:
             prev.start_unshard()

@@ -67,6 +67,17 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {i for i, n in count.items() if n > 1}
 
 
+def _plain_lookup(module: nn.Module) -> bool:
+    """An embedding whose backward reads no parameter (Note [backward without parameters] in
+    _hooks.py): nn.Embedding or VocabParallelEmbedding running its own class's forward, holding
+    its weight alone, dense gradients."""
+    from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
+
+    kind = next((c for c in (VocabParallelEmbedding, nn.Embedding) if isinstance(module, c)), None)
+    return (kind is not None and type(module).forward is kind.forward and not getattr(module, "sparse", False)
+            and [n for n, _ in module.named_parameters()] == ["weight"])
+
+
 def _pooled(groups: list[ParamGroup]) -> list[ParamGroup]:
     """The stage-3 groups that share the CPU buffer pool (Note [CPU buffer reuse] in _group.py):
     gathered and freed ones (not the root, not experts) whose parameter shapes at least three
@@ -166,6 +177,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             if params:
                 owned.update(id(p) for p in params)
                 g = param_group(name, params, root=False)
+                g.gather_for_backward = not _plain_lookup(module)  # Note [backward without parameters]
                 self.groups.append(g)
                 module_group[id(module)] = g
         rest = [p for p in model.parameters() if id(p) not in owned or id(p) in shared]

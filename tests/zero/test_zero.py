@@ -167,6 +167,67 @@ def test_prefetch_overlaps_the_next_all_gather():
     assert [e.split(":")[1] for e in log if e.startswith("launch:")] == ["a", "b", "c", "b", "a", "<root>"]
 
 
+class _Scaled(nn.Embedding):
+    """An embedding with a forward of its own (Gemma's scales its rows): gathered for backward."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, embedding=nn.Embedding):
+        super().__init__()
+        self.embed = embedding(11, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def _embedding_units(rank, ws, embedding):
+    torch.manual_seed(0)
+    ref = _TinyLM(embedding)
+    zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS["adamw"], stage=3, wrap=lambda m: m is not None and m.__class__ in
+                (nn.Linear, embedding))
+    opt_ref = OPTIMIZERS["adamw"](ref.parameters())
+    launches = []
+    for g in zero.groups:
+        original = g.start_unshard
+
+        def traced(original=original, g=g):
+            if not g.is_unsharded and g._inflight is None:
+                launches.append(g.name)  # an all-gather is issued
+            original()
+        g.start_unshard = traced
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 11, (4 * ws, 5), generator=gen)
+        F.cross_entropy(ref(ids).flatten(0, 1), ids.flatten()).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        launches.clear()
+        mine = ids.chunk(ws)[rank]
+        F.cross_entropy(zero(mine).flatten(0, 1), mine.flatten()).backward()
+        zero.step()
+        zero.zero_grad()
+    step = list(launches)  # the last step's (the state dict below gathers every unit once more)
+    state = zero.full_state_dict()
+    return max(_rel(v, ref.state_dict()[k]) for k, v in state.items()), step
+
+
+@pytest.mark.parametrize("embedding", [nn.Embedding, _Scaled])
+def test_an_embedding_unit_is_not_gathered_for_its_backward(embedding):
+    """Note [backward without parameters]: a plain lookup's backward reads no parameter, so
+    its unit is gathered once a step (forward), not again for backward; its gradient still
+    matches the single process's. A subclass with its own forward is gathered for both."""
+    for worst, launches in run_distributed(_embedding_units, 2, args=(embedding,)):
+        assert worst < RTOL, worst
+        again = ["embed"] if embedding is _Scaled else []
+        # the head, whose forward runs last, stays gathered into backward (Note [last group stays gathered])
+        assert launches == ["embed", "body", "head", "body", *again], launches
+
+
 def _clip_and_state(rank, ws, stage):
     torch.manual_seed(0)
     ref = Net()
