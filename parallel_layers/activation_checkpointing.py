@@ -42,7 +42,8 @@ all-gather and reduce-scatter).
 
 RNG: `checkpoint` stashes the CPU and device RNG states at forward and restores them for the
 recompute (preserve_rng_state), so dropout draws the same mask twice and the global RNG stream
-is what it would be without checkpointing.
+is what it would be without checkpointing. The per-rank streams of the TP regions
+(tensor_parallel/region_random.py) are stashed and replayed the same way.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from parallel_layers.tensor_parallel import region_random
 
 MODES = ("full", "selective")
 
@@ -138,8 +141,22 @@ def _checkpointed_forward(self, *args, **kwargs):
     # respect_saved_tensors_hooks: what "selective" keeps goes through the caller's
     # saved-tensor hooks (save_on_cpu, memory accounting) like every other saved tensor.
     extra = {"context_fn": _selective_contexts} if self._pl_activation_checkpointing == "selective" else {}
-    return checkpoint(_call, forward, args, kwargs, use_reentrant=False, preserve_rng_state=True,
-                      respect_saved_tensors_hooks=True, **extra)
+    return checkpoint(_call, _replaying_region_draws(forward), args, kwargs, use_reentrant=False,
+                      preserve_rng_state=True, respect_saved_tensors_hooks=True, **extra)
+
+
+def _replaying_region_draws(forward):
+    """`forward`, whose later calls (the recomputes) start the TP region streams where the
+    first call found them (Note [a random stream per rank inside TP regions])."""
+    states, calls = region_random.snapshot(), [0]
+
+    def run(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            return forward(*args, **kwargs)
+        with region_random.replaying(states):
+            return forward(*args, **kwargs)
+    return run
 
 
 def _checkpoint_forward(module: nn.Module, mode: str) -> None:

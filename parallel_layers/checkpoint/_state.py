@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from parallel_layers.checkpoint._present import present_placement
 from parallel_layers.placement import ModelPlacement, TensorPlacement
+from parallel_layers.tensor_parallel import region_random
 
 MODEL, OPTIMIZER, RNG = "model", "optimizer", "rng"
 
@@ -147,19 +148,25 @@ class OptimizerLoad:
 
 
 def rng_state(rank: int) -> dict[str, dict[str, Tensor]]:
+    """This rank's random states: the default generators', and the TP regions' own streams
+    (Note [a random stream per rank inside TP regions]) as "tp_region_cpu" / "tp_region_cuda"."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
+    state.update(region_random.state_dict())
     return {f"rank{rank}": state}
+
+
+_RNG_KEYS = ("cpu", "cuda", "tp_region_cpu", "tp_region_cuda")
 
 
 def rng_template(rank: int, metadata: Metadata) -> dict[str, dict[str, Tensor]]:
     """Buffers for this rank's saved RNG states, if the checkpoint has them."""
     out = {}
-    for device in ("cpu", "cuda"):
-        md = metadata.state_dict_metadata.get(f"{RNG}.rank{rank}.{device}")
+    for key in _RNG_KEYS:
+        md = metadata.state_dict_metadata.get(f"{RNG}.rank{rank}.{key}")
         if isinstance(md, TensorStorageMetadata):
-            out[device] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            out[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     return {f"rank{rank}": out} if out else {}
 
 
@@ -169,3 +176,4 @@ def set_rng(loaded: dict) -> None:
             torch.set_rng_state(state["cpu"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+        region_random.load_state_dict({k: v for k, v in state.items() if k.startswith("tp_region_")})

@@ -91,7 +91,7 @@ from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import experts as moe
-from parallel_layers.tensor_parallel import hf_sequence_parallel
+from parallel_layers.tensor_parallel import hf_sequence_parallel, region_random
 from parallel_layers.tensor_parallel.experts import Experts
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.sharding import sharded_parameter
@@ -427,7 +427,21 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
     if tp > 1:
         share_random_state(tp_group, next((p.device for p in model.parameters()), None))
+        region_random.seed(tp_group)  # after the shared stream (Note [a random stream per rank inside TP regions])
+        _install_region_streams(model)
     return model
+
+
+def _install_region_streams(model: nn.Module) -> None:
+    """The region hooks of region_random.py on every parent holding sharded-output column
+    layers and the row layers that take sharded inputs, where it drops anything."""
+    for parent in model.modules():
+        children = list(parent.children())
+        columns = [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output]
+        rows = [c for c in children if isinstance(c, RowParallelLinear) and c.input_is_parallel]
+        if columns and rows and region_random.draws(parent) and not getattr(parent, "_pl_region_streams", False):
+            region_random.install(parent, columns, rows)
+            parent._pl_region_streams = True
 
 
 # Note [one random stream per tensor-parallel group]: the ranks of a TP group compute the
@@ -440,10 +454,9 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
 # the TP group one stream, as Megatron seeds every TP rank alike: each rank takes the CPU (and
 # current CUDA device's) random state of the group's first rank. Data-parallel replicas keep
 # their own streams, and checkpoints save and restore each rank's state, so a resumed group
-# stays in step. Draws inside a TP region (attention dropout over this rank's heads) then use
-# the same stream on every rank too: equal masks for the heads of different ranks, and, under
-# sequence parallelism, equal dropout masks for the sequence chunks of different ranks, which
-# Megatron avoids with a second, per-rank stream for those draws; not done here.
+# stays in step. Draws inside a TP region (attention dropout over this rank's heads) take a
+# second stream, this rank's own (Note [a random stream per rank inside TP regions] in
+# region_random.py).
 def share_random_state(tp_group, device: torch.device | None = None) -> None:
     """Every rank of the TP group takes its first rank's random state (Note [one random
     stream per tensor-parallel group]); a collective of the group, so `parallelize` at tp > 1

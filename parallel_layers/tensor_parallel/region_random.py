@@ -1,0 +1,191 @@
+"""A random stream of each rank's own for the draws inside tensor-parallel regions.
+
+Note [a random stream per rank inside TP regions]: outside the TP regions the ranks of a TP
+group compute replicated values and must draw the same numbers (Note [one random stream per
+tensor-parallel group] in plan.py: dropout on the residual stream, a router's jitter). Inside a
+region - from a column-parallel layer's sharded output to the row-parallel layer that consumes
+it - each rank holds different heads (or MLP columns), and a draw there must differ by rank: with
+the shared stream, attention dropout over rank 0's heads drew the very masks rank 1 drew over
+its own, so heads h and h + H/tp were dropped together, which no single-device model does.
+Megatron keeps a second, per-rank stream for those draws (its model-parallel RNG tracker); so do
+we:
+
+  * `seed(tp_group)` (parallelize at tp > 1, after the group's stream is shared) seeds this
+    rank's region stream with a digest of the shared CPU state - the same on every rank of the
+    group, different per data-parallel replica - plus the TP rank;
+  * a column layer's forward hook `enter`s the region (the default generator of its output's
+    device takes this rank's region state; the shared state is set aside), the row layer's
+    forward pre-hook `exit`s it (the region state is kept, the shared one restored), and so does
+    the parent module's forward pre- and post-hook, so that no path leaves a region open:
+    GPT-2's attention drops its probabilities inside the region (per rank) and its output after
+    c_proj outside it (shared);
+  * a recompute under activation checkpointing replays the block's region draws (`snapshot`
+    before the block's forward, `replaying` around the recompute), as torch.utils.checkpoint
+    replays the global stream; checkpoints save and restore the region state beside the global
+    one (parallel_layers/checkpoint), so a resumed run draws what an uninterrupted one would.
+
+Only regions that drop something get the hooks (`draws`: an nn.Dropout of p > 0, or a
+transformers attention's `attention_dropout` > 0); Llama, Mistral and Qwen train with neither.
+A recompute by another checkpoint (transformers' gradient_checkpointing_enable()) cannot replay
+the region stream: a region entered inside backward outside ours raises, naming the fix.
+
+One generator per device: the CPU's for CPU tensors, the current CUDA device's for CUDA ones. A
+region stream is created for a device the first time a region runs there. Not done: under
+sequence parallelism the draws between the regions act on each rank's chunk of the sequence and
+still use the shared stream (equal masks for the chunks of different ranks; Megatron draws them
+from the per-rank stream), because what is replicated there differs by model (a mixture of
+experts routes the gathered tokens: its router jitter must stay shared).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+
+from parallel_layers.tensor_parallel import comm
+
+_OFFSET = 2718  # apart from any seed the caller gave the shared stream (Megatron's offset)
+
+
+class _Streams:
+    """This process's region streams: the seed, each device's region state while outside a
+    region, the shared state set aside while inside one, and whether a recompute of ours runs."""
+
+    def __init__(self):
+        self.seed: int | None = None
+        self.region: dict[torch.device, torch.Tensor] = {}
+        self.outer: dict[torch.device, torch.Tensor] = {}
+        self.replaying = False
+
+
+_streams = _Streams()
+
+
+def _get(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
+def seed(tp_group) -> None:
+    """Seed this rank's region streams (at tp > 1, once the group shares one stream): a digest of
+    the shared CPU state, the same on every rank of the group, plus the TP rank. The shared
+    stream is read, not drawn from: the model's replicated draws stay what they would be."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()
+    _streams.seed = int.from_bytes(digest[:7], "little") + _OFFSET + comm.group_rank(tp_group)
+    _streams.region.clear()
+    _streams.outer.clear()
+
+
+def _region_state(device: torch.device) -> torch.Tensor:
+    if device not in _streams.region:
+        g = torch.Generator(device=device)
+        g.manual_seed(_streams.seed)
+        _streams.region[device] = g.get_state()
+    return _streams.region[device]
+
+
+def enter(device: torch.device) -> None:
+    """This rank's region stream becomes `device`'s default generator (no-op inside a region,
+    or before `seed`)."""
+    device = _key(device)
+    if _streams.seed is None or device in _streams.outer:
+        return
+    if torch._C._current_graph_task_id() != -1 and not _streams.replaying:
+        raise RuntimeError(
+            "a tensor-parallel region with dropout ran its forward inside backward, outside parallel_layers' "
+            "activation checkpointing: a recompute by another checkpoint (transformers' "
+            "gradient_checkpointing_enable(), torch.utils.checkpoint around a block) would draw this rank's "
+            "region dropout masks from where its stream is now, not where the forward drew them, and train on "
+            "gradients of other masks (Note [a random stream per rank inside TP regions]). Checkpoint through "
+            "parallelize(..., activation_checkpointing='full' or 'selective'), which replays them")
+    region = _region_state(device)
+    _streams.outer[device] = _get(device)
+    _set(device, region)
+
+
+def exit(device: torch.device | None = None) -> None:
+    """Back to the shared stream on `device` (every device when None); no-op outside a region."""
+    for d in [_key(device)] if device is not None else list(_streams.outer):
+        if d in _streams.outer:
+            _streams.region[d] = _get(d)
+            _set(d, _streams.outer.pop(d))
+
+
+def snapshot() -> dict[torch.device, torch.Tensor]:
+    """The region streams' states now (before a checkpointed block's forward)."""
+    exit()
+    return {d: s.clone() for d, s in _streams.region.items()}
+
+
+@contextlib.contextmanager
+def replaying(states: dict[torch.device, torch.Tensor]):
+    """Run with the region streams at `states` (a recompute), then put back what they were."""
+    exit()
+    now, was = dict(_streams.region), _streams.replaying
+    # no tensor op here: a recompute under selective checkpointing counts the ops it replays
+    # (the states are never written in place: a region's exit stores a new tensor)
+    _streams.region.update(states)
+    _streams.replaying = True
+    try:
+        yield
+    finally:
+        exit()
+        _streams.region, _streams.replaying = now, was
+
+
+def state_dict() -> dict[str, torch.Tensor]:
+    """For a checkpoint: this rank's region states, keyed "tp_region_<device type>" (the CPU
+    and the current CUDA device)."""
+    exit()
+    out = {}
+    for d, s in _streams.region.items():
+        if d.type == "cpu" or d.index == torch.cuda.current_device():
+            out[f"tp_region_{d.type}"] = s.clone()
+    return out
+
+
+def load_state_dict(states: dict[str, torch.Tensor]) -> None:
+    exit()
+    for name, s in states.items():
+        kind = name.removeprefix("tp_region_")
+        if kind == "cpu":
+            _streams.region[torch.device("cpu")] = s.clone()
+        elif kind == "cuda" and torch.cuda.is_available():
+            _streams.region[torch.device("cuda", torch.cuda.current_device())] = s.clone()
+
+
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")  # Hugging Face attention's rates
+
+
+def draws(parent: torch.nn.Module) -> bool:
+    """Whether a region's module drops anything: an nn.Dropout of p > 0 in it, or a dropout rate
+    > 0 it passes to its attention function (transformers' `attention_dropout`). Regions without
+    are left unhooked: nothing to draw, nothing to swap."""
+    rates = [getattr(parent, name, None) for name in _DROPOUT_ATTRIBUTES]
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in parent.modules()) or \
+        any(isinstance(r, float) and r > 0 for r in rates)
+
+
+def install(parent: torch.nn.Module, columns: list[torch.nn.Module], rows: list[torch.nn.Module]) -> None:
+    """The hooks of one region: `parent` holds its column layers (sharded outputs) and the row
+    layers that consume them."""
+    for column in columns:
+        column.register_forward_hook(lambda m, args, out: enter(out.device) if torch.is_tensor(out) else None)
+    for row in rows:
+        row.register_forward_pre_hook(lambda m, args: exit())
+    parent.register_forward_pre_hook(lambda m, args: exit())
+    parent.register_forward_hook(lambda m, args, out: exit())

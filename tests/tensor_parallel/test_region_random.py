@@ -1,0 +1,123 @@
+"""Note [a random stream per rank inside TP regions]: at tp=2 a GPT-2 with dropout draws its
+attention-probability masks (inside the region, over each rank's own heads) from a stream of each
+rank's own, and its residual dropout (outside, over replicated values) from the shared one;
+activation checkpointing's recompute and a checkpoint's restore replay both."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import DistributedTestFailure, run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 8
+
+
+def _gpt2(rank):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.5,
+                                     resid_pdrop=0.5, embd_pdrop=0.5, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "eager"  # returns the dropped probabilities
+    model = transformers.GPT2LMHeadModel(config).train()
+    torch.manual_seed(10 + rank)  # each rank its own stream, as many scripts seed: parallelize shares one
+    return model
+
+
+def _ids():
+    return torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _forward(model):
+    """The first layer's attention probabilities after dropout (this rank's heads) and the logits."""
+    out = model(_ids(), output_attentions=True)
+    return out.attentions[0] == 0, out.logits.detach()
+
+
+def _masks(rank, ws, per_rank):
+    from parallel_layers.checkpoint import _state
+    from parallel_layers.tensor_parallel import parallelize, region_random
+
+    model = _gpt2(rank)
+    if not per_rank:  # the single shared stream of before, to show what the region stream changes
+        region_random.enter = lambda device: None
+    parallelize(model, tp_group=dist.group.WORLD)
+    dropped, logits = _forward(model)
+    saved = _state.rng_state(rank)  # what a checkpoint saves
+    again, _ = _forward(model)
+    _forward(model)
+    _state.set_rng(saved)  # what a checkpoint load restores
+    replayed, _ = _forward(model)
+    every = [None] * ws
+    dist.all_gather_object(every, (dropped.tolist(), logits.tolist()))  # plain lists: the harness pickles
+    return [d for d, _ in every], [lg for _, lg in every], torch.equal(again, replayed), sorted(saved[f"rank{rank}"])
+
+
+def test_attention_dropout_draws_per_rank_and_the_residual_stream_stays_shared():
+    for masks, logits, restored, keys in run_distributed(_masks, 2, args=(True,), timeout_s=240):
+        assert torch.tensor(masks[0]).shape == (2, 2, SEQ, SEQ)  # this rank's 2 of the 4 heads
+        assert masks[0] != masks[1]  # the ranks' heads are dropped independently
+        assert logits[0] == logits[1]  # the residual dropout drew alike: the replicas agree
+        assert restored and "tp_region_cpu" in keys  # a checkpoint's RNG state holds the region's too
+    # with the shared stream alone, rank 1's heads got exactly rank 0's masks
+    for masks, *_ in run_distributed(_masks, 2, args=(False,), timeout_s=240):
+        assert masks[0] == masks[1]
+
+
+def _gradients(rank, ws, checkpointing, replay):
+    from parallel_layers import activation_checkpointing, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(tp=2, device="cpu")
+    model = _gpt2(rank)
+    if not replay:  # the recompute draws from where the region stream is then
+        activation_checkpointing._replaying_region_draws = lambda forward: forward
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), tp_plan="auto",
+                      loss_fn=lambda out, labels: causal_lm_loss(out.logits, labels), activation_checkpointing=checkpointing)
+    for _ in range(2):  # the second step's recompute starts from a region stream the first advanced
+        par.optimizer.zero_grad()
+        par.forward_backward(_ids(), _ids())
+    return {n: p.grad.tolist() for n, p in model.named_parameters()}
+
+
+def test_a_recompute_replays_the_region_draws():
+    plain = run_distributed(_gradients, 2, args=(None, True), timeout_s=240)
+    for mode in ("full", "selective"):
+        recomputed = run_distributed(_gradients, 2, args=(mode, True), timeout_s=240)
+        for a, b in zip(plain, recomputed):
+            assert all(_close(a[n], b[n]) for n in a), mode
+    # without the replay the recompute is another checkpoint's to the region stream: refused,
+    # not trained on other masks
+    with pytest.raises(DistributedTestFailure, match="outside parallel_layers' activation checkpointing"):
+        run_distributed(_gradients, 2, args=("full", False), timeout_s=240)
+
+
+def _close(a, b):
+    return torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-7)
+
+
+def _other_checkpoint(rank, ws):
+    from parallel_layers.tensor_parallel import parallelize
+
+    model = _gpt2(rank)
+    parallelize(model, tp_group=dist.group.WORLD)
+    model.gradient_checkpointing_enable()  # transformers' own: its recompute cannot replay the region stream
+    try:
+        model(_ids(), labels=_ids()).loss.backward()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    torch.manual_seed(0)  # a Llama trains without dropout: its regions are left unhooked
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    parallelize(llama, tp_group=dist.group.WORLD)
+    hooked = sorted(n for n, m in [*model.named_modules(), *llama.named_modules()] if hasattr(m, "_pl_region_streams"))
+    return error, hooked
+
+
+def test_another_checkpoints_recompute_is_refused_and_regions_without_dropout_are_left_alone():
+    for error, hooked in run_distributed(_other_checkpoint, 2, timeout_s=240):
+        assert error is not None and "outside parallel_layers' activation checkpointing" in error, error
+        assert "activation_checkpointing='full' or 'selective'" in error
+        assert hooked == [f"transformer.h.{i}.{m}" for i in (0, 1) for m in ("attn", "mlp")], hooked
