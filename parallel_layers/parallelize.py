@@ -272,17 +272,20 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
 
 def vocabulary_units(model: nn.Module, blocks: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
     """ZeRO's units for a Hugging Face model by default (Note [vocabulary units]): its blocks,
-    and its input embedding and output head each a unit of its own when they are not tied."""
+    and, for a family whose forward we know, its input embedding and output head each a unit of
+    its own when both exist and are not tied."""
     def get(name: str) -> nn.Module | None:
         fn = getattr(model, name, None)
         module = fn() if callable(fn) else None
-        return module if isinstance(module, nn.Module) else None
+        return module if isinstance(module, nn.Module) and any(True for _ in module.parameters()) else None
 
     embedding, head = get("get_input_embeddings"), get("get_output_embeddings")
-    ends = [m for m in (embedding, head) if m is not None and any(True for _ in m.parameters())]
-    tied = embedding is not None and head is not None and \
-        {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}
-    units = set() if tied else {id(m) for m in ends}
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if embedding is None or head is None or family not in hf_pipeline.SUPPORTED:
+        return blocks
+    if {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}:  # tied
+        return blocks
+    units = {id(embedding), id(head)}
     return lambda m: blocks(m) or id(m) in units
 
 
@@ -297,7 +300,12 @@ def vocabulary_units(model: nn.Module, blocks: Callable[[nn.Module], bool]) -> C
 # gathered] in zero/_hooks.py) and their gradients are reduce-scattered as soon as backward has
 # made them, the head's first of all. A tied pair shares one weight, which the root keeps
 # gathered for the whole forward (Note [shared parameters] in zero/api.py). Activation
-# checkpointing still takes the blocks alone.
+# checkpointing still takes the blocks alone. Only for the families whose forwards we have read
+# (pipeline/hf.py's SUPPORTED, the ones `pipeline_layers="auto"` cuts): there the embedding's
+# weight is read by its lookup alone and the head's by the head. Other code reads the embedding
+# where ZeRO-3 would have freed it (a head without a module of its own, `F.linear(h,
+# embed.weight)`; a self-conditioning term: transformers' DiffusionGemma), and a model without
+# a head module may tie that way: those keep both matrices in the root, as before.
 
 
 def _check_layers_hold_every_parameter(model: nn.Module, layers, name: str) -> None:

@@ -199,3 +199,49 @@ def test_a_hugging_face_models_declared_blocks_are_its_outermost_no_split_module
     assert chosen == ["model.decoder.layers.0", "model.decoder.layers.1"]
     assert activation_checkpointing.checkpoint_blocks(model, "full", blocks) == chosen
     assert declared_blocks(nn.Linear(2, 2)) is None  # declares none: wrap= is the caller's
+
+
+class _ReadsItsEmbedding(nn.Module):
+    """A Hugging Face-like model (a known model_type, declared blocks) whose logits read the
+    embedding's weight in code: no head module (get_output_embeddings() is None)."""
+    _no_split_modules = ["Residual"]
+
+    def __init__(self):
+        super().__init__()
+        import types
+        self.config = types.SimpleNamespace(model_type="llama")
+        self.embed, self.body = nn.Embedding(CFG["vocab"], CFG["d_model"]), Residual(CFG["d_model"])
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return None
+
+    def forward(self, ids):
+        return F.linear(self.body(self.embed(ids)), self.embed.weight)
+
+
+def _reads_its_embedding(rank, world):
+    from parallel_layers import init_parallel, parallelize
+
+    ctx = init_parallel(dp=world, device="cpu")
+    torch.manual_seed(0)
+    model = _ReadsItsEmbedding()
+    loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # noqa: E731
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=loss_fn, zero_stage=3)
+    ids, targets = _data(2 * world)
+    mine = ids[0].chunk(world)[rank], targets[0].chunk(world)[rank]
+    return [g.name for g in par.module.groups], float(par.forward_backward(*mine))
+
+
+def test_an_embedding_read_outside_its_module_stays_in_the_root():
+    """Note [vocabulary units]: ZeRO-3 frees a unit's weight after its forward; an embedding
+    whose weight the model reads again (a head without a module) stays in the root."""
+    torch.manual_seed(0)
+    ref = _ReadsItsEmbedding()
+    ids, targets = _data(4)
+    halves = [F.cross_entropy(ref(i).flatten(0, 1), t.flatten()).item() for i, t in zip(ids[0].chunk(2), targets[0].chunk(2))]
+    for rank, (groups, loss) in enumerate(run_distributed(_reads_its_embedding, 2)):
+        assert groups == ["body", "<root>"]
+        assert loss == pytest.approx(halves[rank], rel=1e-6)
