@@ -107,6 +107,9 @@ class Parallelized:
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
         out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)
         loss = self.loss_fn(out, targets)
+        # the logits ([tokens, vocab], float32 for a Hugging Face model) are not needed by backward:
+        # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan.py)
+        del out
         if self.token_count is not None:  # loss_fn returned a sum: the batch's count over dp divides it
             loss = loss / token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)
         loss.backward()

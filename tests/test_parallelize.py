@@ -201,6 +201,35 @@ def test_a_hugging_face_models_declared_blocks_are_its_outermost_no_split_module
     assert declared_blocks(nn.Linear(2, 2)) is None  # declares none: wrap= is the caller's
 
 
+def _logits_alive_in_backward(rank, world, zero_stage):
+    import weakref
+
+    from parallel_layers import init_parallel, parallelize
+
+    ctx = init_parallel(dp=world, device="cpu")
+    model = _model("plain")[0]
+    seen, alive = [], []
+
+    def loss_fn(logits, targets):
+        seen.append(weakref.ref(logits))
+        return model.loss(logits, targets)
+
+    first = model.layers[0].weight  # its gradient is the last backward makes: the logits' use is over by then
+    first.register_hook(lambda grad: alive.append(seen[-1]() is not None))
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=loss_fn, zero_stage=zero_stage)
+    ids, targets = _data(2)
+    par.forward_backward(ids[0], targets[0])
+    return alive
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_the_logits_are_freed_before_backward(zero_stage):
+    """The model's output ([tokens, vocab], float32 for a Hugging Face model) is not needed by
+    backward; forward_backward held it through backward, one more such copy at the step's peak
+    (a tp=2 Llama's --verify: 1.21 of its prediction, 1.03 once freed)."""
+    assert run_distributed(_logits_alive_in_backward, 1, args=(zero_stage,)) == [[False]]
+
+
 class _ReadsItsEmbedding(nn.Module):
     """A Hugging Face-like model (a known model_type, declared blocks) whose logits read the
     embedding's weight in code: no head module (get_output_embeddings() is None)."""
