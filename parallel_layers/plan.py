@@ -497,7 +497,8 @@ def stage_layers(model: ModelSpec, pp: int, v: int = 1) -> int:
 
 
 def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1, held_apart: float = 0.0) -> tuple[float, float]:
-    """(params on the largest stage per tp rank, params of one layer per tp rank), less
+    """(params on the largest stage per tp rank, params of ZeRO's largest unit per tp rank: a
+    layer, or an untied embedding or head; Note [ZeRO-3's units in the plan]), less
     `held_apart` per layer per tp rank (the experts under expert parallelism)."""
     replicated = _REPLICATED * model.hidden
     layer = (model.layer_params - replicated) / tp + replicated - held_apart
@@ -505,7 +506,7 @@ def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1, held_apart: fl
     first = embedding + model.positions * model.hidden
     last = 0.0 if model.tied and pp == 1 else embedding  # the head: tied shares the first's unless pp > 1
     ends = first + last if pp == 1 else max(first, last)
-    return stage_layers(model, pp, v) * layer + ends, max(layer, embedding)
+    return stage_layers(model, pp, v) * layer + ends, max(layer, 0.0 if model.tied else embedding)
 
 
 # Note [ZeRO-3's units in the plan]: parallelize's ZeRO-3 gathers a Hugging Face model's units

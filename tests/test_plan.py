@@ -416,3 +416,21 @@ def test_launch_args_describe_how_to_run_a_layout():
     assert plan.launch_args(single, sp)["unsupported"] == []
     cp = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), train, Layout(2, 4, 1, 1, 16, cp=4, offload=True))
     assert plan.launch_args(cp, train)["unsupported"] == ["context parallel cp=4", "optimizer offload through parallelize"]
+
+
+def test_zero3_gathers_the_vocabulary_only_where_it_is_a_unit():
+    """Note [ZeRO-3's units in the plan]: untied, the embedding and the head are units of their
+    own, gathered like a layer (the largest unit counts twice: gathered and prefetched); tied,
+    their one matrix stays whole in the root and is no unit. A Gemma-2B-like shape, whose
+    vocabulary matrix (524M) is ~5x a layer (110M): counting it as a gathered unit too when
+    tied (the review's finding) put 1.7 GB more in the estimate at dp=8."""
+    cluster, train = ClusterSpec(8, 8, 80 * GB), TrainSpec(global_batch=8)
+    for tied in (True, False):
+        model = ModelSpec(2.5e9 + (0 if tied else 524e6), 18, 2048, 4096, vocab=256000, tied=tied)
+        e = plan.estimate(model, cluster, train, Layout(8, 1, 1, 3, 1))
+        vocab = 256000 * 2048
+        psi = model.params
+        layer = (psi - model.embedding_params) / 18
+        root = (vocab if tied else 0) + 2048  # the final norm
+        unit = layer if tied else max(layer, vocab)
+        assert e.params == pytest.approx((psi - root) * 2 / 8 + root * 2 + 2 * unit * 2, rel=1e-6), tied
