@@ -286,3 +286,6 @@ class ParamGroup:
             out = out.to("cpu")
         shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad() for sp in self.members], accumulate=True)
         self._give_back(buf)  # out, a view of it or a tensor of its own, is read by now
+        for sp in self.members:
+            if not sp.shard.requires_grad:  # frozen: no gradient, so the optimizer (weight decay) skips it
+                sp.shard.grad = None

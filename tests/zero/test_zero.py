@@ -390,3 +390,27 @@ def test_cpu_gather_and_reduce_buffers_are_reused():
     for made, idle, layer in run_distributed(_buffers_made, 2):
         assert made[0] <= 6 and 0 < made[1] - made[0] == made[2] - made[1] <= 2, made
         assert idle == [2 * layer * 4] * 3, (idle, layer)  # two float32 [2, layer / 2] buffers
+
+
+def _frozen(rank, ws, stage):
+    torch.manual_seed(0)
+    model = Net()
+    model.a.weight.requires_grad_(False)  # frozen, as fine-tuning freezes an embedding or a base model
+    before = model.a.weight.detach().clone()
+    zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5), stage=stage,
+                wrap=lambda m: isinstance(m, nn.Linear))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 1, generator=g)
+        F.mse_loss(zero(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+        zero.step()
+        zero.zero_grad()
+    state = zero.full_state_dict()
+    return torch.equal(state["a.weight"], before)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_frozen_parameter_is_not_stepped(stage):
+    """A parameter with requires_grad=False gets no gradient, so AdamW's weight decay leaves it
+    alone, as in one process; ZeRO gave its shard zeros, which decayed it (review finding)."""
+    assert run_distributed(_frozen, 2, args=(stage,)) == [True, True]
