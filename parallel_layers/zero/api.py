@@ -48,8 +48,22 @@ from parallel_layers.zero._param import ShardedParam, check_dtypes
 
 
 def _default_wrap(model: nn.Module):
-    children = {id(m) for m in model.children() if any(True for _ in m.parameters())}
-    return lambda m: id(m) in children
+    """The model's children that hold parameters, looking through containers that have no
+    forward (nn.ModuleList, nn.ModuleDict): a unit is gathered by its module's forward hooks,
+    which a container never runs (a model's `layers` list would never be gathered)."""
+    units: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if not any(True for _ in child.parameters()):
+                continue
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                visit(child)
+            else:
+                units.add(id(child))
+
+    visit(model)
+    return lambda m: id(m) in units
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

@@ -414,3 +414,29 @@ def test_a_frozen_parameter_is_not_stepped(stage):
     """A parameter with requires_grad=False gets no gradient, so AdamW's weight decay leaves it
     alone, as in one process; ZeRO gave its shard zeros, which decayed it (review finding)."""
     assert run_distributed(_frozen, 2, args=(stage,)) == [True, True]
+
+
+def _default_units(rank, ws):
+    torch.manual_seed(0)
+    ref = _EqualLayers()
+    zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS["adamw"], stage=3)  # no wrap=: the default units
+    opt_ref = OPTIMIZERS["adamw"](ref.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2 * ws, 16, generator=g)
+        ref(x).square().mean().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        zero(x.chunk(ws)[rank]).square().mean().backward()
+        zero.step()
+        zero.zero_grad()
+    state = zero.full_state_dict()
+    return [g.name for g in zero.groups], max(_rel(v, ref.state_dict()[k]) for k, v in state.items())
+
+
+def test_default_units_look_through_a_module_list():
+    """Without wrap=, the units are the model's children with parameters, and those of an
+    nn.ModuleList (which has no forward, so its hooks would never gather it: the first forward
+    failed on freed storage)."""
+    for groups, worst in run_distributed(_default_units, 2):
+        assert groups == [f"layers.{i}" for i in range(4)] and worst < RTOL, (groups, worst)
