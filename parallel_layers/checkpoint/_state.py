@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from parallel_layers.checkpoint._present import present_placement
 from parallel_layers.placement import ModelPlacement, TensorPlacement
-from parallel_layers.tensor_parallel import region_random
+from parallel_layers import random_states
 
 MODEL, OPTIMIZER, RNG = "model", "optimizer", "rng"
 
@@ -148,25 +148,21 @@ class OptimizerLoad:
 
 
 def rng_state(rank: int) -> dict[str, dict[str, Tensor]]:
-    """This rank's random states: the default generators', and the TP regions' own streams
-    (Note [a random stream per rank inside TP regions]) as "tp_region_cpu" / "tp_region_cuda"."""
+    """This rank's random states: the default generators', and the library's own streams
+    (parallel_layers/random_states.py; the TP regions': "tp_region_cpu" / "tp_region_cuda")."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
-    state.update(region_random.state_dict())
+    state.update(random_states.state_dict())  # the library's own streams (parallel_layers/random_states.py)
     return {f"rank{rank}": state}
-
-
-_RNG_KEYS = ("cpu", "cuda", "tp_region_cpu", "tp_region_cuda")
 
 
 def rng_template(rank: int, metadata: Metadata) -> dict[str, dict[str, Tensor]]:
     """Buffers for this rank's saved RNG states, if the checkpoint has them."""
-    out = {}
-    for key in _RNG_KEYS:
-        md = metadata.state_dict_metadata.get(f"{RNG}.rank{rank}.{key}")
-        if isinstance(md, TensorStorageMetadata):
-            out[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    out, prefix = {}, f"{RNG}.rank{rank}."
+    for name, md in metadata.state_dict_metadata.items():
+        if name.startswith(prefix) and isinstance(md, TensorStorageMetadata):
+            out[name.removeprefix(prefix)] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     return {f"rank{rank}": out} if out else {}
 
 
@@ -176,4 +172,4 @@ def set_rng(loaded: dict) -> None:
             torch.set_rng_state(state["cpu"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-        region_random.load_state_dict({k: v for k, v in state.items() if k.startswith("tp_region_")})
+        random_states.load_state_dict({k: v for k, v in state.items() if k not in ("cpu", "cuda")})

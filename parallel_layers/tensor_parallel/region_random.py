@@ -22,7 +22,8 @@ we:
   * a recompute under activation checkpointing replays the block's region draws (`snapshot`
     before the block's forward, `replaying` around the recompute), as torch.utils.checkpoint
     replays the global stream; checkpoints save and restore the region state beside the global
-    one (parallel_layers/checkpoint), so a resumed run draws what an uninterrupted one would.
+    one (registered with parallel_layers/random_states.py), so a resumed run draws what an
+    uninterrupted one would.
 
 Only regions that drop something get the hooks (`draws`: an nn.Dropout of p > 0, or a
 transformers attention's `attention_dropout` > 0); Llama, Mistral and Qwen train with neither.
@@ -44,6 +45,7 @@ import hashlib
 
 import torch
 
+from parallel_layers import random_states
 from parallel_layers.tensor_parallel import comm
 
 _OFFSET = 2718  # apart from any seed the caller gave the shared stream (Megatron's offset)
@@ -189,3 +191,6 @@ def install(parent: torch.nn.Module, columns: list[torch.nn.Module], rows: list[
         row.register_forward_pre_hook(lambda m, args: exit())
     parent.register_forward_pre_hook(lambda m, args: exit())
     parent.register_forward_hook(lambda m, args, out: exit())
+
+
+random_states.register("tp_region", state_dict, load_state_dict)  # saved in checkpoints

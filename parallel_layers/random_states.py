@@ -1,0 +1,40 @@
+"""Random streams of the library's own that a checkpoint saves beside the default generators'.
+
+A module that keeps such a stream (tensor_parallel/region_random.py: each rank's stream for the
+draws inside tensor-parallel regions) registers a getter and a setter under a name; the
+checkpoint (parallel_layers/checkpoint/_state.py) saves what the getters return in the rank's
+RNG state and hands a loaded state's entries back to the setter of their name. A registry, so
+that the checkpoint needs no import of the modules that keep the streams (tests/test_structure.py:
+it reads the placement description and nothing else of the library).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor
+
+Getter = Callable[[], dict[str, Tensor]]  # entry name -> state; every name starts with "<name>_"
+Setter = Callable[[dict[str, Tensor]], None]
+
+_streams: dict[str, tuple[Getter, Setter]] = {}
+
+
+def register(name: str, get: Getter, put: Setter) -> None:
+    _streams[name] = (get, put)
+
+
+def state_dict() -> dict[str, Tensor]:
+    """Every registered stream's entries."""
+    out: dict[str, Tensor] = {}
+    for get, _ in _streams.values():
+        out.update(get())
+    return out
+
+
+def load_state_dict(states: dict[str, Tensor]) -> None:
+    """Hand each registered stream the entries of its name (a checkpoint may hold none)."""
+    for name, (_, put) in _streams.items():
+        mine = {k: v for k, v in states.items() if k.startswith(f"{name}_")}
+        if mine:
+            put(mine)
