@@ -139,8 +139,10 @@ def replaying(states: dict[torch.device, torch.Tensor]):
     exit()
     now, was = dict(_streams.region), _streams.replaying
     # no tensor op here: a recompute under selective checkpointing counts the ops it replays
-    # (the states are never written in place: a region's exit stores a new tensor)
-    _streams.region.update(states)
+    # (the states are never written in place: a region's exit stores a new tensor). A device
+    # whose stream did not exist yet at the snapshot (the first step's first block) starts
+    # afresh from the seed, as that forward's did.
+    _streams.region = dict(states)
     _streams.replaying = True
     try:
         yield
@@ -190,7 +192,9 @@ def install(parent: torch.nn.Module, columns: list[torch.nn.Module], rows: list[
     for row in rows:
         row.register_forward_pre_hook(lambda m, args: exit())
     parent.register_forward_pre_hook(lambda m, args: exit())
-    parent.register_forward_hook(lambda m, args, out: exit())
+    # always_call: also when the forward raises inside the region (a caught out-of-memory error,
+    # say), whose stream would otherwise draw the next forward's replicated dropout
+    parent.register_forward_hook(lambda m, args, out: exit(), always_call=True)
 
 
 random_states.register("tp_region", state_dict, load_state_dict)  # saved in checkpoints
