@@ -50,13 +50,14 @@ from parallel_layers.zero._param import ShardedParam, check_dtypes
 def _default_wrap(model: nn.Module):
     """The model's children that hold parameters, looking through containers that have no
     forward (nn.ModuleList, nn.ModuleDict): a unit is gathered by its module's forward hooks,
-    which a container never runs (a model's `layers` list would never be gathered)."""
+    which a container never runs (a model's `layers` list would never be gathered). An
+    nn.ParameterList / ParameterDict has no forward either: its parameters stay in the root."""
     units: set[int] = set()
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if not any(True for _ in child.parameters()):
-                continue
+            if not any(True for _ in child.parameters()) or isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+                continue  # nothing to gather, or parameters whose uses no forward of theirs marks: the root's
             if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 visit(child)
             else:

@@ -416,9 +416,18 @@ def test_a_frozen_parameter_is_not_stepped(stage):
     assert run_distributed(_frozen, 2, args=(stage,)) == [True, True]
 
 
+class _WithParameterList(_EqualLayers):
+    def __init__(self):
+        super().__init__()
+        self.scales = nn.ParameterList([nn.Parameter(torch.full((16,), 1.5))])
+
+    def forward(self, x):
+        return super().forward(x) * self.scales[0]
+
+
 def _default_units(rank, ws):
     torch.manual_seed(0)
-    ref = _EqualLayers()
+    ref = _WithParameterList()
     zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS["adamw"], stage=3)  # no wrap=: the default units
     opt_ref = OPTIMIZERS["adamw"](ref.parameters())
     g = torch.Generator().manual_seed(1)
@@ -437,6 +446,6 @@ def _default_units(rank, ws):
 def test_default_units_look_through_a_module_list():
     """Without wrap=, the units are the model's children with parameters, and those of an
     nn.ModuleList (which has no forward, so its hooks would never gather it: the first forward
-    failed on freed storage)."""
+    failed on freed storage); an nn.ParameterList's parameters go to the root."""
     for groups, worst in run_distributed(_default_units, 2):
-        assert groups == [f"layers.{i}" for i in range(4)] and worst < RTOL, (groups, worst)
+        assert groups == [f"layers.{i}" for i in range(4)] + ["<root>"] and worst < RTOL, (groups, worst)
