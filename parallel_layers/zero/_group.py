@@ -195,7 +195,7 @@ class ParamGroup:
         with _all_gather_stream(device):
             shards = [sp.gather_input(device) for sp in self.members]
             buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
-                                                     empty=self._empty(device, gather=True))
+                                                empty=self._empty(device, gather=True))
             work = None
             if self.world > 1:
                 # NCCL all-gathers in place from this rank's row; gloo's collective wants a separate input.
