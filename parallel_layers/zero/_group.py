@@ -156,7 +156,7 @@ class ParamGroup:
         self.offload = first.offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
         self.keep_full = first.keep_full  # False: the full parameters are freed between uses (ZeRO-3)
         self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
-        self._reducing = None  # (output, work handle, input) of a reduce-scatter not yet finished
+        self._reducing = None  # (output, work handle, input, members) of a reduce-scatter not yet finished
         self._gloo = dist.get_backend(self.group) == "gloo"
         self._direct = self._gloo and GLOO_DIRECT
         self.pool = pool  # Note [CPU buffer reuse]; None: every buffer is new
@@ -250,13 +250,18 @@ class ParamGroup:
     def reduce_grads(self, free_full_grads: bool, async_op: bool = False) -> None:
         """Reduce-scatter the full gradients (averaged over ranks) into the shard gradients.
         With async_op, return once the reduce-scatter is launched; `finish_reduce()` waits for
-        it and accumulates into the shard gradients (Note [overlapped reduce-scatter] in _hooks.py)."""
-        grads = [sp.grad_to_reduce() for sp in self.members]
+        it and accumulates into the shard gradients (Note [overlapped reduce-scatter] in _hooks.py).
+        Frozen members (requires_grad=False, the same on every rank) are left out: no gradient,
+        no bytes moved; a group of frozen parameters alone issues no collective."""
+        members = [sp for sp in self.members if sp.full.requires_grad]
+        if not members:
+            return
+        grads = [sp.grad_to_reduce() for sp in members]
         buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world,
                                                 empty=self._empty(grads[0].device))
         del grads
         if free_full_grads:  # buf holds their copy
-            for sp in self.members:
+            for sp in members:
                 sp.full.grad = None
         handle = None
         if self.world > 1:
@@ -270,7 +275,7 @@ class ParamGroup:
                     handle = dist.reduce_scatter_single(out, buf.view(-1), group=self.group, async_op=True)
         else:
             out = buf[0]
-        self._reducing = (out, handle, buf)  # buf stays alive until the collective is done
+        self._reducing = (out, handle, buf, members)  # buf stays alive until the collective is done
         if not async_op:
             self.finish_reduce()
 
@@ -279,13 +284,11 @@ class ParamGroup:
         rank's slot into the shard gradients."""
         if self._reducing is None:
             return
-        out, handle, buf = self._reducing
+        out, handle, buf, members = self._reducing
         self._reducing = None
         fault.wait(handle, f"ZeRO reduce_scatter of {self.name}", self.group)
         if self.offload:
             out = out.to("cpu")
-        shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad() for sp in self.members], accumulate=True)
+        # frozen members get no shard gradient, so the optimizer (weight decay) skips them
+        shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad() for sp in members], accumulate=True)
         self._give_back(buf)  # out, a view of it or a tensor of its own, is read by now
-        for sp in self.members:
-            if not sp.shard.requires_grad:  # frozen: no gradient, so the optimizer (weight decay) skips it
-                sp.shard.grad = None

@@ -393,27 +393,38 @@ def test_cpu_gather_and_reduce_buffers_are_reused():
 
 
 def _frozen(rank, ws, stage):
+    from parallel_layers.zero import _group
+
     torch.manual_seed(0)
     model = Net()
     model.a.weight.requires_grad_(False)  # frozen, as fine-tuning freezes an embedding or a base model
-    before = model.a.weight.detach().clone()
+    model.c.requires_grad_(False)  # a unit frozen whole
+    before = model.a.weight.detach().clone(), model.c.weight.detach().clone()
     zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5), stage=stage,
                 wrap=lambda m: isinstance(m, nn.Linear))
+    reduced = []  # the elements each reduction moves
+    copy_in = _group.shard_copy.reduce_scatter_copy_in
+    _group.shard_copy.reduce_scatter_copy_in = lambda grads, *a, **k: (reduced.append(sum(g.numel() for g in grads)),
+                                                                        copy_in(grads, *a, **k))[1]
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         x, y = torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 1, generator=g)
         F.mse_loss(zero(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
         zero.step()
         zero.zero_grad()
+    _group.shard_copy.reduce_scatter_copy_in = copy_in
     state = zero.full_state_dict()
-    return torch.equal(state["a.weight"], before)
+    return torch.equal(state["a.weight"], before[0]) and torch.equal(state["c.weight"], before[1]), sorted(set(reduced))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_frozen_parameter_is_not_stepped(stage):
     """A parameter with requires_grad=False gets no gradient, so AdamW's weight decay leaves it
-    alone, as in one process; ZeRO gave its shard zeros, which decayed it (review finding)."""
-    assert run_distributed(_frozen, 2, args=(stage,)) == [True, True]
+    alone, as in one process; ZeRO gave its shard zeros, which decayed it (review finding). Nor
+    is it reduced: a's bias (15), b (15 x 3 + 3) and the root's scale (1) move, a's weight and
+    the frozen c do not."""
+    for unchanged, reduced in run_distributed(_frozen, 2, args=(stage,)):
+        assert unchanged and reduced == [1, 15, 48], reduced
 
 
 class _WithParameterList(_EqualLayers):
