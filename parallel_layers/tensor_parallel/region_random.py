@@ -15,7 +15,7 @@ we:
     group, different per data-parallel replica - plus the TP rank;
   * a column layer's forward hook `enter`s the region (the default generator of its output's
     device takes this rank's region state; the shared state is set aside), the row layer's
-    forward pre-hook `exit`s it (the region state is kept, the shared one restored), and so does
+    forward pre-hook `leave`s it (the region state is kept, the shared one restored), and so does
     the parent module's forward pre- and post-hook, so that no path leaves a region open:
     GPT-2's attention drops its probabilities inside the region (per rank) and its output after
     c_proj outside it (shared);
@@ -119,7 +119,7 @@ def enter(device: torch.device) -> None:
     _set(device, region)
 
 
-def exit(device: torch.device | None = None) -> None:
+def leave(device: torch.device | None = None) -> None:
     """Back to the shared stream on `device` (every device when None); no-op outside a region."""
     for d in [_key(device)] if device is not None else list(_streams.outer):
         if d in _streams.outer:
@@ -129,14 +129,14 @@ def exit(device: torch.device | None = None) -> None:
 
 def snapshot() -> dict[torch.device, torch.Tensor]:
     """The region streams' states now (before a checkpointed block's forward)."""
-    exit()
+    leave()
     return {d: s.clone() for d, s in _streams.region.items()}
 
 
 @contextlib.contextmanager
 def replaying(states: dict[torch.device, torch.Tensor]):
     """Run with the region streams at `states` (a recompute), then put back what they were."""
-    exit()
+    leave()
     now, was = dict(_streams.region), _streams.replaying
     # no tensor op here: a recompute under selective checkpointing counts the ops it replays
     # (the states are never written in place: a region's exit stores a new tensor). A device
@@ -147,14 +147,14 @@ def replaying(states: dict[torch.device, torch.Tensor]):
     try:
         yield
     finally:
-        exit()
+        leave()
         _streams.region, _streams.replaying = now, was
 
 
 def state_dict() -> dict[str, torch.Tensor]:
     """For a checkpoint: this rank's region states, keyed "tp_region_<device type>" (the CPU
     and the current CUDA device)."""
-    exit()
+    leave()
     out = {}
     for d, s in _streams.region.items():
         if d.type == "cpu" or d.index == torch.cuda.current_device():
@@ -163,7 +163,7 @@ def state_dict() -> dict[str, torch.Tensor]:
 
 
 def load_state_dict(states: dict[str, torch.Tensor]) -> None:
-    exit()
+    leave()
     for name, s in states.items():
         kind = name.removeprefix("tp_region_")
         if kind == "cpu":
@@ -190,11 +190,11 @@ def install(parent: torch.nn.Module, columns: list[torch.nn.Module], rows: list[
     for column in columns:
         column.register_forward_hook(lambda m, args, out: enter(out.device) if torch.is_tensor(out) else None)
     for row in rows:
-        row.register_forward_pre_hook(lambda m, args: exit())
-    parent.register_forward_pre_hook(lambda m, args: exit())
+        row.register_forward_pre_hook(lambda m, args: leave())
+    parent.register_forward_pre_hook(lambda m, args: leave())
     # always_call: also when the forward raises inside the region (a caught out-of-memory error,
     # say), whose stream would otherwise draw the next forward's replicated dropout
-    parent.register_forward_hook(lambda m, args, out: exit(), always_call=True)
+    parent.register_forward_hook(lambda m, args, out: leave(), always_call=True)
 
 
 random_states.register("tp_region", state_dict, load_state_dict)  # saved in checkpoints
