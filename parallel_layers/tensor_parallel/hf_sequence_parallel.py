@@ -331,6 +331,12 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
     model._pl_sequence_parallel = layout  # read by the tests and by repr-level inspection
 
 
+def regions(modules: dict, layout: Layout) -> list[str]:
+    """Every module inside the decoder layers whose entry gathers the sequence: the regions
+    holding column layers and the MoE blocks."""
+    return sorted({*_regions(modules, layout), *_experts_blocks(modules, layout)})
+
+
 def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLinear]]:
     """Region name -> its column layers: the modules inside the decoder layers that hold
     column layers as children."""

@@ -428,13 +428,31 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     if tp > 1:
         share_random_state(tp_group, next((p.device for p in model.parameters()), None))
         region_random.seed(tp_group)  # after the shared stream (Note [a random stream per rank inside TP regions])
-        _install_region_streams(model)
+        _install_region_streams(model, sp_layout)
     return model
 
 
-def _install_region_streams(model: nn.Module) -> None:
+def _install_region_streams(model: nn.Module, sp_layout) -> None:
     """The region hooks of region_random.py on every parent holding sharded-output column
-    layers and the row layers that take sharded inputs, where it drops anything."""
+    layers and the row layers that take sharded inputs, where it drops anything; under
+    sequence parallelism, the hooks of every decoder layer that drops anything (Note [draws
+    under sequence parallelism])."""
+    if sp_layout is not None:
+        modules = dict(model.named_modules())
+        regions = hf_sequence_parallel.regions(modules, sp_layout)
+        for name in sp_layout.layers:
+            layer = modules[name]
+            if not any(region_random.draws(m) for m in layer.modules()):
+                continue
+            inside = [modules[r] for r in regions if r.startswith(name + ".")]
+            children = [c for region in inside for c in region.children()]
+            region_random.install_sequence_parallel(
+                layer, inside,
+                [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output],
+                [c for c in children if isinstance(c, RowParallelLinear)])
+            for m in (layer, *inside):
+                m._pl_region_streams = True
+        return
     for parent in model.modules():
         children = list(parent.children())
         columns = [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output]

@@ -31,19 +31,32 @@ A recompute by another checkpoint (transformers' gradient_checkpointing_enable()
 the region stream: a region entered inside backward outside ours raises, naming the fix.
 
 One generator per device: the CPU's for CPU tensors, the current CUDA device's for CUDA ones. A
-region stream is created for a device the first time a region runs there. Not done: under
-sequence parallelism the draws between the regions act on each rank's chunk of the sequence and
-still use the shared stream (equal masks for the chunks of different ranks; Megatron draws them
-from the per-rank stream), because what is replicated there differs by model (a mixture of
-experts routes the gathered tokens: its router jitter must stay shared).
+region stream is created for a device the first time a region runs there.
+
+Note [draws under sequence parallelism]: with the sequence split between the regions, what a
+rank holds there is its own chunk of the positions, not a replica: GPT-2's residual dropout over
+rank 0's positions drew the very masks rank 1 drew over its own (positions i and i + seq / tp
+dropped together). So under sequence parallelism the split is the other way round: a decoder
+layer that drops anything runs in this rank's stream (`install_sequence_parallel`: its forward
+enters the stream, and leaves it at its end, also when it raises), except where its values are
+replicated - from a region's entry, which gathers the sequence, to its column layers' sharded
+outputs (a router's jitter over the gathered tokens, a region whose columns gather their outputs:
+the shared stream), and from a row layer's input to its output, reduce-scattered on the sequence
+(this rank's chunk again). Megatron draws its sequence-parallel dropout from the model-parallel
+stream too. Outside the decoder layers nothing changes: the embedding's dropout, before the split,
+draws one mask over the whole sequence from the shared stream. The layer's forward, not a hook,
+enters the stream, so that activation checkpointing's recompute (which runs the forward between
+the hooks: Note [checkpoint inside the hooks]) replays it with the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 
 import torch
+from torch.utils import _pytree as pytree
 
 from parallel_layers import random_states
 from parallel_layers.tensor_parallel import comm
@@ -195,6 +208,40 @@ def install(parent: torch.nn.Module, columns: list[torch.nn.Module], rows: list[
     # always_call: also when the forward raises inside the region (a caught out-of-memory error,
     # say), whose stream would otherwise draw the next forward's replicated dropout
     parent.register_forward_hook(lambda m, args, out: leave(), always_call=True)
+
+
+def install_sequence_parallel(layer: torch.nn.Module, regions: list[torch.nn.Module],
+                              columns: list[torch.nn.Module], rows: list[torch.nn.Module]) -> None:
+    """The draws of one decoder layer under sequence parallelism (Note [draws under sequence
+    parallelism]): `regions` are the modules inside it that gather the sequence at their entry,
+    `columns` their column layers with sharded outputs, `rows` their row layers (which
+    reduce-scatter on the sequence)."""
+    layer._pl_stream_forward = layer.forward  # the class's, or an instance override (fused.py's)
+    # a partial over the layer, as activation_checkpointing.py's: a deep copy calls its own
+    layer.forward = functools.partial(_in_rank_stream, layer)
+    for region in regions:
+        region.register_forward_pre_hook(lambda m, args: leave())
+        region.register_forward_hook(lambda m, args, out: _enter_at(out))
+    for column in columns:
+        column.register_forward_hook(lambda m, args, out: _enter_at(out))
+    for row in rows:
+        row.register_forward_pre_hook(lambda m, args: leave())
+        row.register_forward_hook(lambda m, args, out: _enter_at(out))
+
+
+def _in_rank_stream(layer: torch.nn.Module, *args, **kwargs):
+    _enter_at((args, kwargs))
+    try:
+        return layer._pl_stream_forward(*args, **kwargs)
+    finally:  # also when the forward raises: the next forward's replicated draws stay shared
+        leave()
+
+
+def _enter_at(tree) -> None:
+    """`enter` on the device of the first tensor in `tree` (none: nothing to draw for)."""
+    tensor = next((t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)), None)
+    if tensor is not None:
+        enter(tensor.device)
 
 
 random_states.register("tp_region", state_dict, load_state_dict)  # saved in checkpoints

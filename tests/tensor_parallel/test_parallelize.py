@@ -539,6 +539,36 @@ def _jitter(rank, ws, share):
         max(_rel(r, gathered[0]) for r in gathered)
 
 
+def _jitter_under_sequence_parallelism(rank, ws):
+    """With attention dropout the decoder layers draw in each rank's stream under sequence
+    parallelism (Note [draws under sequence parallelism]); the MoE block, whose router jitters
+    the gathered, replicated tokens, must draw from the shared one: the router's input (the
+    jittered tokens) alike on every rank."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5,
+        attention_dropout=0.5))
+    torch.manual_seed(100 + rank)
+    parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=True)
+    hooked = sorted(n for n, m in model.named_modules() if hasattr(m, "_pl_region_streams"))
+    logits = []  # the router's, over the gathered tokens: alike on every rank if the jitter was
+    model.model.layers[1].mlp.gate.register_forward_hook(lambda m, args, out: logits.append(args[0].detach().clone()))
+    _sgd_losses(model.train(), steps=2, lr=0.5)
+    spread = 0.0
+    for x in logits:
+        gathered = [torch.empty_like(x) for _ in range(ws)]
+        dist.all_gather(gathered, x)
+        spread = max(spread, max(_rel(g, gathered[0]) for g in gathered))
+    return hooked, len(logits), spread
+
+
+def test_a_routers_jitter_stays_shared_under_sequence_parallelism():
+    for hooked, calls, spread in run_distributed(_jitter_under_sequence_parallelism, 2, timeout_s=300):
+        assert hooked == [f"model.layers.{i}{m}" for i in (0, 1) for m in ("", ".mlp", ".self_attn")], hooked
+        assert calls == 2 and spread == 0.0
+
+
 def test_tensor_parallel_ranks_draw_the_same_random_numbers():
     for losses, param_error, router_spread in run_distributed(_jitter, 2, args=(True,), timeout_s=300):
         assert losses["par"] == pytest.approx(losses["ref"], rel=RTOL)

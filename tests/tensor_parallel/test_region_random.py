@@ -64,7 +64,45 @@ def test_attention_dropout_draws_per_rank_and_the_residual_stream_stays_shared()
         assert masks[0] == masks[1]
 
 
-def _gradients(rank, ws, checkpointing, replay):
+def _sequence_parallel_masks(rank, ws, per_rank):
+    from parallel_layers.tensor_parallel import parallelize, region_random
+
+    model = _gpt2(rank)
+    with torch.no_grad():  # no zero before the residual dropout (a row whose attention was all dropped)
+        for block in model.transformer.h:
+            block.attn.c_proj.bias.fill_(0.5)
+    if not per_rank:  # the shared stream between the regions, as before Note [draws under sequence parallelism]
+        region_random.install_sequence_parallel = lambda *args: None
+    parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=True)
+    dropped = {}
+    for name in ("transformer.drop", "transformer.h.0.attn.resid_dropout", "transformer.h.1.mlp.dropout"):
+        model.get_submodule(name).register_forward_hook(
+            lambda m, args, out, name=name: dropped.__setitem__(name, (out == 0).tolist()))
+    attentions, logits = _forward(model)
+    every = [None] * ws
+    dist.all_gather_object(every, (dropped, attentions.tolist(), logits.tolist()))
+    return every
+
+
+def test_sequence_parallel_draws_each_ranks_chunk_from_its_own_stream():
+    """Note [draws under sequence parallelism]: at tp=2 with the sequence split between the
+    regions, the residual dropout over each rank's half of the positions draws masks of its own
+    (with the shared stream, rank 1's half got exactly rank 0's masks); attention dropout stays
+    per rank, the embedding's dropout (before the split, over the whole sequence) stays shared,
+    and the replicated logits agree."""
+    every = run_distributed(_sequence_parallel_masks, 2, args=(True,), timeout_s=240)[0]
+    (drop0, att0, logits0), (drop1, att1, logits1) = every
+    assert torch.tensor(drop0["transformer.h.0.attn.resid_dropout"]).shape == (2, SEQ // 2, 32)  # this rank's chunk
+    for name in ("transformer.h.0.attn.resid_dropout", "transformer.h.1.mlp.dropout"):
+        assert drop0[name] != drop1[name], name
+    assert drop0["transformer.drop"] == drop1["transformer.drop"]
+    assert att0 != att1 and logits0 == logits1
+    (drop0, att0, logits0), (drop1, att1, logits1) = run_distributed(
+        _sequence_parallel_masks, 2, args=(False,), timeout_s=240)[0]
+    assert drop0["transformer.h.0.attn.resid_dropout"] == drop1["transformer.h.0.attn.resid_dropout"]
+
+
+def _gradients(rank, ws, checkpointing, replay, sp=False):
     from parallel_layers import activation_checkpointing, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
 
@@ -73,7 +111,8 @@ def _gradients(rank, ws, checkpointing, replay):
     if not replay:  # the recompute draws from where the region stream is then
         activation_checkpointing._replaying_region_draws = lambda forward: forward
     par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), tp_plan="auto",
-                      loss_fn=lambda out, labels: causal_lm_loss(out.logits, labels), activation_checkpointing=checkpointing)
+                      loss_fn=lambda out, labels: causal_lm_loss(out.logits, labels), activation_checkpointing=checkpointing,
+                      sequence_parallel=sp)
     grads = {}
     for step in range(2):  # the first step's streams are created in its forward; the second's advanced
         par.optimizer.zero_grad()
@@ -82,16 +121,19 @@ def _gradients(rank, ws, checkpointing, replay):
     return grads
 
 
-def test_a_recompute_replays_the_region_draws():
-    plain = run_distributed(_gradients, 2, args=(None, True), timeout_s=240)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])
+def test_a_recompute_replays_the_region_draws(sp):
+    """Under sequence parallelism the whole decoder layer's stream is replayed: the residual
+    dropout over this rank's chunk too (Note [draws under sequence parallelism])."""
+    plain = run_distributed(_gradients, 2, args=(None, True, sp), timeout_s=240)
     for mode in ("full", "selective"):
-        recomputed = run_distributed(_gradients, 2, args=(mode, True), timeout_s=240)
+        recomputed = run_distributed(_gradients, 2, args=(mode, True, sp), timeout_s=240)
         for a, b in zip(plain, recomputed):
             assert all(_close(a[n], b[n]) for n in a), (mode, [n for n in a if not _close(a[n], b[n])][:4])
     # without the replay the recompute is another checkpoint's to the region stream: refused,
     # not trained on other masks
     with pytest.raises(DistributedTestFailure, match="outside parallel_layers' activation checkpointing"):
-        run_distributed(_gradients, 2, args=("full", False), timeout_s=240)
+        run_distributed(_gradients, 2, args=("full", False, sp), timeout_s=240)
 
 
 def _close(a, b):
@@ -125,14 +167,14 @@ def test_another_checkpoints_recompute_is_refused_and_regions_without_dropout_ar
         assert hooked == [f"transformer.h.{i}.{m}" for i in (0, 1) for m in ("attn", "mlp")], hooked
 
 
-def _resumed(rank, ws, directory):
+def _resumed(rank, ws, directory, sp):
     from parallel_layers import checkpoint, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
 
     ctx = init_parallel(tp=2, device="cpu")
     model = _gpt2(rank)
     par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), tp_plan="auto",
-                      loss_fn=lambda out, labels: causal_lm_loss(out.logits, labels))
+                      loss_fn=lambda out, labels: causal_lm_loss(out.logits, labels), sequence_parallel=sp)
 
     def step():
         loss = par.forward_backward(_ids(), _ids()).item()
@@ -147,18 +189,19 @@ def _resumed(rank, ws, directory):
     return after, [step(), step()]
 
 
-def test_a_resumed_run_draws_the_region_masks_an_uninterrupted_one_draws(tmp_path):
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])
+def test_a_resumed_run_draws_the_region_masks_an_uninterrupted_one_draws(tmp_path, sp):
     """checkpoint.save / load keep the region streams beside the global ones: the two steps after
     a restore repeat the two after the save exactly (with dropout 0.5 in and out of the regions)."""
-    for after, again in run_distributed(_resumed, 2, args=(str(tmp_path),), timeout_s=240):
+    for after, again in run_distributed(_resumed, 2, args=(str(tmp_path), sp), timeout_s=240):
         assert after == again and after[0] != after[1], (after, again)
 
 
-def _raised_in_a_region(rank, ws):
+def _raised_in_a_region(rank, ws, sp):
     from parallel_layers.tensor_parallel import parallelize
 
     model = _gpt2(rank)
-    parallelize(model, tp_group=dist.group.WORLD)
+    parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=sp)
     fail = [True]
 
     def once(module, args, out):
@@ -176,8 +219,10 @@ def _raised_in_a_region(rank, ws):
     return every[0] == every[1]
 
 
-def test_a_forward_that_raises_inside_a_region_leaves_the_shared_stream_in_place():
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])
+def test_a_forward_that_raises_inside_a_region_leaves_the_shared_stream_in_place(sp):
     """The region's exit also runs when the forward raises (a caught out-of-memory error):
     else the next forward's replicated dropout drew from each rank's own stream and the TP
-    replicas diverged silently (review finding)."""
-    assert run_distributed(_raised_in_a_region, 2, timeout_s=240) == [True, True]
+    replicas diverged silently (review finding). Under sequence parallelism the decoder layer's
+    forward leaves this rank's stream the same way."""
+    assert run_distributed(_raised_in_a_region, 2, args=(sp,), timeout_s=240) == [True, True]
