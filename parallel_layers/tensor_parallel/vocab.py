@@ -70,6 +70,8 @@ class VocabParallelEmbedding(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VocabParallelEmbedding expects integer ids (torch.int64 or torch.int32), got "
                             f"{ids.dtype}")
+        _assert_on_device((ids >= 0) & (ids < self.num_embeddings),
+                          f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings})")
         if ids.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got values in "
                              f"[{ids.min().item()}, {ids.max().item()}]")
@@ -253,9 +255,12 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding
     if target.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"vocab_parallel_cross_entropy expects integer targets (torch.int64 or torch.int32), got "
                         f"{target.dtype}")
-    # A target outside the vocabulary would match no rank's rows and count as logit 0, silently;
-    # checked on the CPU only, like the embedding's ids (on a GPU it would cost a sync). The
-    # targets are replicated over the TP group, so every rank of it raises together.
+    # A target outside the vocabulary would match no rank's rows and count as logit 0, silently.
+    # On the CPU the error names the values; the targets are replicated over the TP group, so
+    # every rank of it raises together. On a GPU, Note [range checks on a device].
+    _assert_on_device(((target >= 0) & (target < emb.num_embeddings)) | (target == ignore_index),
+                      f"vocab_parallel_cross_entropy: targets must be in [0, {emb.num_embeddings}) or ignore_index "
+                      f"({ignore_index})")
     if target.device.type == "cpu":
         counted = target[target != ignore_index]
         if counted.numel() and (counted.min() < 0 or counted.max() >= emb.num_embeddings):
@@ -269,6 +274,20 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum().clamp_min(1)
+
+
+# Note [range checks on a device]: an id or a target outside the vocabulary matches no rank's
+# rows: the lookup returns zeros and the loss counts the target's logit as 0, a silently wrong
+# step. On the CPU the check raises an error naming the values; on a GPU reading them back would
+# stall the host every step, so the check is an asynchronous device-side assert
+# (torch._assert_async): no sync, a few elementwise kernels, and the job stops at its next sync
+# with a CUDA "device-side assert triggered" error carrying the message - what torch's own
+# nn.Embedding and F.cross_entropy do on a GPU.
+def _assert_on_device(valid: Tensor, message: str) -> None:
+    """Every element of `valid` true, asserted on its accelerator without a sync (Note [range
+    checks on a device]); the CPU and meta tensors are checked, or not, by the caller."""
+    if valid.device.type not in ("cpu", "meta") and valid.numel():
+        torch._assert_async(valid.all(), message)
 
 
 # Note [vocab-parallel head]: a head tied to the input embedding reads the embedding module

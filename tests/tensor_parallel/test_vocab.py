@@ -87,6 +87,53 @@ def test_reductions_and_errors_single_process():
         VocabParallelEmbedding(10, 4, padding_idx=10)
 
 
+def test_range_checks_on_a_device_assert_what_the_cpu_checks_raise(monkeypatch):
+    """Note [range checks on a device]: the conditions handed to the asynchronous device-side
+    assert (a no-op on the CPU), recorded here on CPU tensors: false exactly where the CPU's
+    check raises."""
+    from parallel_layers.tensor_parallel import vocab
+
+    seen = []
+    monkeypatch.setattr(vocab, "_assert_on_device", lambda valid, message: seen.append((bool(valid.all()), message)))
+    emb = VocabParallelEmbedding(10, 4)
+    logits = torch.randn(4, 10)
+    emb(torch.tensor([0, 9]))
+    vocab_parallel_cross_entropy(logits, torch.tensor([0, 9, -100, 3]), emb)
+    vocab_parallel_cross_entropy(logits, torch.tensor([0, 9, -1, 3]), emb, ignore_index=-1)
+    assert [ok for ok, _ in seen] == [True, True, True]
+    seen.clear()
+    for call in (lambda: emb(torch.tensor([0, 10])), lambda: emb(torch.tensor([-1, 3])),
+                 lambda: vocab_parallel_cross_entropy(logits, torch.tensor([0, 10, -100, 3]), emb),
+                 lambda: vocab_parallel_cross_entropy(logits, torch.tensor([0, -100, 1, 3]), emb, ignore_index=-1)):
+        with pytest.raises(IndexError):  # the CPU's own check, after the device one
+            call()
+    assert [ok for ok, _ in seen] == [False, False, False, False]
+    assert seen[0][1] == "VocabParallelEmbedding: ids must be in [0, 10)"
+    assert seen[3][1] == "vocab_parallel_cross_entropy: targets must be in [0, 10) or ignore_index (-1)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_an_out_of_vocabulary_id_on_cuda_stops_the_job_at_its_next_sync():
+    """On a GPU the check is a device-side assert (no sync each step): the process fails at its
+    next sync instead of training on a silently wrong loss. Run in a subprocess: the assert
+    leaves that process's CUDA context unusable."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = ("import torch\nfrom parallel_layers.tensor_parallel import VocabParallelEmbedding, "
+              "vocab_parallel_cross_entropy\nemb = VocabParallelEmbedding(10, 4).cuda()\n"
+              "logits = torch.randn(2, 10, device='cuda')\n"
+              "vocab_parallel_cross_entropy(logits, torch.tensor({target}, device='cuda'), emb)\n"
+              "emb(torch.tensor({ids}, device='cuda'))\ntorch.cuda.synchronize()\nprint('done')\n")
+    for ids, target, ok in (([0, 9], [1, -100], True), ([0, 10], [1, 2], False), ([0, 9], [1, 12], False)):
+        run = subprocess.run([sys.executable, "-c", script.format(ids=ids, target=target)], capture_output=True,
+                             text=True, timeout=300, cwd=pathlib.Path(__file__).resolve().parents[2])
+        assert (run.returncode == 0 and "done" in run.stdout) == ok, (ids, target, run.stdout, run.stderr[-2000:])
+        if not ok:
+            assert "device-side assert" in run.stderr, run.stderr[-2000:]
+
+
 class _Scaled(nn.Embedding):
     """As transformers' Gemma embeddings: the rows times a non-persistent buffer, in its own forward."""
 
