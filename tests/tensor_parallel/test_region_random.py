@@ -226,3 +226,37 @@ def test_a_forward_that_raises_inside_a_region_leaves_the_shared_stream_in_place
     replicas diverged silently (review finding). Under sequence parallelism the decoder layer's
     forward leaves this rank's stream the same way."""
     assert run_distributed(_raised_in_a_region, 2, args=(sp,), timeout_s=240) == [True, True]
+
+
+def _stage_masks(rank, ws, offset):
+    import importlib
+
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    parallelize_module = importlib.import_module("parallel_layers.parallelize")  # the package exports the function
+    ctx = init_parallel(pp=2, device="cpu")
+    model = _gpt2(rank)
+    model.transformer.drop.p = 0.0  # stage 0 draws first for its block, as stage 1 does: the same shapes
+    torch.manual_seed(0)  # every rank alike, as scripts that build one model on every rank seed
+    if not offset:
+        parallelize_module._seed_per_pipeline_rank = lambda *args, **kwargs: None
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), pipeline_layers="auto",
+                      split_points=[2], microbatches=2, loss_fn=lambda out, labels: causal_lm_loss(out, labels))
+    block = model.transformer.h[rank]  # this stage's block: h.0 on rank 0, h.1 on rank 1
+    dropped = []
+    block.attn.resid_dropout.register_forward_hook(lambda m, args, out: dropped.append((out == 0).tolist()))
+    par.forward_backward(_ids(), _ids())
+    every = [None] * ws
+    dist.all_gather_object(every, dropped[0])
+    return every
+
+
+def test_pipeline_stages_draw_apart():
+    """Note [a random stream per pipeline stage]: seeded alike, stage 1's block drew the very
+    residual dropout masks stage 0's block drew; each pipeline rank now reseeds its stream apart."""
+    masks = run_distributed(_stage_masks, 2, args=(True,), timeout_s=240)[0]
+    assert torch.tensor(masks[0]).shape == (1, SEQ, 32)  # one microbatch's row
+    assert masks[0] != masks[1]
+    masks = run_distributed(_stage_masks, 2, args=(False,), timeout_s=240)[0]
+    assert masks[0] == masks[1]
