@@ -43,7 +43,9 @@ all-gather and reduce-scatter).
 RNG: `checkpoint` stashes the CPU and device RNG states at forward and restores them for the
 recompute (preserve_rng_state), so dropout draws the same mask twice and the global RNG stream
 is what it would be without checkpointing. The per-rank streams of the TP regions
-(tensor_parallel/region_random.py) are stashed and replayed the same way.
+(tensor_parallel/region_random.py) are stashed and replayed the same way. "selective" keeps no
+op that draws (Note [kept ops that draw]): skipped in the recompute, it would leave the draws
+after it one mask behind.
 """
 
 from __future__ import annotations
@@ -182,6 +184,26 @@ def _gemms() -> frozenset:
     return _GEMMS | {op.default for op in fused if op is not None}
 
 
+# Note [kept ops that draw]: on a GPU the fused attention kernels (flash, memory-efficient, cuDNN)
+# draw their dropout from the device's generator themselves. Kept, such an op is not run in the
+# recompute, which then never advances the generator past it: every later draw of the block
+# (GPT-2's residual dropout after its attention) got another mask than its forward did, and the
+# gradients were silently wrong; checkpoint's restored RNG state cannot help, as the recompute
+# skips a draw, not a state. So a kept op that draws - tagged nondeterministic_seeded, with a
+# dropout_p above 0 where it has one - is recomputed, and draws the forward's mask again, as
+# Megatron's selective recomputation recomputes the core attention. Without dropout the fused
+# attention is kept as before.
+def _draws(func, args, kwargs) -> bool:
+    """Whether the op draws random numbers in this call (Note [kept ops that draw])."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            p = args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+            return p is not None and p > 0
+    return True
+
+
 def _storages(tree) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree)
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != 0}
@@ -240,7 +262,7 @@ class _SelectivePolicy:
                                    "other. Use activation_checkpointing='full' for this model")
             return CheckpointPolicy.MUST_SAVE
         out = _storages(ctx.op_output)
-        if func in self.gemms and not written:
+        if func in self.gemms and not written and not _draws(func, args, kwargs):
             for p in out:
                 self.kept[p] = None
             return CheckpointPolicy.MUST_SAVE

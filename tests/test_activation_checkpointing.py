@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from tests._parity import train_one_process, trained_parameters
 from tests.dist_harness import run_distributed
@@ -162,6 +163,61 @@ def test_dropout_draws_the_same_mask_in_the_recompute():
         grads[mode].append(torch.rand(1))  # the RNG stream after the step: the recompute does not advance it
     for mode in MODES:
         assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads[None])), mode
+
+
+@torch.library.custom_op("pl_test::dropped_attention", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _dropped_attention(q: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """What a GPU's fused attention kernel (flash, memory-efficient) is to the recompute: one op
+    that draws its dropout mask from the default generator itself."""
+    w = torch.softmax(q @ q.transpose(-1, -2), -1)
+    return (w * (torch.rand_like(w) >= dropout_p) / (1 - dropout_p) if dropout_p > 0 else w) @ q
+
+
+@_dropped_attention.register_fake
+def _(q, dropout_p):
+    return torch.empty_like(q)
+
+
+_dropped_attention.register_autograd(
+    lambda ctx, grad: (torch.ops.aten.mul(grad, ctx.scale), None),  # the gradient's exact form does not matter
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "scale", 1.0))
+
+
+class _FusedAttentionBlock(nn.Module):
+    def __init__(self, d, p):
+        super().__init__()
+        self.up, self.p, self.drop = nn.Linear(d, d), p, nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(_dropped_attention(self.up(x), self.p))  # then dropout on the residual stream
+
+
+@pytest.mark.parametrize("p", [0.5, 0.0])
+def test_selective_recomputes_a_kept_op_that_draws(monkeypatch, p):
+    """Note [kept ops that draw]: kept, a fused attention with dropout was skipped by the
+    recompute, which then drew the residual dropout's mask from an earlier point of the stream:
+    wrong gradients. With dropout it is recomputed; without, kept."""
+    from parallel_layers import activation_checkpointing
+
+    monkeypatch.setattr(activation_checkpointing, "_gemms",  # as the GPU kernels are kept
+                        lambda: activation_checkpointing._GEMMS | {torch.ops.pl_test.dropped_attention.default})
+    kept = []
+    policy = activation_checkpointing._SelectivePolicy.__call__
+    monkeypatch.setattr(activation_checkpointing._SelectivePolicy, "__call__", lambda self, ctx, func, *a, **k: (
+        kept.append(func) if (r := policy(self, ctx, func, *a, **k)) == CheckpointPolicy.MUST_SAVE else None) or r)
+    torch.manual_seed(0)
+    base = nn.Sequential(*[_FusedAttentionBlock(8, p) for _ in range(2)])
+    x = torch.randn(4, 8)
+    grads = {}
+    for mode in (None, "selective"):
+        model = copy.deepcopy(base)
+        if mode is not None:
+            activation_checkpointing.checkpoint_blocks(model, mode, lambda m: isinstance(m, _FusedAttentionBlock))
+        torch.manual_seed(1)
+        model(x).square().sum().backward()
+        grads[mode] = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads["selective"], grads[None]))
+    assert (torch.ops.pl_test.dropped_attention.default in kept) == (p == 0.0)
 
 
 class _RowLike(nn.Module):
