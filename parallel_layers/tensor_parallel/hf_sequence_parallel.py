@@ -337,6 +337,12 @@ def regions(modules: dict, layout: Layout) -> list[str]:
     return sorted({*_regions(modules, layout), *_experts_blocks(modules, layout)})
 
 
+def replicated_regions(modules: dict, layout: Layout) -> list[str]:
+    """The regions that compute whole on every rank: those whose column layers gather their
+    outputs, and the MoE blocks (their routers read the gathered tokens)."""
+    return sorted({*_gathered_regions(modules, layout), *_experts_blocks(modules, layout)})
+
+
 def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLinear]]:
     """Region name -> its column layers: the modules inside the decoder layers that hold
     column layers as children."""

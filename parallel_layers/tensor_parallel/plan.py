@@ -440,9 +440,13 @@ def _install_region_streams(model: nn.Module, sp_layout) -> None:
     if sp_layout is not None:
         modules = dict(model.named_modules())
         regions = hf_sequence_parallel.regions(modules, sp_layout)
+        # what draws inside a region whose values are replicated (its columns gather their outputs,
+        # a MoE block) draws from the shared stream: a layer that draws nowhere else is left alone
+        replicated = frozenset(id(m) for r in hf_sequence_parallel.replicated_regions(modules, sp_layout)
+                               for m in modules[r].modules())
         for name in sp_layout.layers:
             layer = modules[name]
-            if not any(region_random.draws(m) for m in layer.modules()):
+            if not region_random.draws(layer, skip=replicated):
                 continue
             inside = [modules[r] for r in regions if r.startswith(name + ".")]
             children = [c for region in inside for c in region.children()]

@@ -188,13 +188,15 @@ def load_state_dict(states: dict[str, torch.Tensor]) -> None:
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")  # Hugging Face attention's rates
 
 
-def draws(parent: torch.nn.Module) -> bool:
-    """Whether a region's module drops anything: an nn.Dropout of p > 0 in it, or a dropout rate
-    > 0 it passes to its attention function (transformers' `attention_dropout`). Regions without
-    are left unhooked: nothing to draw, nothing to swap."""
-    rates = [getattr(parent, name, None) for name in _DROPOUT_ATTRIBUTES]
-    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in parent.modules()) or \
-        any(isinstance(r, float) and r > 0 for r in rates)
+def draws(parent: torch.nn.Module, skip: frozenset[int] = frozenset()) -> bool:
+    """Whether a region's module drops anything: an nn.Dropout of p > 0 in it, or a module in
+    it with a dropout rate > 0 it passes to its attention function (transformers'
+    `attention_dropout`); modules whose id is in `skip` are not looked at. Regions without are
+    left unhooked: nothing to draw, nothing to swap."""
+    def drops(m: torch.nn.Module) -> bool:
+        rates = [getattr(m, name, None) for name in _DROPOUT_ATTRIBUTES]
+        return (isinstance(m, torch.nn.Dropout) and m.p > 0) or any(isinstance(r, float) and r > 0 for r in rates)
+    return any(drops(m) for m in parent.modules() if id(m) not in skip)
 
 
 def install(parent: torch.nn.Module, columns: list[torch.nn.Module], rows: list[torch.nn.Module]) -> None:

@@ -102,6 +102,28 @@ def test_sequence_parallel_draws_each_ranks_chunk_from_its_own_stream():
     assert drop0["transformer.h.0.attn.resid_dropout"] == drop1["transformer.h.0.attn.resid_dropout"]
 
 
+def _replicated_draws_only(rank, ws):
+    from parallel_layers.tensor_parallel import parallelize
+
+    torch.manual_seed(0)  # OLMo 2's attention gathers its columns' outputs (q_norm / k_norm over every head)
+    model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attention_dropout=0.5, pad_token_id=0)).train()
+    torch.manual_seed(10 + rank)
+    parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=True)
+    hooked = sorted(n for n, m in model.named_modules() if hasattr(m, "_pl_region_streams"))
+    model.gradient_checkpointing_enable()  # transformers' own: nothing of ours to replay here
+    model(_ids(), labels=_ids()).loss.backward()
+    return hooked
+
+
+def test_a_layer_that_draws_only_over_replicated_values_is_left_alone():
+    """Under sequence parallelism a layer whose only dropout is inside a region that computes
+    whole on every rank (OLMo 2's gathered attention) draws from the shared stream: it gets no
+    hooks, and transformers' own gradient checkpointing still trains it (review finding)."""
+    assert run_distributed(_replicated_draws_only, 2, timeout_s=240) == [[], []]
+
+
 def _gradients(rank, ws, checkpointing, replay, sp=False):
     from parallel_layers import activation_checkpointing, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
