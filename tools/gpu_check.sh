@@ -41,7 +41,8 @@ step "CUDA tests"
 # with its test, not the whole run.
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
 timeout 360 python3 -m pytest -p no:cacheprovider -q -o addopts="-ra" -m "not slow" -k cuda $xdist \
-    tests/ops tests/zero/test_zero.py tests/test_fused.py tests/tensor_parallel/test_vocab.py > "$out/pytest.txt" 2>&1
+    tests/ops tests/zero/test_zero.py tests/test_fused.py tests/tensor_parallel/test_vocab.py \
+    tests/test_activation_checkpointing.py > "$out/pytest.txt" 2>&1
 echo "pytest exit: $?"; grep -v "^SKIPPED" "$out/pytest.txt" | tail -30
 
 step "compute-sanitizer memcheck"
