@@ -55,7 +55,6 @@ because the model's own forward returns a ModelOutput, not the logits that `loss
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import operator
 from typing import Callable
 
@@ -73,7 +72,6 @@ from parallel_layers.parallel_dims import ParallelContext
 from parallel_layers.pipeline import PipelineParallel, PipelineStages
 from parallel_layers.pipeline import hf as hf_pipeline
 from parallel_layers.tensor_parallel import plan as tp_plan_module
-from parallel_layers.tensor_parallel import region_random
 from parallel_layers.zero import ZeRO
 
 
@@ -256,8 +254,6 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                              named_after=named_after, device=ctx.device)
         net.release_unheld(model)  # the other stages' layers: nothing of theirs stays alive here
         prefix = "" if named_after is not None else pipeline_layers + "."
-        if ctx.dims.pp > 1:
-            _seed_per_pipeline_rank(ctx, reseed_regions=tp_plan is not None)
     if not meta.has_meta(net):  # a meta-built model gets its storage later (parallel_layers/meta.py)
         net.to(ctx.device)
         fused.pack(net)  # the move gave every tensor storage of its own
@@ -275,24 +271,6 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                 token_count=token_count, data_parallel=wrapper, device=ctx.device)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
                         loss_fn=loss_fn, ctx=ctx, token_count=token_count)
-
-
-# Note [a random stream per pipeline stage]: every rank builds the same model from the same
-# seed (the usual `torch.manual_seed(0)` on every rank), so every pipeline rank starts its
-# random stream at the same state, and stage s drew for its first dropout layer exactly the masks
-# stage 0 drew for its own: layers L and L + n/p dropped the same positions at every step, which no
-# single-device model does. Megatron seeds each pipeline rank apart (its seed + 100 * the rank),
-# torchtitan too. So at pp > 1, once the stages are cut, each rank reseeds its stream (CPU and
-# CUDA) from a digest of its state plus the pipeline rank: the ranks of a stage's TP group, which
-# share one state, still share one (Note [one random stream per tensor-parallel group]); ranks
-# that differed (data-parallel replicas seeded apart) still differ; and the TP region streams are
-# seeded again from the new state. The model is built before: initialisation is unchanged, and
-# a meta-built model's values come from its files. Checkpoints save each rank's state as it is.
-def _seed_per_pipeline_rank(ctx: ParallelContext, reseed_regions: bool) -> None:
-    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()
-    torch.manual_seed(int.from_bytes(digest[:7], "little") + 100 * ctx.coordinate("pp"))
-    if reseed_regions and ctx.dims.tp > 1:
-        region_random.seed(ctx.tp_group)
 
 
 def vocabulary_units(model: nn.Module, blocks: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 Getter = Callable[[], dict[str, Tensor]]  # entry name -> state; every name starts with "<name>_"
@@ -38,3 +39,30 @@ def load_state_dict(states: dict[str, Tensor]) -> None:
         mine = {k: v for k, v in states.items() if k.startswith(f"{name}_")}
         if mine:
             put(mine)
+
+
+def get_state(device: torch.device) -> Tensor:
+    """The default generator's state of `device` (the CPU's, or a CUDA device's)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_state(device: torch.device, state: Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def device_key(device: torch.device) -> torch.device:
+    """One key per generator: the CPU, or the CUDA device with its index (the current one for
+    a bare "cuda")."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
+def fresh_state(device: torch.device, seed: int) -> Tensor:
+    """A generator state of `device`'s kind seeded with `seed`, leaving the default generator alone."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g.get_state()

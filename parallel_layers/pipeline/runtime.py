@@ -42,6 +42,7 @@ from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
 from parallel_layers.pipeline.schedule import BATCH, FORWARD, RECV_B, RECV_F, SEND_F, build_schedule, check_arguments
+from parallel_layers.pipeline import stage_random
 from parallel_layers.pipeline.stages import PipelineStages
 
 
@@ -74,6 +75,8 @@ class PipelineParallel:
         self.actions = build_schedule(schedule, self.ranks, microbatches, stages.virtual)  # validated
         self.last_rank = (self.num_stages - 1) % self.ranks
         self.messenger = Messenger(self.group, self.device)
+        if self.ranks > 1:  # Note [a random stream per pipeline stage]
+            stage_random.seed(self.rank, self.device)
 
     # ---- one step -------------------------------------------------------------------------
     def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None) -> tuple:
@@ -332,12 +335,14 @@ class _StepRun:
         y = None  # the stage's output (the last stage's: its scaled loss); None if it failed or had no input
         if x is not None:
             try:
-                y = pipe.stages.chunk(k)(x, **self.side[i])
-                if not isinstance(y, Tensor):
-                    raise TypeError(f"pipeline stage {k} returned {type(y).__name__}; a stage must return one tensor "
-                                    "(its activations), as must every layer of the layer list")
+                with stage_random.active(pipe.device):  # Note [a random stream per pipeline stage]
+                    y = pipe.stages.chunk(k)(x, **self.side[i])
+                    if not isinstance(y, Tensor):
+                        raise TypeError(f"pipeline stage {k} returned {type(y).__name__}; a stage must return one "
+                                        "tensor (its activations), as must every layer of the layer list")
+                    if k == pipe.num_stages - 1:
+                        y = pipe.loss_fn(y, self.y_mb[i]) * self.scale
                 if k == pipe.num_stages - 1:
-                    y = pipe.loss_fn(y, self.y_mb[i]) * self.scale
                     self.total += y.detach().double()
             except Exception as e:  # raised on every rank at the step's end (Note [a failed stage] in _p2p.py)
                 self._failed(e, f"the forward of stage {k}, microbatch {i}")

@@ -70,6 +70,7 @@ class _Streams:
 
     def __init__(self):
         self.seed: int | None = None
+        self.tp_rank = 0
         self.region: dict[torch.device, torch.Tensor] = {}
         self.outer: dict[torch.device, torch.Tensor] = {}
         self.replaying = False
@@ -78,38 +79,35 @@ class _Streams:
 _streams = _Streams()
 
 
-def _get(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
-
-
-def _key(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device if device.type == "cuda" else torch.device("cpu")
+_get, _set, _key = random_states.get_state, random_states.set_state, random_states.device_key
 
 
 def seed(tp_group) -> None:
     """Seed this rank's region streams (at tp > 1, once the group shares one stream): a digest of
     the shared CPU state, the same on every rank of the group, plus the TP rank. The shared
     stream is read, not drawn from: the model's replicated draws stay what they would be."""
+    _streams.tp_rank = comm.group_rank(tp_group)
+    _seed_from_default()
+
+
+def reseed() -> None:
+    """`seed` again, with the TP rank it was given, from the stream that is the default now (a
+    pipeline stage's: Note [a random stream per pipeline stage] in pipeline/stage_random.py);
+    nothing before `seed`."""
+    if _streams.seed is not None:
+        _seed_from_default()
+
+
+def _seed_from_default() -> None:
     digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()
-    _streams.seed = int.from_bytes(digest[:7], "little") + _OFFSET + comm.group_rank(tp_group)
+    _streams.seed = int.from_bytes(digest[:7], "little") + _OFFSET + _streams.tp_rank
     _streams.region.clear()
     _streams.outer.clear()
 
 
 def _region_state(device: torch.device) -> torch.Tensor:
     if device not in _streams.region:
-        g = torch.Generator(device=device)
-        g.manual_seed(_streams.seed)
-        _streams.region[device] = g.get_state()
+        _streams.region[device] = random_states.fresh_state(device, _streams.seed)
     return _streams.region[device]
 
 

@@ -23,6 +23,7 @@ selected) and split on dim 0: rank r holds rows [r * V_r, (r + 1) * V_r), V_r = 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VocabParallelEmbedding expects integer ids (torch.int64 or torch.int32), got "
                             f"{ids.dtype}")
-        _assert_on_device((ids >= 0) & (ids < self.num_embeddings),
+        _assert_on_device(ids, lambda: (ids >= 0) & (ids < self.num_embeddings),
                           f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings})")
         if ids.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got values in "
@@ -258,7 +259,7 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding
     # A target outside the vocabulary would match no rank's rows and count as logit 0, silently.
     # On the CPU the error names the values; the targets are replicated over the TP group, so
     # every rank of it raises together. On a GPU, Note [range checks on a device].
-    _assert_on_device(((target >= 0) & (target < emb.num_embeddings)) | (target == ignore_index),
+    _assert_on_device(target, lambda: ((target >= 0) & (target < emb.num_embeddings)) | (target == ignore_index),
                       f"vocab_parallel_cross_entropy: targets must be in [0, {emb.num_embeddings}) or ignore_index "
                       f"({ignore_index})")
     if target.device.type == "cpu":
@@ -280,14 +281,15 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding
 # rows: the lookup returns zeros and the loss counts the target's logit as 0, a silently wrong
 # step. On the CPU the check raises an error naming the values; on a GPU reading them back would
 # stall the host every step, so the check is an asynchronous device-side assert
-# (torch._assert_async): no sync, a few elementwise kernels, and the job stops at its next sync
+# (torch._assert_async, CUDA only): no sync, a few elementwise kernels, and the job stops at its next sync
 # with a CUDA "device-side assert triggered" error carrying the message - what torch's own
 # nn.Embedding and F.cross_entropy do on a GPU.
-def _assert_on_device(valid: Tensor, message: str) -> None:
-    """Every element of `valid` true, asserted on its accelerator without a sync (Note [range
-    checks on a device]); the CPU and meta tensors are checked, or not, by the caller."""
-    if valid.device.type not in ("cpu", "meta") and valid.numel():
-        torch._assert_async(valid.all(), message)
+def _assert_on_device(values: Tensor, valid: Callable[[], Tensor], message: str) -> None:
+    """On a CUDA device, every element of `valid()` true, asserted without a sync (Note [range
+    checks on a device]; torch has the assert's kernel for CUDA and the CPU only). The CPU's
+    values are checked by the caller, with an error that names them."""
+    if values.device.type == "cuda" and values.numel():
+        torch._assert_async(valid().all(), message)
 
 
 # Note [vocab-parallel head]: a head tied to the input embedding reads the embedding module

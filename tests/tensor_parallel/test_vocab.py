@@ -89,12 +89,12 @@ def test_reductions_and_errors_single_process():
 
 def test_range_checks_on_a_device_assert_what_the_cpu_checks_raise(monkeypatch):
     """Note [range checks on a device]: the conditions handed to the asynchronous device-side
-    assert (a no-op on the CPU), recorded here on CPU tensors: false exactly where the CPU's
-    check raises."""
+    assert (CUDA only), recorded here on CPU tensors: false exactly where the CPU's check raises."""
     from parallel_layers.tensor_parallel import vocab
 
     seen = []
-    monkeypatch.setattr(vocab, "_assert_on_device", lambda valid, message: seen.append((bool(valid.all()), message)))
+    monkeypatch.setattr(vocab, "_assert_on_device",
+                        lambda values, valid, message: seen.append((bool(valid().all()), message)))
     emb = VocabParallelEmbedding(10, 4)
     logits = torch.randn(4, 10)
     emb(torch.tensor([0, 9]))

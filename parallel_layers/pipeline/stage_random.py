@@ -1,0 +1,105 @@
+"""A random stream of each pipeline rank's own for what its stages draw.
+
+Note [a random stream per pipeline stage]: every rank builds the same model from the same seed
+(the usual `torch.manual_seed(0)` on every rank), so every pipeline rank's default generator
+starts at the same state, and stage 1's first block drew exactly the dropout masks stage 0's
+first block drew: layers L and L + n / p dropped the same positions at every step, which no
+single-device model does. Megatron seeds its pipeline ranks apart (its seed + 100 x the rank).
+Reseeding the default generator would do the same and break something else: the user's own
+draws after `parallelize` - a batch of `torch.randint`, a DataLoader's shuffle, which seeds its
+sampler from the default generator - would then differ between the pipeline ranks, which must
+all see the same batch (stage 0 reads its inputs, the last stage its targets): inputs of one
+batch trained against targets of another, silently.
+
+So the stages draw from a stream of their own, swapped in around each stage's forward
+(`active`) and out again after it, as the TP region streams are (tensor_parallel/region_random.py):
+
+  * `seed(pp_rank, device)` (PipelineParallel at p > 1) seeds it with a digest of the default
+    generators' states (the CPU's, and the CUDA device's) plus 100 x the pipeline rank. The ranks
+    of one stage's TP group share those states (Note [one random stream per tensor-parallel
+    group]) and so one stage stream; data-parallel replicas seeded apart stay apart. The TP
+    region streams are seeded again from it, so that they too differ between stages.
+  * The default generators are read, not drawn from: the user's stream is what it would be
+    without a pipeline.
+  * Activation checkpointing's recompute replays it: `checkpoint` stashes the default state at
+    the block's forward, which is then this stream's, and restores it for the recompute.
+  * Checkpoints save and restore it beside the global state (parallel_layers/random_states.py),
+    so a resumed run draws what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+
+from parallel_layers import random_states
+from parallel_layers.tensor_parallel import region_random
+
+_SEED_STRIDE = 100  # Megatron's offset between pipeline ranks
+
+
+class _Stream:
+    def __init__(self):
+        self.seed: int | None = None
+        self.states: dict[torch.device, torch.Tensor] = {}  # each device's state between stages
+
+
+_stream = _Stream()
+
+
+def seed(pp_rank: int, device: torch.device | str) -> None:
+    """Seed this rank's stage stream (Note [a random stream per pipeline stage]) from the default
+    generators of the CPU and of `device`, and the TP region streams from it."""
+    keys = _keys(torch.device(device))
+    digest = hashlib.sha256(b"".join(random_states.get_state(d).numpy().tobytes() for d in keys)).digest()
+    _stream.seed = int.from_bytes(digest[:7], "little") + _SEED_STRIDE * pp_rank
+    _stream.states.clear()
+    with active(device):
+        region_random.reseed()
+
+
+def _keys(device: torch.device) -> list[torch.device]:
+    cpu = torch.device("cpu")
+    return [cpu] if device.type != "cuda" else [cpu, random_states.device_key(device)]
+
+
+@contextlib.contextmanager
+def active(device: torch.device | str):
+    """Run with the stage stream as the default generators of the CPU and of `device`, then put
+    back what they were (a no-op before `seed`)."""
+    if _stream.seed is None:
+        yield
+        return
+    keys = _keys(torch.device(device))
+    outer = {d: random_states.get_state(d) for d in keys}
+    for d in keys:
+        if d not in _stream.states:
+            _stream.states[d] = random_states.fresh_state(d, _stream.seed)
+        random_states.set_state(d, _stream.states[d])
+    try:
+        yield
+    finally:
+        for d in keys:
+            _stream.states[d] = random_states.get_state(d)
+            random_states.set_state(d, outer[d])
+
+
+def state_dict() -> dict[str, torch.Tensor]:
+    """For a checkpoint: this rank's stage states, keyed "pp_stage_<device type>" (the CPU and
+    the current CUDA device)."""
+    return {f"pp_stage_{d.type}": s.clone() for d, s in _stream.states.items()
+            if d.type == "cpu" or d.index == torch.cuda.current_device()}
+
+
+def load_state_dict(states: dict[str, torch.Tensor]) -> None:
+    for name, s in states.items():
+        kind = name.removeprefix("pp_stage_")
+        if kind == "cpu":
+            _stream.states[torch.device("cpu")] = s.clone()
+        elif kind == "cuda" and torch.cuda.is_available():
+            _stream.states[torch.device("cuda", torch.cuda.current_device())] = s.clone()
+
+
+random_states.register("pp_stage", state_dict, load_state_dict)  # saved in checkpoints
