@@ -281,9 +281,9 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, target: Tensor, embedding
 # rows: the lookup returns zeros and the loss counts the target's logit as 0, a silently wrong
 # step. On the CPU the check raises an error naming the values; on a GPU reading them back would
 # stall the host every step, so the check is an asynchronous device-side assert
-# (torch._assert_async, CUDA only): no sync, a few elementwise kernels, and the job stops at its next sync
-# with a CUDA "device-side assert triggered" error carrying the message - what torch's own
-# nn.Embedding and F.cross_entropy do on a GPU.
+# (torch._assert_async, CUDA only): no sync, a few elementwise kernels, and the job stops at its
+# next sync with a CUDA "device-side assert triggered" error carrying the message - what torch's
+# own nn.Embedding and F.cross_entropy do on a GPU.
 def _assert_on_device(values: Tensor, valid: Callable[[], Tensor], message: str) -> None:
     """On a CUDA device, every element of `valid()` true, asserted without a sync (Note [range
     checks on a device]; torch has the assert's kernel for CUDA and the CPU only). The CPU's
