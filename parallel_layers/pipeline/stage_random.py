@@ -43,7 +43,11 @@ _SEED_STRIDE = 100  # Megatron's offset between pipeline ranks
 class _Stream:
     def __init__(self):
         self.seed: int | None = None
+        self.device = torch.device("cpu")  # the pipeline's: its CUDA state is the one a checkpoint saves
         self.states: dict[torch.device, torch.Tensor] = {}  # each device's state between stages
+        # restored by a checkpoint and not drawn from yet: a `seed` before the first stage forward
+        # (a pipeline built after the load) keeps them, as it keeps the region streams'
+        self.loaded = False
 
 
 _stream = _Stream()
@@ -55,6 +59,9 @@ def seed(pp_rank: int, device: torch.device | str) -> None:
     keys = _keys(torch.device(device))
     digest = hashlib.sha256(b"".join(random_states.get_state(d).numpy().tobytes() for d in keys)).digest()
     _stream.seed = int.from_bytes(digest[:7], "little") + _SEED_STRIDE * pp_rank
+    _stream.device = keys[-1]
+    if _stream.loaded:
+        return
     _stream.states.clear()
     with active(device):
         region_random.reseed()
@@ -73,6 +80,7 @@ def active(device: torch.device | str):
         yield
         return
     keys = _keys(torch.device(device))
+    _stream.loaded = False
     outer = {d: random_states.get_state(d) for d in keys}
     for d in keys:
         if d not in _stream.states:
@@ -88,9 +96,9 @@ def active(device: torch.device | str):
 
 def state_dict() -> dict[str, torch.Tensor]:
     """For a checkpoint: this rank's stage states, keyed "pp_stage_<device type>" (the CPU and
-    the current CUDA device)."""
+    the pipeline's CUDA device)."""
     return {f"pp_stage_{d.type}": s.clone() for d, s in _stream.states.items()
-            if d.type == "cpu" or d.index == torch.cuda.current_device()}
+            if d.type == "cpu" or d == _stream.device}
 
 
 def load_state_dict(states: dict[str, torch.Tensor]) -> None:
@@ -99,7 +107,9 @@ def load_state_dict(states: dict[str, torch.Tensor]) -> None:
         if kind == "cpu":
             _stream.states[torch.device("cpu")] = s.clone()
         elif kind == "cuda" and torch.cuda.is_available():
-            _stream.states[torch.device("cuda", torch.cuda.current_device())] = s.clone()
+            cuda = _stream.device if _stream.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+            _stream.states[cuda] = s.clone()
+    _stream.loaded = True
 
 
 random_states.register("pp_stage", state_dict, load_state_dict)  # saved in checkpoints

@@ -1,0 +1,66 @@
+"""Note [a random stream per pipeline stage] with the pipeline's own API: a checkpoint restores
+the stage stream whether it is loaded before or after PipelineParallel is built, and the user's
+stream is left as it was (GPT-2 cases: tests/tensor_parallel/test_region_random.py)."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tests.dist_harness import run_distributed
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(16, 16), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.lin(x)))
+
+
+def _build():
+    from parallel_layers.pipeline import PipelineStages
+
+    torch.manual_seed(0)
+    stages = PipelineStages(nn.ModuleList([_Block() for _ in range(4)]), group=dist.group.WORLD)
+    return stages, torch.optim.SGD(stages.parameters(), lr=0.1)
+
+
+def _pipe(stages):
+    from parallel_layers.pipeline import PipelineParallel
+
+    return PipelineParallel(stages, microbatches=2, loss_fn=lambda y, t: ((y - t) ** 2).mean())
+
+
+def _step(pipe, opt):
+    opt.zero_grad()
+    x = torch.randn(4, 16)  # the user's stream: the same batch on every pipeline rank
+    loss = pipe.step(x, x).item()
+    opt.step()
+    return loss
+
+
+def _run(rank, ws, directory, order):
+    from parallel_layers import checkpoint
+
+    stages, opt = _build()
+    if order == "uninterrupted":
+        pipe = _pipe(stages)
+        _step(pipe, opt)
+        checkpoint.save(directory, 1, stages, opt)
+    elif order == "load, then the pipeline":  # the stage stream is seeded after the load: it keeps it
+        checkpoint.load(f"{directory}/step_1", stages, opt)
+        pipe = _pipe(stages)
+    else:
+        pipe = _pipe(stages)
+        checkpoint.load(f"{directory}/step_1", stages, opt)
+    return [_step(pipe, opt), _step(pipe, opt)]
+
+
+def test_a_checkpoint_restores_the_stage_stream_whenever_it_is_loaded(tmp_path):
+    """Review finding: a PipelineParallel built after checkpoint.load reseeded the stage (and
+    region) streams the load had restored, and the resumed run drew other dropout masks."""
+    after = run_distributed(_run, 2, args=(str(tmp_path), "uninterrupted"), timeout_s=240)
+    assert after[0] == after[1] and after[0][0] != after[0][1]
+    for order in ("the pipeline, then load", "load, then the pipeline"):
+        assert run_distributed(_run, 2, args=(str(tmp_path), order), timeout_s=240) == after, order
