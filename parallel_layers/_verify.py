@@ -139,12 +139,16 @@ def verify(model, train, config: str, gpus: int, *, top: int = 3, steps: int = 3
     fail or run past `timeout_s` (then they are killed)."""
     import dataclasses
 
+    import torch
+
     if steps < 2:
         raise ValueError(f"--verify-steps must be >= 2 (the first step warms up and is not timed), got {steps}")
     if top < 1:
         raise ValueError(f"--verify N runs the N best layouts: N must be >= 1, got {top}")
-    # transformers' published plan gathers the head's logits on every tp rank ('colwise_gather_output')
-    train = dataclasses.replace(train, vocab_parallel_loss=False)
+    # transformers' published plan gathers the head's logits on every tp rank ('colwise_gather_output');
+    # on the CPU a dropout keeps its mask in float32, the worker's dtype (TrainSpec.dropout_mask_bytes)
+    train = dataclasses.replace(train, vocab_parallel_loss=False,
+                                dropout_mask_bytes=1 if torch.cuda.is_available() else train.act_bytes)
     with tempfile.TemporaryDirectory(prefix="plan-verify-") as work:
         job, out = os.path.join(work, "job.json"), os.path.join(work, "out.json")
         with open(job, "w") as f:

@@ -35,11 +35,13 @@ Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit with d
 attention; e bytes per element, a heads, q = heads * head_dim, k = kv_heads * head_dim, f the MLP
 width, t = tp, sequence parallel divides the part outside the TP region by t too):
   outside the TP region: 4h elements (both norms' inputs and outputs), 2h bytes of
-      dropout masks when dropout is on, 16 bytes of norm statistics (fp32);
+      dropout masks when dropout is on (2h elements on the CPU, whose dropout keeps its mask in
+      the input's dtype: TrainSpec.dropout_mask_bytes, set by --verify), 16 bytes of norm
+      statistics (fp32);
   inside it (/ t): q + 2k (Q, K, V) + q (attention output) + the MLP's: GeLU 2f (its input and
       output), SwiGLU 4f (gate, up, silu(gate), their product: Hugging Face's eager LlamaMLP);
-  attention scores (/ t): eager: a * s * (2e + 1 with dropout) bytes (probabilities, mask,
-      dropped); flash: 4a bytes (fp32 log-sum-exp).
+  attention scores (/ t): eager: a * s * (2e + 1 with dropout; 3e on the CPU) bytes
+      (probabilities, mask, dropped); flash: 4a bytes (fp32 log-sum-exp).
   Recomputation: "selective" drops the scores term (recomputed in backward: the 5as/h of the
   formula; nothing changes with flash attention, which recomputes them already); "full" keeps
   only each layer's input, e*h per token (/ t with sequence parallel), plus one layer's full
@@ -396,6 +398,9 @@ class TrainSpec:
     tensor_parallel: int | None = None  # None: searched; fixed to compare with a system that had one
     pipeline_parallel: int | None = None  # None: searched (e.g. 1 for a system without pipelines)
     vocab_parallel_loss: bool = True  # False: the head's logits are gathered to the whole vocab on every tp rank
+    # bytes a dropout keeps per element for backward: 1 on a GPU (its fused dropout keeps a bool
+    # mask); the CPU's keeps the scaled mask in the input's dtype (ATen's unfused dropout)
+    dropout_mask_bytes: int = 1
     # a mixture of experts' experts over groups of ep dp ranks: True (ep = dp), False, a number ep,
     # or None: searched (without, and every ep dividing both dp and the expert count)
     expert_parallel: bool | int | None = None
@@ -528,13 +533,14 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
     outside_tp = tp if train.sequence_parallel else 1
     if recompute == "full":
         return e * h / outside_tp
-    per_token = (e * 4 * h + (2 * h if dropout else 0)) / outside_tp + 16
+    m = train.dropout_mask_bytes
+    per_token = (e * 4 * h + (2 * h * m if dropout else 0)) / outside_tp + 16
     mlp = (model.mlp_kept or (4 if model.mlp == "swiglu" else 2)) * model.ffn_width * max(1, model.experts_per_token)
     per_token += e * (2 * model.q_width + 2 * model.kv_width + mlp) / tp
     if train.flash_attention:
         per_token += 4 * a / tp
     elif recompute == "none":
-        per_token += a * s * (2 * e + (1 if dropout else 0)) / tp
+        per_token += a * s * (2 * e + (m if dropout else 0)) / tp
     return per_token
 
 
