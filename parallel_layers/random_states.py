@@ -34,11 +34,10 @@ def state_dict() -> dict[str, Tensor]:
 
 
 def load_state_dict(states: dict[str, Tensor]) -> None:
-    """Hand each registered stream the entries of its name (a checkpoint may hold none)."""
+    """Hand each registered stream the entries of its name, none when the checkpoint holds none
+    (the stream then knows this restore brought nothing of its own)."""
     for name, (_, put) in _streams.items():
-        mine = {k: v for k, v in states.items() if k.startswith(f"{name}_")}
-        if mine:
-            put(mine)
+        put({k: v for k, v in states.items() if k.startswith(f"{name}_")})
 
 
 def get_state(device: torch.device) -> Tensor:

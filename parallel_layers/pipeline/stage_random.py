@@ -45,9 +45,10 @@ class _Stream:
         self.seed: int | None = None
         self.device = torch.device("cpu")  # the pipeline's: its CUDA state is the one a checkpoint saves
         self.states: dict[torch.device, torch.Tensor] = {}  # each device's state between stages
-        # restored by a checkpoint and not drawn from yet: a `seed` before the first stage forward
-        # (a pipeline built after the load) keeps them, as it keeps the region streams'
-        self.loaded = False
+        # the CPU default state a checkpoint restored with these states: a `seed` that finds it
+        # still in place (a pipeline built right after the load) keeps them, and the region
+        # streams' that came with them
+        self.loaded: torch.Tensor | None = None
 
 
 _stream = _Stream()
@@ -60,8 +61,9 @@ def seed(pp_rank: int, device: torch.device | str) -> None:
     digest = hashlib.sha256(b"".join(random_states.get_state(d).numpy().tobytes() for d in keys)).digest()
     _stream.seed = int.from_bytes(digest[:7], "little") + _SEED_STRIDE * pp_rank
     _stream.device = keys[-1]
-    if _stream.loaded:
+    if _stream.loaded is not None and torch.equal(_stream.loaded, torch.get_rng_state()):
         return
+    _stream.loaded = None
     _stream.states.clear()
     with active(device):
         region_random.reseed()
@@ -80,7 +82,7 @@ def active(device: torch.device | str):
         yield
         return
     keys = _keys(torch.device(device))
-    _stream.loaded = False
+    _stream.loaded = None
     outer = {d: random_states.get_state(d) for d in keys}
     for d in keys:
         if d not in _stream.states:
@@ -102,6 +104,10 @@ def state_dict() -> dict[str, torch.Tensor]:
 
 
 def load_state_dict(states: dict[str, torch.Tensor]) -> None:
+    """Called by every restore, with no entries when the checkpoint holds no stage stream."""
+    if not states:
+        _stream.loaded = None
+        return
     for name, s in states.items():
         kind = name.removeprefix("pp_stage_")
         if kind == "cpu":
@@ -109,7 +115,7 @@ def load_state_dict(states: dict[str, torch.Tensor]) -> None:
         elif kind == "cuda" and torch.cuda.is_available():
             cuda = _stream.device if _stream.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
             _stream.states[cuda] = s.clone()
-    _stream.loaded = True
+    _stream.loaded = torch.get_rng_state()  # the checkpoint restored the default states first
 
 
 random_states.register("pp_stage", state_dict, load_state_dict)  # saved in checkpoints

@@ -64,3 +64,41 @@ def test_a_checkpoint_restores_the_stage_stream_whenever_it_is_loaded(tmp_path):
     assert after[0] == after[1] and after[0][0] != after[0][1]
     for order in ("the pipeline, then load", "load, then the pipeline"):
         assert run_distributed(_run, 2, args=(str(tmp_path), order), timeout_s=240) == after, order
+
+
+def _stale(rank, ws, directory, case):
+    from parallel_layers import checkpoint, random_states
+
+    stages, opt = _build()
+    if case == "save":  # step 1: a checkpoint with the stage stream; step 2: one without (an older version's)
+        pipe = _pipe(stages)
+        _step(pipe, opt)
+        checkpoint.save(f"{directory}/full", 1, stages, opt)
+        _step(pipe, opt)
+        get, put = random_states._streams["pp_stage"]
+        random_states._streams["pp_stage"] = (lambda: {}, put)
+        checkpoint.save(f"{directory}/old", 2, stages, opt)
+        random_states._streams["pp_stage"] = (get, put)
+        return None
+    if case in ("old", "full, then old"):
+        if case == "full, then old":
+            checkpoint.load(f"{directory}/full/step_1", stages, opt)
+        checkpoint.load(f"{directory}/old/step_2", stages, opt)
+    elif case == "load A, then a new model B":
+        checkpoint.load(f"{directory}/full/step_1", stages, opt)
+        _pipe(stages)  # A's pipeline, never stepped
+        stages, opt = _build()  # B, from the same seed as a fresh run
+    pipe = _pipe(stages)
+    return [_step(pipe, opt), _step(pipe, opt)]
+
+
+def test_a_restored_stage_stream_is_kept_only_for_the_pipeline_of_its_load(tmp_path):
+    """Review findings: a second load whose checkpoint holds no stage stream kept the first
+    load's, and a new model's pipeline built after a load drew from the loaded stream rather
+    than its own seed. The restored states are kept only while the default generator is the
+    one that load restored."""
+    run_distributed(_stale, 2, args=(str(tmp_path), "save"), timeout_s=240)
+    runs = {case: run_distributed(_stale, 2, args=(str(tmp_path), case), timeout_s=240)
+            for case in ("old", "full, then old", "fresh", "load A, then a new model B")}
+    assert runs["full, then old"] == runs["old"]
+    assert runs["load A, then a new model B"] == runs["fresh"] != runs["old"]
