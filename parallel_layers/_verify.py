@@ -132,6 +132,18 @@ class VerifyError(RuntimeError):
     """A verify run that did not complete: the launcher's command and the workers' output."""
 
 
+def planned_train(model, train, cuda: bool):
+    """The TrainSpec the plan of a --verify run assumes on this machine: transformers' published
+    plan gathers the head's logits on every tp rank ('colwise_gather_output'); on the CPU a
+    dropout keeps its mask in float32, the worker's dtype (TrainSpec.dropout_mask_bytes), and SDPA
+    with dropout runs its math path, which keeps the scores as eager attention does."""
+    import dataclasses
+
+    dropout = model.dropout if train.dropout is None else train.dropout
+    return dataclasses.replace(train, vocab_parallel_loss=False, dropout_mask_bytes=1 if cuda else train.act_bytes,
+                               flash_attention=train.flash_attention and (cuda or not dropout))
+
+
 def verify(model, train, config: str, gpus: int, *, top: int = 3, steps: int = 3, gpu_mem_bytes: float | None = None,
            timeout_s: float = 600.0, rows: int = 15) -> dict:
     """Plan for `gpus` local processes and run the top `top` candidates for `steps` steps each
@@ -145,15 +157,13 @@ def verify(model, train, config: str, gpus: int, *, top: int = 3, steps: int = 3
         raise ValueError(f"--verify-steps must be >= 2 (the first step warms up and is not timed), got {steps}")
     if top < 1:
         raise ValueError(f"--verify N runs the N best layouts: N must be >= 1, got {top}")
-    # transformers' published plan gathers the head's logits on every tp rank ('colwise_gather_output');
-    # on the CPU a dropout keeps its mask in float32, the worker's dtype (TrainSpec.dropout_mask_bytes)
-    train = dataclasses.replace(train, vocab_parallel_loss=False,
-                                dropout_mask_bytes=1 if torch.cuda.is_available() else train.act_bytes)
+    attention = "sdpa" if train.flash_attention else "eager"
+    train = planned_train(model, train, cuda=torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="plan-verify-") as work:
         job, out = os.path.join(work, "job.json"), os.path.join(work, "out.json")
         with open(job, "w") as f:
             json.dump({"model": dataclasses.asdict(model), "train": dataclasses.asdict(train), "config": config,
-                       "attention": "sdpa" if train.flash_attention else "eager", "seq": model.seq, "steps": steps,
+                       "attention": attention, "seq": model.seq, "steps": steps,
                        "top": top, "gpu_mem_bytes": gpu_mem_bytes, "timeout_s": timeout_s, "rows": rows}, f)
         cores = os.cpu_count() or 1
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // gpus)),

@@ -89,17 +89,19 @@ def test_parsed_shape(tmp_path):
         ModelSpec.from_hf_config({**gpt2_config, "activation_function": "relu"}, seq=1024)
 
 
-def test_a_gpt2_layer_keeps_what_the_planner_counts_on_the_cpu():
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_gpt2_layer_keeps_what_the_planner_counts_on_the_cpu(attention):
     """The bytes one GPT-2 decoder layer (eager attention, dropout on, float32) saves for backward
     on the CPU, against `activation_bytes`: the CPU's dropout keeps its mask in float32 (ATen's
     unfused dropout: TrainSpec.dropout_mask_bytes=4, what --verify sets there); a GPU's fused
     dropout keeps a bool mask. With 1-byte masks the estimate was 10% short here: the GPT-2
-    --verify at ZeRO-3 measured 1.17-1.18 of its prediction, 1.10-1.11 after."""
+    --verify at ZeRO-3 measured 1.17-1.18 of its prediction, 1.10-1.11 after. SDPA with dropout
+    keeps what eager attention keeps on the CPU (its math path), not the flash kernel's 4a bytes."""
     import torch
 
     b, seq = 2, 128
     config = transformers.GPT2Config(n_embd=128, n_layer=1, n_head=4, vocab_size=256, n_positions=seq)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     torch.manual_seed(0)
     layer = transformers.GPT2LMHeadModel(config).train().transformer.h[0]
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -120,6 +122,22 @@ def test_a_gpt2_layer_keeps_what_the_planner_counts_on_the_cpu():
     estimate = [plan.activation_bytes(spec, t, tp=1, tokens=b * seq, layers=1, head=False) for t in (cpu, gpu)]
     assert estimate[0] == pytest.approx(sum(saved.values()), rel=0.02)
     assert estimate[1] < 0.92 * sum(saved.values())
+
+
+def test_verify_plans_for_the_cpus_dropout_and_attention():
+    """--verify on a CPU: float32 dropout masks, and SDPA with dropout keeping the scores (its math
+    path: the CPU's flash kernel has no dropout) - a GPT-2 layer under SDPA with dropout saves
+    what the eager one does (test above), 1.4x the flash estimate (review finding); on a GPU neither."""
+    from parallel_layers import _verify
+
+    gpt2 = ModelSpec.from_hf_config(transformers.GPT2Config(n_embd=128, n_layer=1, n_head=4).to_dict(), seq=128)
+    no_dropout = ModelSpec.from_hf_config(transformers.GPT2Config(
+        n_embd=128, n_layer=1, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0).to_dict(), seq=128)
+    asked = TrainSpec(precision="fp32", flash_attention=True)
+    cpu, gpu = (_verify.planned_train(gpt2, asked, cuda=c) for c in (False, True))
+    assert (cpu.dropout_mask_bytes, cpu.flash_attention, gpu.dropout_mask_bytes, gpu.flash_attention) == (4, False, 1, True)
+    assert _verify.planned_train(no_dropout, asked, cuda=False).flash_attention
+    assert not cpu.vocab_parallel_loss and not gpu.vocab_parallel_loss
 
 
 def test_a_real_size_config():
