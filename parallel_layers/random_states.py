@@ -10,6 +10,7 @@ it reads the placement description and nothing else of the library).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import torch
@@ -65,3 +66,29 @@ def fresh_state(device: torch.device, seed: int) -> Tensor:
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g.get_state()
+
+
+def digest_seed(*states: Tensor) -> int:
+    """A seed derived from generator states (the same states give the same seed): for a stream
+    of the library's own, seeded from the default ones without drawing from them."""
+    return int.from_bytes(hashlib.sha256(b"".join(s.numpy().tobytes() for s in states)).digest()[:7], "little")
+
+
+def to_entries(name: str, states: dict[torch.device, Tensor], cuda: torch.device | None = None) -> dict[str, Tensor]:
+    """A stream's per-device states as checkpoint entries "<name>_cpu" / "<name>_cuda": the CPU's
+    and `cuda`'s (the current CUDA device's when None)."""
+    return {f"{name}_{d.type}": s.clone() for d, s in states.items()
+            if d.type == "cpu" or d == (cuda or device_key(torch.device("cuda")))}
+
+
+def from_entries(name: str, entries: dict[str, Tensor], cuda: torch.device | None = None) -> dict[torch.device, Tensor]:
+    """`to_entries`' inverse: the CUDA entry goes to `cuda` (the current CUDA device when None),
+    and is dropped where there is no CUDA."""
+    out = {}
+    for key, s in entries.items():
+        kind = key.removeprefix(f"{name}_")
+        if kind == "cpu":
+            out[torch.device("cpu")] = s.clone()
+        elif kind == "cuda" and torch.cuda.is_available():
+            out[cuda or device_key(torch.device("cuda"))] = s.clone()
+    return out

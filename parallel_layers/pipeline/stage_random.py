@@ -30,7 +30,6 @@ So the stages draw from a stream of their own, swapped in around each stage's fo
 from __future__ import annotations
 
 import contextlib
-import hashlib
 
 import torch
 
@@ -58,8 +57,7 @@ def seed(pp_rank: int, device: torch.device | str) -> None:
     """Seed this rank's stage stream (Note [a random stream per pipeline stage]) from the default
     generators of the CPU and of `device`, and the TP region streams from it."""
     keys = _keys(torch.device(device))
-    digest = hashlib.sha256(b"".join(random_states.get_state(d).numpy().tobytes() for d in keys)).digest()
-    _stream.seed = int.from_bytes(digest[:7], "little") + _SEED_STRIDE * pp_rank
+    _stream.seed = random_states.digest_seed(*(random_states.get_state(d) for d in keys)) + _SEED_STRIDE * pp_rank
     _stream.device = keys[-1]
     if _stream.loaded is not None and torch.equal(_stream.loaded, torch.get_rng_state()):
         return
@@ -99,8 +97,7 @@ def active(device: torch.device | str):
 def state_dict() -> dict[str, torch.Tensor]:
     """For a checkpoint: this rank's stage states, keyed "pp_stage_<device type>" (the CPU and
     the pipeline's CUDA device)."""
-    return {f"pp_stage_{d.type}": s.clone() for d, s in _stream.states.items()
-            if d.type == "cpu" or d == _stream.device}
+    return random_states.to_entries("pp_stage", _stream.states, _cuda())
 
 
 def load_state_dict(states: dict[str, torch.Tensor]) -> None:
@@ -108,14 +105,13 @@ def load_state_dict(states: dict[str, torch.Tensor]) -> None:
     if not states:
         _stream.loaded = None
         return
-    for name, s in states.items():
-        kind = name.removeprefix("pp_stage_")
-        if kind == "cpu":
-            _stream.states[torch.device("cpu")] = s.clone()
-        elif kind == "cuda" and torch.cuda.is_available():
-            cuda = _stream.device if _stream.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-            _stream.states[cuda] = s.clone()
+    _stream.states.update(random_states.from_entries("pp_stage", states, _cuda()))
     _stream.loaded = torch.get_rng_state()  # the checkpoint restored the default states first
+
+
+def _cuda() -> torch.device | None:
+    """The pipeline's CUDA device (None: the current one)."""
+    return _stream.device if _stream.device.type == "cuda" else None
 
 
 random_states.register("pp_stage", state_dict, load_state_dict)  # saved in checkpoints

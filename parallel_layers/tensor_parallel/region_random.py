@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 
 import torch
 from torch.utils import _pytree as pytree
@@ -99,8 +98,7 @@ def reseed() -> None:
 
 
 def _seed_from_default() -> None:
-    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()
-    _streams.seed = int.from_bytes(digest[:7], "little") + _OFFSET + _streams.tp_rank
+    _streams.seed = random_states.digest_seed(torch.get_rng_state()) + _OFFSET + _streams.tp_rank
     _streams.region.clear()
     _streams.outer.clear()
 
@@ -166,21 +164,12 @@ def state_dict() -> dict[str, torch.Tensor]:
     """For a checkpoint: this rank's region states, keyed "tp_region_<device type>" (the CPU
     and the current CUDA device)."""
     leave()
-    out = {}
-    for d, s in _streams.region.items():
-        if d.type == "cpu" or d.index == torch.cuda.current_device():
-            out[f"tp_region_{d.type}"] = s.clone()
-    return out
+    return random_states.to_entries("tp_region", _streams.region)
 
 
 def load_state_dict(states: dict[str, torch.Tensor]) -> None:
     leave()
-    for name, s in states.items():
-        kind = name.removeprefix("tp_region_")
-        if kind == "cpu":
-            _streams.region[torch.device("cpu")] = s.clone()
-        elif kind == "cuda" and torch.cuda.is_available():
-            _streams.region[torch.device("cuda", torch.cuda.current_device())] = s.clone()
+    _streams.region.update(random_states.from_entries("tp_region", states))
 
 
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")  # Hugging Face attention's rates
@@ -201,7 +190,7 @@ def install(parent: torch.nn.Module, columns: list[torch.nn.Module], rows: list[
     """The hooks of one region: `parent` holds its column layers (sharded outputs) and the row
     layers that consume them."""
     for column in columns:
-        column.register_forward_hook(lambda m, args, out: enter(out.device) if torch.is_tensor(out) else None)
+        column.register_forward_hook(lambda m, args, out: _enter_at(out))
     for row in rows:
         row.register_forward_pre_hook(lambda m, args: leave())
     parent.register_forward_pre_hook(lambda m, args: leave())
