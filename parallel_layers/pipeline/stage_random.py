@@ -19,6 +19,10 @@ So the stages draw from a stream of their own, swapped in around each stage's fo
     of one stage's TP group share those states (Note [one random stream per tensor-parallel
     group]) and so one stage stream; data-parallel replicas seeded apart stay apart. The TP
     region streams are seeded again from it, so that they too differ between stages.
+  * Tensor parallelism applied after the pipeline is built (the other way round from
+    `parallelize`'s order) seeds the stage stream again once the TP group shares its stream:
+    seeded before, from each rank's own state, it could differ between the ranks of one stage,
+    whose replicated draws (residual dropout) must agree.
   * The default generators are read, not drawn from: the user's stream is what it would be
     without a pipeline.
   * Activation checkpointing's recompute replays it: `checkpoint` stashes the default state at
@@ -42,6 +46,7 @@ _SEED_STRIDE = 100  # Megatron's offset between pipeline ranks
 class _Stream:
     def __init__(self):
         self.seed: int | None = None
+        self.pp_rank = 0
         self.device = torch.device("cpu")  # the pipeline's: its CUDA state is the one a checkpoint saves
         self.states: dict[torch.device, torch.Tensor] = {}  # each device's state between stages
         # the CPU default state a checkpoint restored with these states: a `seed` that finds it
@@ -57,6 +62,7 @@ def seed(pp_rank: int, device: torch.device | str) -> None:
     """Seed this rank's stage stream (Note [a random stream per pipeline stage]) from the default
     generators of the CPU and of `device`, and the TP region streams from it."""
     keys = _keys(torch.device(device))
+    _stream.pp_rank = pp_rank
     _stream.seed = random_states.digest_seed(*(random_states.get_state(d) for d in keys)) + _SEED_STRIDE * pp_rank
     _stream.device = keys[-1]
     if _stream.loaded is not None and torch.equal(_stream.loaded, torch.get_rng_state()):
@@ -65,6 +71,15 @@ def seed(pp_rank: int, device: torch.device | str) -> None:
     _stream.states.clear()
     with active(device):
         region_random.reseed()
+
+
+def _seed_again_after_tp() -> None:
+    """TP applied after the pipeline was built: seed again from the state its group now shares."""
+    if _stream.seed is not None:
+        seed(_stream.pp_rank, _stream.device)
+
+
+region_random.after_seed.append(_seed_again_after_tp)
 
 
 def _keys(device: torch.device) -> list[torch.device]:

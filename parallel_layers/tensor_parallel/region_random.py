@@ -80,6 +80,11 @@ _streams = _Streams()
 
 _get, _set, _key = random_states.get_state, random_states.set_state, random_states.device_key
 
+# Called at the end of `seed`, once the TP group shares its stream: a pipeline built before TP
+# (against parallelize's order) seeds its stage stream again from the shared state
+# (pipeline/stage_random.py, which registers here: this module does not know pipelines).
+after_seed: list = []
+
 
 def seed(tp_group) -> None:
     """Seed this rank's region streams (at tp > 1, once the group shares one stream): a digest of
@@ -87,6 +92,8 @@ def seed(tp_group) -> None:
     stream is read, not drawn from: the model's replicated draws stay what they would be."""
     _streams.tp_rank = comm.group_rank(tp_group)
     _seed_from_default()
+    for fn in after_seed:
+        fn()
 
 
 def reseed() -> None:

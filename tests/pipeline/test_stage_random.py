@@ -102,3 +102,33 @@ def test_a_restored_stage_stream_is_kept_only_for_the_pipeline_of_its_load(tmp_p
             for case in ("old", "full, then old", "fresh", "load A, then a new model B")}
     assert runs["full, then old"] == runs["old"]
     assert runs["load A, then a new model B"] == runs["fresh"] != runs["old"]
+
+
+def _tp_after_the_pipeline(rank, ws):
+    from parallel_layers import init_parallel
+    from parallel_layers.pipeline import PipelineParallel, PipelineStages, stage_random
+    from parallel_layers.tensor_parallel import Column, parallelize
+    from parallel_layers.tensor_parallel import region_random
+
+    ctx = init_parallel(pp=2, tp=2, device="cpu")
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([_Block() for _ in range(4)])
+    torch.manual_seed(10 + rank)  # each rank its own stream, as many scripts seed
+    stages = PipelineStages(blocks, group=ctx.pp_group)
+    pipe = PipelineParallel(stages, microbatches=2, loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    # then TP, the other way round from parallelize's order: the group shares one stream only now
+    parallelize(stages, {"*.lin": Column(gather_output=True)}, ctx.tp_group)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    loss = pipe.step(x, x).item()
+    return ctx.coordinate("pp"), stage_random._stream.seed, region_random._streams.seed, loss
+
+
+def test_tensor_parallelism_after_the_pipeline_seeds_the_stage_stream_from_the_shared_state():
+    """Built before TP, the stage stream was seeded from each rank's own state: the two TP ranks
+    of one stage drew different residual-dropout masks over the same replicated values (their
+    losses differed). TP now seeds it again once its group shares one stream."""
+    runs = run_distributed(_tp_after_the_pipeline, 4, timeout_s=240)
+    by_stage = {pp: {seed for p, seed, _, _ in runs if p == pp} for pp in (0, 1)}
+    assert all(len(seeds) == 1 for seeds in by_stage.values()) and by_stage[0] != by_stage[1], runs
+    assert len({region for _, _, region, _ in runs}) == 4, runs  # every rank its own region stream
+    assert len({loss for *_, loss in runs}) == 1, runs
