@@ -135,12 +135,14 @@ class VerifyError(RuntimeError):
 def planned_train(model, train, cuda: bool):
     """The TrainSpec the plan of a --verify run assumes on this machine: transformers' published
     plan gathers the head's logits on every tp rank ('colwise_gather_output'); on the CPU a
-    dropout keeps its mask in float32, the worker's dtype (TrainSpec.dropout_mask_bytes), and SDPA
-    with dropout runs its math path, which keeps the scores as eager attention does."""
+    dropout keeps its mask in float32, the worker's dtype (TrainSpec.dropout_mask_bytes), SDPA
+    with dropout runs its math path, which keeps the scores as eager attention does, and ZeRO-3's
+    buffer pool keeps two gather buffers idle (TrainSpec.pooled_gather_buffers)."""
     import dataclasses
 
     dropout = model.dropout if train.dropout is None else train.dropout
     return dataclasses.replace(train, vocab_parallel_loss=False, dropout_mask_bytes=1 if cuda else train.act_bytes,
+                               pooled_gather_buffers=0 if cuda else 2,
                                flash_attention=train.flash_attention and (cuda or not dropout))
 
 

@@ -25,7 +25,9 @@ stage's params / tp, with norms and row biases replicated over tp, N = dp * cp):
   ZeRO 1: optimizer / N. ZeRO 2: also grads / N, plus one layer's full grads (reduced per layer)
            and the root group's (reduced last: a tied embedding, a position table, the final norm).
   ZeRO 3: also params / N, plus two units' full params (the gathered one and the prefetched one;
-           a unit is a layer, or the embedding or head when untied) and the root's, whole all step.
+           a unit is a layer, or the embedding or head when untied) and the root's, whole all step;
+           on the CPU also the buffer pool's idle gather buffers, a layer's params each
+           (TrainSpec.pooled_gather_buffers, set by --verify).
   Optimizer offload (ZeRO >= 1): the optimizer shard lives in host memory instead.
   The peak (Note [peak memory]): params + optimizer + the larger of (activations + the loss's
   temporaries + the gradients that exist by the loss: DataParallel's buckets, and with m > 1
@@ -39,9 +41,12 @@ width, t = tp, sequence parallel divides the part outside the TP region by t too
       the input's dtype: TrainSpec.dropout_mask_bytes, set by --verify), 16 bytes of norm
       statistics (fp32);
   inside it (/ t): q + 2k (Q, K, V) + q (attention output) + the MLP's: GeLU 2f (its input and
-      output), SwiGLU 4f (gate, up, silu(gate), their product: Hugging Face's eager LlamaMLP);
-  attention scores (/ t): eager: a * s * (2e + 1 with dropout; 3e on the CPU) bytes
-      (probabilities, mask, dropped); flash: 4a bytes (fp32 log-sum-exp).
+      output), SwiGLU 3f (parallelize's fused `linear_swiglu`: the packed [gate; up] and their
+      product; 4f unfused - TrainSpec.fused_kernels=False, and a mixture's experts: gate, up,
+      silu(gate), the product, as Hugging Face's eager LlamaMLP keeps);
+  attention scores (/ t): eager: a * s * (2e + 1) bytes with dropout (probabilities, mask,
+      dropped; 3e on the CPU), a * s * e without (the probabilities); flash: 4a bytes (fp32
+      log-sum-exp).
   Recomputation: "selective" drops the scores term (recomputed in backward: the 5as/h of the
   formula; nothing changes with flash attention, which recomputes them already); "full" keeps
   only each layer's input, e*h per token (/ t with sequence parallel), plus one layer's full
@@ -119,7 +124,7 @@ class ModelSpec:
     positions: int = 0  # rows of a learned position table (GPT-2's wpe); 0 for rotary/ALiBi models
     dropout: bool = True  # the model's own dropout (GPT-2: 0.1; Llama: 0); TrainSpec may override
     name: str = ""
-    mlp_kept: int | None = None  # ffn-wide tensors an MLP keeps for backward a token (default gelu 2, swiglu 4)
+    mlp_kept: int | None = None  # ffn-wide tensors an MLP keeps for backward a token (default gelu 2, swiglu 3 fused / 4)
     experts: int = 0  # a mixture of experts: MLPs per layer (each of width ffn), 0 for a dense model
     experts_per_token: int = 0  # how many of them each token goes through (the router's top-k)
 
@@ -401,6 +406,13 @@ class TrainSpec:
     # bytes a dropout keeps per element for backward: 1 on a GPU (its fused dropout keeps a bool
     # mask); the CPU's keeps the scaled mask in the input's dtype (ATen's unfused dropout)
     dropout_mask_bytes: int = 1
+    # parallelize's fused_kernels (its default True): a dense SwiGLU MLP as `linear_swiglu` keeps 3
+    # ffn-wide tensors a token for backward, the unfused MLP (and a mixture's experts) 4
+    fused_kernels: bool = True
+    # a stage's layers' gather buffers that ZeRO-3 keeps idle through the step's peak, a layer's
+    # params each: 0 on a GPU (the caching allocator's reuse is not allocated memory); on the CPU
+    # its buffer pool keeps the two the next gathers take (Note [CPU buffer reuse] in zero/_group.py)
+    pooled_gather_buffers: int = 0
     # a mixture of experts' experts over groups of ep dp ranks: True (ep = dp), False, a number ep,
     # or None: searched (without, and every ep dividing both dp and the expert count)
     expert_parallel: bool | int | None = None
@@ -501,12 +513,18 @@ def stage_layers(model: ModelSpec, pp: int, v: int = 1) -> int:
     return -(-model.layers // (pp * v)) * v
 
 
+def _decoder_layer_params(model: ModelSpec, tp: int, held_apart: float = 0.0) -> float:
+    """One decoder layer's params per tp rank (its norms and row biases replicated), less
+    `held_apart` (the experts under expert parallelism)."""
+    replicated = _REPLICATED * model.hidden
+    return (model.layer_params - replicated) / tp + replicated - held_apart
+
+
 def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1, held_apart: float = 0.0) -> tuple[float, float]:
     """(params on the largest stage per tp rank, params of ZeRO's largest unit per tp rank: a
     layer, or an untied embedding or head; Note [ZeRO-3's units in the plan]), less
     `held_apart` per layer per tp rank (the experts under expert parallelism)."""
-    replicated = _REPLICATED * model.hidden
-    layer = (model.layer_params - replicated) / tp + replicated - held_apart
+    layer = _decoder_layer_params(model, tp, held_apart)
     embedding = model.vocab * model.hidden / tp  # vocab-parallel
     first = embedding + model.positions * model.hidden
     last = 0.0 if model.tied and pp == 1 else embedding  # the head: tied shares the first's unless pp > 1
@@ -535,12 +553,13 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
         return e * h / outside_tp
     m = train.dropout_mask_bytes
     per_token = (e * 4 * h + (2 * h * m if dropout else 0)) / outside_tp + 16
-    mlp = (model.mlp_kept or (4 if model.mlp == "swiglu" else 2)) * model.ffn_width * max(1, model.experts_per_token)
+    swiglu = 3 if train.fused_kernels and not model.experts else 4  # experts run unfused (tensor_parallel/experts.py)
+    mlp = (model.mlp_kept or (swiglu if model.mlp == "swiglu" else 2)) * model.ffn_width * max(1, model.experts_per_token)
     per_token += e * (2 * model.q_width + 2 * model.kv_width + mlp) / tp
     if train.flash_attention:
         per_token += 4 * a / tp
     elif recompute == "none":
-        per_token += a * s * (2 * e + (m if dropout else 0)) / tp
+        per_token += a * s * (2 * e + m if dropout else e) / tp
     return per_token
 
 
@@ -635,6 +654,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     if zero == 3:  # the shards, two units gathered (Note [ZeRO-3's units in the plan]) and the root whole
         kept = _root_params(model, tp)
         params = (psi - kept) * pb / shards + kept * pb + 2 * layer * pb
+        if stage_layers(model, pp, v) >= 3:  # the pool serves the blocks that three or more groups repeat
+            params += train.pooled_gather_buffers * _decoder_layer_params(model, tp, expert_layer) * pb
     expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: and their buckets
     if zero >= 2 and replicas > 1:  # reduced at the end of backward, a layer's float32 buffer in flight
         expert_grads += expert_layer / ep * _REDUCE_BYTES
@@ -982,7 +1003,8 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
                         "virtual": lay.virtual if lay.virtual > 1 else None,
                         "activation_checkpointing": None if lay.recompute == "none" else lay.recompute,
                         "sequence_parallel": bool(train.sequence_parallel and lay.tp > 1),
-                        "expert_parallel": False if lay.ep == 1 else True if lay.ep == lay.dp else lay.ep},
+                        "expert_parallel": False if lay.ep == 1 else True if lay.ep == lay.dp else lay.ep,
+                        "fused_kernels": train.fused_kernels},
         "micro_batch": e.micro_batch,
         "unsupported": unsupported,
     }

@@ -59,6 +59,25 @@ def test_model_states_follow_the_zero_paper():
 
 
 
+def test_zero3_counts_the_cpu_pools_idle_gather_buffers_where_the_pool_serves():
+    """On the CPU ZeRO-3's buffer pool keeps the next two gathers' buffers, a layer's params each,
+    idle through the step (Note [CPU buffer reuse] in zero/_group.py): --verify plans them
+    (TrainSpec.pooled_gather_buffers = 2); the pool serves only blocks that three or more groups
+    repeat (the decoder layers, not an untied embedding or head, even where those are the larger
+    unit), and only ZeRO-3 gathers."""
+    cluster, layout = ClusterSpec(64, 8, 80 * GB), lambda zero: Layout(64, 1, 1, zero, 1)
+    for layers, pooled in ((4, True), (2, False)):
+        model = ModelSpec(None, layers, 1024, 1024, vocab=50000, tied=False)
+        assert model.vocab * model.hidden > model.layer_params  # ZeRO-3's largest unit is the vocabulary's
+        for zero in range(4):
+            without, with_pool = (plan.estimate(model, cluster, TrainSpec(global_batch=64, pooled_gather_buffers=n),
+                                                layout(zero)) for n in (0, 2))
+            extra = 2 * 2 * model.layer_params if pooled and zero == 3 else 0.0  # two layers' 16-bit params
+            assert with_pool.params - without.params == pytest.approx(extra, abs=1e-6), (layers, zero)
+            assert (with_pool.grads, with_pool.optimizer, with_pool.activations) == (
+                without.grads, without.optimizer, without.activations)
+
+
 def test_with_microbatches_every_stage_reduces_whole_gradients_once():
     """With m > 1 the step runs through PipelineParallel, every microbatch under the wrapper's
     no_sync() and one reduction after the last: ZeRO-2/3 then hold the whole accumulated
@@ -406,7 +425,7 @@ def test_launch_args_describe_how_to_run_a_layout():
     assert args["init_parallel"] == {"tp": 4, "pp": 4, "dp": 2}
     assert args["parallelize"] == {"zero_stage": 1, "microbatches": 16, "schedule": "interleaved", "virtual": 2,
                                    "activation_checkpointing": "full", "sequence_parallel": False,
-                                   "expert_parallel": False}
+                                   "expert_parallel": False, "fused_kernels": True}
     assert args["micro_batch"] == 2 and args["unsupported"] == []
     # parallelize splits the sequence between TP regions only without a pipeline
     sp = dataclasses.replace(train, sequence_parallel=True)
@@ -414,6 +433,8 @@ def test_launch_args_describe_how_to_run_a_layout():
     single = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), sp, Layout(8, 4, 1, 1, 1))
     assert plan.launch_args(single, sp)["parallelize"]["sequence_parallel"] is True
     assert plan.launch_args(single, sp)["unsupported"] == []
+    # what the activations were planned for (a SwiGLU MLP fused or not)
+    assert plan.launch_args(e, dataclasses.replace(train, fused_kernels=False))["parallelize"]["fused_kernels"] is False
     cp = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), train, Layout(2, 4, 1, 1, 16, cp=4, offload=True))
     assert plan.launch_args(cp, train)["unsupported"] == ["context parallel cp=4", "optimizer offload through parallelize"]
 
