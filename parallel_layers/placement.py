@@ -208,6 +208,9 @@ class TensorPlacement:
     pieces: tuple[Piece, ...]
     tp_replicated: bool = True  # the same values on every rank of the TP group
     counted: bool = True  # False: a copy whose values another rank counts (a pipeline-tied weight)
+    # the other keys of the same tensor in the unparallelized model's state_dict (a tied weight's:
+    # an embedding read by the head), held here or on another pipeline rank
+    aliases: tuple[str, ...] = ()
 
     @property
     def flat(self) -> bool:
@@ -240,6 +243,11 @@ def describe_module(module: nn.Module, prefix: str = "") -> ModelPlacement:
                             "(move extra state into save(..., extra=...))")
         layout = local_layout(t)
         tensors[name] = TensorPlacement(name, layout.global_shape, t, box_pieces(layout), layout.replicated)
+    keys_of: dict[int, list[str]] = {}
+    for name, tp in tensors.items():
+        keys_of.setdefault(id(tp.local), []).append(name)
+    for name, tp in tensors.items():
+        tp.aliases = tuple(k for k in keys_of[id(tp.local)] if k != name)
     return ModelPlacement(tensors)
 
 

@@ -100,10 +100,14 @@ class OptimizerLoad:
         self._entries = []  # (group index, param, name, {state key: template key})
         for gi, p in _params(optimizer):
             tp = _placement_of(by_local, p)
-            keys = saved.get(tp.name, {"state": {}, "param_groups": {}})
+            # a tied weight's state may be under another of its keys: a checkpoint written without a
+            # pipeline (ours, or torch's get_optimizer_state_dict) holds it under the first only,
+            # where a pipeline's last stage steps a copy named after the head
+            name = next((n for n in (tp.name, *tp.aliases) if n in saved), tp.name)
+            keys = saved.get(name, {"state": {}, "param_groups": {}})
             state_keys = {}
             for key, md in keys["state"].items():
-                tkey = f"state.{tp.name}.{key}"
+                tkey = f"state.{name}.{key}"
                 if isinstance(md, TensorStorageMetadata) and len(md.size) > 0:
                     if tuple(md.size) != tuple(tp.shape):
                         raise ValueError(f"optimizer state {key!r} of {tp.name}: the checkpoint holds "
@@ -119,8 +123,8 @@ class OptimizerLoad:
                     self.template[tkey] = None  # a pickled Python value, replaced by dcp.load
                     state_keys[key] = (tkey, None)
             for setting in keys["param_groups"]:
-                self.template[f"param_groups.{tp.name}.{setting}"] = None
-            self._entries.append((gi, tp.name, state_keys, list(keys["param_groups"])))
+                self.template[f"param_groups.{name}.{setting}"] = None
+            self._entries.append((gi, name, state_keys, list(keys["param_groups"])))
 
     def apply(self, loaded: dict) -> None:
         """Load what dcp.load put into `loaded` (the template, filled) into the optimizer."""

@@ -130,6 +130,12 @@ class PipelineStages(nn.Module):
         if device is not None and not any(t.is_meta for t in itertools.chain(self.parameters(), self.buffers())):
             self.chunks.to(device)
         self._ties = self._find_ties(layers)
+        # every key a tied weight has in the layer list, (layer index, key within the layer): the
+        # aliases of its copy here (a checkpoint written without a pipeline holds its optimizer
+        # state under one of them only)
+        self._tie_keys = {id(p): [(i, key) for i, layer in enumerate(layers)
+                                  for key, q in layer.named_parameters(remove_duplicate=False) if q is p]
+                          for p, _, _ in self._ties}
 
     def chunk(self, stage: int) -> nn.Module:
         return self.chunks[stage // self.ranks]
@@ -217,14 +223,19 @@ class PipelineStages(nn.Module):
         prefix + "<rest>". A tied weight's copies are all described; only the lowest stage's is
         `counted` (gradient norm)."""
         described = placement.describe_module(self)
-        renamed = {}
+        renamed, new_key = {}, {}
         for key, tp in described.tensors.items():
             _, chunk, j, rest = key.split(".", 3)
-            if self.named_after is not None:
-                tp.name = prefix + rest
-            else:
-                tp.name = f"{prefix}{self.bounds[self.stage_ids[int(chunk)]][0] + int(j)}.{rest}"
+            tp.name = new_key[key] = self._key(self.bounds[self.stage_ids[int(chunk)]][0] + int(j), rest, prefix)
             tp.counted = self.counted_once(tp.local)
             renamed[tp.name] = tp
+        for tp in renamed.values():  # a tied weight's other keys: on this rank, and on the other stages
+            others = [new_key[a] for a in tp.aliases] + [self._key(i, rest, prefix)
+                                                         for i, rest in self._tie_keys.get(id(tp.local), ())]
+            tp.aliases = tuple(dict.fromkeys(k for k in others if k != tp.name))
         described.tensors = renamed
         return described
+
+    def _key(self, layer: int, rest: str, prefix: str) -> str:
+        """The name of key `rest` of layer `layer` (Note [pipeline names])."""
+        return prefix + rest if self.named_after is not None else f"{prefix}{layer}.{rest}"
