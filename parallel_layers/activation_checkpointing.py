@@ -118,14 +118,21 @@ def checkpoint_blocks(model: nn.Module, mode: str, is_block: Callable[[nn.Module
                              "on (gradient_checkpointing_enable()); use one of the two, not both (the block would be "
                              "recomputed twice)")
     # A key/value cache filled in forward would be filled a second time by the recompute (and
-    # the recomputed attention would read both): training with checkpointing runs without one,
-    # as Hugging Face's own gradient checkpointing does.
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
+    # the recomputed attention would read both): a training forward runs without one, as under
+    # Hugging Face's own gradient checkpointing, which also decides it per call. The config is
+    # left alone (review finding: setting config.use_cache = False was written into the exported
+    # config.json and generation_config.json, and the reloaded model generated without a cache).
+    if getattr(getattr(model, "config", None), "use_cache", False) and not hasattr(model, "_pl_no_training_cache"):
+        model._pl_no_training_cache = model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
     for _, m in blocks:
         _checkpoint_forward(m, mode)
     return [name for name, _ in blocks]
+
+
+def _no_cache_in_training(module: nn.Module, args, kwargs):
+    if module.training:
+        return args, {**kwargs, "use_cache": False}
+    return None
 
 
 def _call(forward, args, kwargs):

@@ -32,6 +32,7 @@ input embedding is found in the files under the tie's other name.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -102,6 +103,8 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
                 state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             plain.load_state_dict(state, strict=True, assign=True)
             plain.tie_weights()
+            if getattr(hf_model, "generation_config", None) is not None:  # the model's own (sampling settings),
+                plain.generation_config = copy.deepcopy(hf_model.generation_config)  # not one made from its config
             plain.save_pretrained(directory)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = describe_error(e)

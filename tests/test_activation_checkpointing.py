@@ -119,6 +119,25 @@ def test_checkpointing_recomputes_and_saves_less(llama_dir):
         assert runs["full"][0] < runs["selective"][0] < saved, (kind, [runs[m][0] for m in (None, *MODES)])
 
 
+def test_a_training_forward_runs_without_a_cache_and_the_config_keeps_its_own(llama_dir):
+    """Review finding: checkpointing set config.use_cache = False, which hf.save_pretrained then
+    wrote into config.json and generation_config.json (the reloaded model generated without a
+    cache). A training forward now runs without a cache per call; the config is untouched."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from parallel_layers.activation_checkpointing import checkpoint_blocks
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    assert model.config.use_cache
+    checkpoint_blocks(model, "full", lambda m: isinstance(m, LlamaDecoderLayer))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert model.config.use_cache
+    out = model.train()(ids, use_cache=True)
+    assert out.past_key_values is None  # the recompute would fill a cache a second time
+    out.logits.sum().backward()
+    with torch.no_grad():
+        assert model.eval()(ids).past_key_values is not None  # generation keeps its cache
+
 def test_selective_recomputes_the_attention_core_of_the_math_path(llama_dir):
     # Eager attention (matmul, softmax, matmul): its O(seq^2) scores are recomputed, as in
     # Megatron's selective recompute; the linear layers' GEMMs (mm) are kept.

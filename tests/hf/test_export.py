@@ -1,9 +1,12 @@
 """hf.save_pretrained from any layout writes a directory that plain
 `transformers.AutoModelForCausalLM.from_pretrained` loads with the parallel model's logits and
 weights: a Llama (grouped-query attention, untied head) at tp=2 and tp=2 x dp=2 with ZeRO-3,
-a GPT-2 (Conv1D weights stored [in, out], tied head) at tp=2, and a Mixtral (experts stacked
+a GPT-2 (Conv1D weights stored [in, out], tied head) at tp=2 (those two with activation
+checkpointing), and a Mixtral (experts stacked
 in the model, each split as its MLP, one tensor per expert in the files) at tp=2 x dp=2 with
 ZeRO-3, each after a training step. Real gloo processes."""
+
+import json
 
 import pytest
 import torch
@@ -23,11 +26,14 @@ def _ids(seed):
 
 def _train_and_export(rank, world, source, target, tp, dp, stage):
     from parallel_layers import ZeRO, hf, init_parallel
+    from parallel_layers.activation_checkpointing import checkpoint_blocks
     from parallel_layers.tensor_parallel import parallelize
 
     ctx = init_parallel(tp=tp, dp=dp, device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(source)
     parallelize(model, tp_group=ctx.tp_group)
+    if not stage:  # trained with activation checkpointing, which the exported config must not show
+        checkpoint_blocks(model, "full", lambda m: type(m).__name__.endswith(("DecoderLayer", "Block")))
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     if stage:
         wrapped = opt = ZeRO(model, adamw, stage=stage, group=ctx.dp_group,
@@ -49,6 +55,9 @@ def _train_and_export(rank, world, source, target, tp, dp, stage):
 def test_export_loads_in_plain_transformers(tmp_path, case):
     family, tp, dp, stage = CASES[case]
     getattr(_tiny, f"save_tiny_{family}")(tmp_path / "src")
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "src")  # the model's sampling settings
+    generation.update(do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=17)
+    generation.save_pretrained(tmp_path / "src")
     results = run_distributed(_train_and_export, tp * dp, args=(str(tmp_path / "src"), str(tmp_path / "out"), tp,
                                                                 dp, stage), timeout_s=240)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -61,6 +70,12 @@ def test_export_loads_in_plain_transformers(tmp_path, case):
         assert torch.allclose(got, torch.tensor(logits), rtol=1e-5, atol=1e-5), (got - torch.tensor(logits)).abs().max()
     assert not torch.allclose(got, before, atol=1e-3)  # the trained weights, not the pretrained ones
     assert not any(f.startswith(".parallel_layers") for f in (p.name for p in (tmp_path / "out").iterdir()))
+    # the configs transformers itself writes for the model (review finding: the export made its
+    # generation config from the model config, dropping the sampling settings, and wrote the
+    # use_cache=False of activation checkpointing)
+    pretrained.save_pretrained(tmp_path / "plain")
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "out" / name).read_text()) == json.loads((tmp_path / "plain" / name).read_text())
     if family == "mixtral":  # written as transformers writes it: one tensor per expert
         from safetensors import safe_open
         with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
