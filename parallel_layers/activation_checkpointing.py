@@ -118,8 +118,8 @@ def checkpoint_blocks(model: nn.Module, mode: str, is_block: Callable[[nn.Module
                              "on (gradient_checkpointing_enable()); use one of the two, not both (the block would be "
                              "recomputed twice)")
     # A key/value cache filled in forward would be filled a second time by the recompute (and
-    # the recomputed attention would read both): a training forward runs without one, as under
-    # Hugging Face's own gradient checkpointing, which also decides it per call. The config is
+    # the recomputed attention would read both): a forward with autograd on runs without one, as
+    # under Hugging Face's own gradient checkpointing, which also decides it per call. The config is
     # left alone (review finding: setting config.use_cache = False was written into the exported
     # config.json and generation_config.json, and the reloaded model generated without a cache).
     if getattr(getattr(model, "config", None), "use_cache", False) and not hasattr(model, "_pl_no_training_cache"):
@@ -130,7 +130,9 @@ def checkpoint_blocks(model: nn.Module, mode: str, is_block: Callable[[nn.Module
 
 
 def _no_cache_in_training(module: nn.Module, args, kwargs):
-    if module.training:
+    # a forward that records for backward, whose blocks the backward recomputes (a model from
+    # from_pretrained trains in eval mode unless the user calls train(): not module.training)
+    if torch.is_grad_enabled():
         return args, {**kwargs, "use_cache": False}
     return None
 

@@ -122,7 +122,7 @@ def test_checkpointing_recomputes_and_saves_less(llama_dir):
 def test_a_training_forward_runs_without_a_cache_and_the_config_keeps_its_own(llama_dir):
     """Review finding: checkpointing set config.use_cache = False, which hf.save_pretrained then
     wrote into config.json and generation_config.json (the reloaded model generated without a
-    cache). A training forward now runs without a cache per call; the config is untouched."""
+    cache). A forward with autograd on now runs without a cache, per call; the config is untouched."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from parallel_layers.activation_checkpointing import checkpoint_blocks
@@ -132,9 +132,10 @@ def test_a_training_forward_runs_without_a_cache_and_the_config_keeps_its_own(ll
     checkpoint_blocks(model, "full", lambda m: isinstance(m, LlamaDecoderLayer))
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     assert model.config.use_cache
-    out = model.train()(ids, use_cache=True)
-    assert out.past_key_values is None  # the recompute would fill a cache a second time
-    out.logits.sum().backward()
+    for mode in ("train", "eval"):  # from_pretrained gives an eval-mode model, which people also train
+        out = getattr(model, mode)()(ids, use_cache=True)
+        assert out.past_key_values is None, mode  # the recompute would fill a cache a second time
+        out.logits.sum().backward()
     with torch.no_grad():
         assert model.eval()(ids).past_key_values is not None  # generation keeps its cache
 
