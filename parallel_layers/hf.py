@@ -5,10 +5,10 @@
 
 Export goes through the checkpoint code (parallel_layers.checkpoint), which already turns every
 layout into the unparallelized tensors: the ranks write their pieces as a temporary DCP
-checkpoint inside `directory`, rank 0 reads it back whole, restores the Hugging Face layout of
-weights that `parallelize` converted (GPT-2's Conv1D stores [in, out]; our column and row layers
-hold [out, in]), and lets transformers write config and safetensors (tied weights once, shards
-as transformers cuts them). Rank 0 holds the full model in host memory while writing, as
+checkpoint inside `directory`, rank 0 reads it back whole (the plain model's state_dict: a
+GPT-2 Conv1D weight that `parallelize` holds [out, in] is [in, out] there, Note [transposed
+weights] in placement.py), and lets transformers write config and safetensors (tied weights
+once, shards as transformers cuts them). Rank 0 holds the full model in host memory while writing, as
 transformers' own save does.
 
 Loading, the other way (docs/hf.md):
@@ -23,8 +23,9 @@ Loading, the other way (docs/hf.md):
 blocks of a fused QKV, a vocabulary shard without its padding, the boxes a ZeRO flat shard
 covers (Note [flat pieces]) - and reads exactly those boxes with safetensors' `get_slice`,
 so a rank's reads and memory are its share of the model, not the model. Meta tensors get
-storage first (parallel_layers/meta.py). GPT-2's Conv1D weights are stored [in, out]: a
-box of a weight that `parallelize` made [out, in] is read transposed. A pipeline rank holds
+storage first (parallel_layers/meta.py). GPT-2's Conv1D weights are [in, out] in the files and
+in the placement alike; a piece of a weight that `parallelize` made [out, in] is a transposed
+view of it. A pipeline rank holds
 its stages only, under the Hugging Face names; the last stage's copy of a head tied to the
 input embedding is found in the files under the tie's other name.
 """
@@ -45,7 +46,6 @@ import torch.nn as nn
 
 from parallel_layers import checkpoint, meta, placement
 from parallel_layers.checkpoint._dist import all_gather, broadcast, describe_error, raise_if_any, rank_world
-from parallel_layers.tensor_parallel.plan import is_hf_conv1d
 
 
 def _hf_model(model: nn.Module, what: str = "hf.save_pretrained") -> nn.Module:
@@ -61,22 +61,16 @@ def _hf_model(model: nn.Module, what: str = "hf.save_pretrained") -> nn.Module:
     return seen
 
 
-def _to_hf_layout(state: dict[str, torch.Tensor], plain: nn.Module, held: nn.Module) -> dict[str, torch.Tensor]:
-    """Transpose the weights of the Conv1D modules (weight [in, out]) that `parallelize`
-    turned into our layers (weight [out, in]); decided by module type, not by shape (a square
-    Conv1D weight looks the same either way)."""
+def _checked(state: dict[str, torch.Tensor], plain: nn.Module) -> dict[str, torch.Tensor]:
+    """`state`, if its keys and shapes are the plain model's."""
     expected = {k: tuple(v.shape) for k, v in plain.state_dict().items()}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         raise KeyError(f"hf.save_pretrained: the model's tensors do not match {type(plain).__name__}'s: missing "
                        f"{missing[:5]}, unexpected {unexpected[:5]}")
-    plain_modules, held_modules = dict(plain.named_modules()), dict(held.named_modules())
     out = {}
     for key, value in state.items():
-        owner, _, leaf = key.rpartition(".")
-        if leaf == "weight" and is_hf_conv1d(plain_modules.get(owner)) and not is_hf_conv1d(held_modules.get(owner)):
-            value = value.t().contiguous()
         if tuple(value.shape) != expected[key]:
             raise ValueError(f"hf.save_pretrained: {key} is {tuple(value.shape)}, {type(plain).__name__} expects "
                              f"{expected[key]}")
@@ -98,7 +92,7 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
             state = checkpoint.export_state_dict(path)
             with torch.device("meta"):
                 plain = type(hf_model)(hf_model.config)
-            state = _to_hf_layout(state, plain, hf_model)
+            state = _checked(state, plain)
             if dtype is not None:
                 state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             plain.load_state_dict(state, strict=True, assign=True)
@@ -216,12 +210,11 @@ class _Stacked:
 
 @dataclasses.dataclass
 class _Source:
-    """Where one logical tensor comes from: a name in the files (read as boxes, transposed for
-    a Conv1D weight our layers hold [out, in]); per-expert tensors of the files, stacked;
+    """Where one logical tensor comes from: a name in the files (read as boxes); per-expert
+    tensors of the files, stacked;
     nowhere, for a tied entry written through the other name of its tensor; or the reference
     model, for a buffer the files lack."""
     key: str | None
-    transpose: bool = False
     from_reference: bool = False
     stacked: _Stacked | None = None
 
@@ -235,7 +228,6 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
                   shapes: dict[str, tuple[int, ...]], files: dict[str, str]) -> dict[str, _Source]:
     """For every tensor this rank holds, where it comes from; raises naming every missing key
     and every shape that does not match."""
-    plain_modules, held_modules = dict(reference.named_modules()), dict(hf_model.named_modules())
     ref_buffers = dict(reference.named_buffers())
     base = getattr(hf_model, "base_model_prefix", "")
     by_local: dict[int, list[str]] = {}
@@ -271,18 +263,12 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
                 missing.extend(names)
             continue
         name, key = found
-        owner, _, leaf = name.rpartition(".")
-        transpose = (leaf == "weight" and is_hf_conv1d(plain_modules.get(owner))
-                     and not is_hf_conv1d(held_modules.get(owner)))
-        logical = tuple(described.tensors[name].shape)
-        expected = logical[::-1] if transpose else logical
+        expected = tuple(described.tensors[name].shape)
         held = stacked[key].shape if key in stacked else shapes[key]
         if held != expected:
             where = os.path.basename(files[key]) if key in files else "the files' per-expert tensors, stacked"
-            wrong.append(f"{key}: {held} in {where}, the model's {name} expects "
-                         f"{expected}" + (" (the transpose of its [out, in] weight: Conv1D stores [in, out])"
-                                          if transpose else ""))
-        sources[name] = _Source(key, transpose, stacked=stacked.get(key))
+            wrong.append(f"{key}: {held} in {where}, the model's {name} expects {expected}")
+        sources[name] = _Source(key, stacked=stacked.get(key))
         sources.update({n: _Source(None) for n in names if n != name})  # written through `name`'s local
     if missing:
         why = "".join(f"; the per-expert tensors of {name} do not stack: {reason}"
@@ -394,10 +380,9 @@ def _stack(by_pattern: list[dict[int, str]], patterns: tuple[str, ...], dim: int
     return _Stacked(tuple(tuple(experts[e] for e in range(count)) for experts in by_pattern), dim, sizes, shape)
 
 
-def _box(offsets, sizes, transpose: bool) -> tuple:
-    """The index of a piece's box in the file's tensor (its transpose for a Conv1D weight)."""
-    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-    return index[::-1] if transpose else index
+def _box(offsets, sizes) -> tuple:
+    """The index of a piece's box in the file's tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 
 
 def _read_stacked(tp, stacked: _Stacked, files: dict[str, str]) -> None:
@@ -443,8 +428,8 @@ def _read_pieces(described: placement.ModelPlacement, sources: dict[str, _Source
         with safe_open(files[source.key], framework="pt") as f, torch.no_grad():
             tensor = f.get_slice(source.key)
             for piece in tp.pieces:
-                data = tensor[_box(piece.global_offsets, piece.sizes, source.transpose)]
-                piece.view(tp.local).copy_(data.t() if source.transpose else data)
+                data = tensor[_box(piece.global_offsets, piece.sizes)]
+                piece.view(tp.local).copy_(data)
         del f, tensor, data  # the mapping goes with the last reference
 
 

@@ -26,6 +26,15 @@ the TP layout's boxes in boxes again. Every resulting piece is a strided view of
 shard: offset = its origin's row-major index in the TP-local tensor minus `start`, strides =
 the TP-local tensor's contiguous strides. So a ZeRO shard is described exactly, with no
 copy and no collective, and a checkpoint holds no ZeRO or vocabulary padding.
+
+Note [transposed weights]: transformers' Conv1D (GPT-2's layers) stores its weight [in, out];
+the column and row layers `parallelize` makes of it hold theirs [out, in]. The state_dict entry
+- what a checkpoint holds, what a plain GPT-2's `dcp.load` and the files of `save_pretrained`
+expect - stays [in, out] at every layout (a GPT-2 checkpoint of tp=2 once held [out, in] and
+one of tp=1 [in, out]: neither loaded into the other, nor the first into a plain GPT-2). The
+layout says so (`transposed`); each piece is then the transpose of a box of the local tensor:
+a strided view of it, as a flat ZeRO piece is of its shard (offsets, sizes and strides
+reversed), so ZeRO over such a weight composes without a copy.
 """
 
 from __future__ import annotations
@@ -51,10 +60,17 @@ class Box:
 
 @dataclasses.dataclass(frozen=True)
 class LocalLayout:
-    """How a module's local tensor maps into its logical tensor."""
+    """How a module's local tensor maps into its logical tensor. `global_shape` and the boxes
+    are in the local tensor's orientation; `transposed` (2-d): the logical tensor, the state_dict
+    entry, is the transpose of that (Note [transposed weights])."""
     global_shape: Shape
     boxes: tuple[Box, ...]
     replicated: bool = True  # False: the tensor is split over the tensor-parallel group
+    transposed: bool = False
+
+    @property
+    def logical_shape(self) -> Shape:
+        return tuple(self.global_shape[::-1]) if self.transposed else tuple(self.global_shape)
 
     @classmethod
     def whole(cls, shape) -> LocalLayout:
@@ -83,6 +99,14 @@ def local_layout(t: Tensor) -> LocalLayout:
     return layout if layout is not None else LocalLayout.whole(t.shape)
 
 
+def transposed(t: Tensor) -> None:
+    """Record that the logical tensor of `t` (2-d) is its transpose (Note [transposed weights])."""
+    layout = local_layout(t)
+    if t.dim() != 2:
+        raise ValueError(f"only a 2-d tensor can be held transposed, got one of shape {tuple(t.shape)}")
+    setattr(t, _LAYOUT_ATTR, dataclasses.replace(layout, transposed=not layout.transposed))
+
+
 def narrowed(layout: LocalLayout, dim: int, start: int, length: int) -> LocalLayout:
     """The layout of `local.narrow(dim, start, length)` for a local tensor with `layout`: each
     box cut to that range of the local tensor (boxes outside it dropped), its offsets moved."""
@@ -96,7 +120,7 @@ def narrowed(layout: LocalLayout, dim: int, start: int, length: int) -> LocalLay
         glob[dim] += lo - local[dim]
         local[dim], sizes[dim] = lo - start, hi - lo
         boxes.append(Box(tuple(local), tuple(glob), tuple(sizes)))
-    return LocalLayout(layout.global_shape, tuple(boxes), replicated=False)
+    return LocalLayout(layout.global_shape, tuple(boxes), replicated=False, transposed=layout.transposed)
 
 
 _EXPERT_GROUP_ATTR = "_parallel_layers_expert_group"
@@ -141,15 +165,27 @@ class Piece:
             for dim, (o, n) in enumerate(zip(self.local_offsets, self.sizes)):
                 t = t.narrow(dim, o, n)
             return t
-        if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"a flat piece needs a contiguous 1-d shard, got a tensor of shape {tuple(t.shape)} "
-                             f"and strides {t.stride()}")
+        if not t.is_contiguous():
+            raise ValueError(f"a strided piece needs a contiguous local tensor (a flat ZeRO shard, or a transposed "
+                             f"weight), got one of shape {tuple(t.shape)} and strides {t.stride()}")
         return t.as_strided(self.sizes, self.flat_strides, t.storage_offset() + self.flat_offset)
 
 
-def box_pieces(layout: LocalLayout) -> tuple[Piece, ...]:
-    return tuple(Piece(b.global_offsets, b.sizes, local_offsets=b.local_offsets)
-                 for b in layout.boxes if math.prod(b.sizes) > 0)
+def _transposed(p: Piece) -> Piece:
+    """A strided piece of the transposed logical tensor (Note [transposed weights])."""
+    return Piece(p.global_offsets[::-1], p.sizes[::-1], flat_offset=p.flat_offset, flat_strides=p.flat_strides[::-1])
+
+
+def box_pieces(layout: LocalLayout, local_shape: Shape | None = None) -> tuple[Piece, ...]:
+    """The pieces of a local tensor that `layout` describes (`local_shape`: needed when it is
+    transposed, whose pieces are strided views of it)."""
+    boxes = [b for b in layout.boxes if math.prod(b.sizes) > 0]
+    if not layout.transposed:
+        return tuple(Piece(b.global_offsets, b.sizes, local_offsets=b.local_offsets) for b in boxes)
+    strides = contiguous_strides(tuple(local_shape))
+    return tuple(_transposed(Piece(b.global_offsets, b.sizes, flat_offset=sum(o * st for o, st in
+                                                                               zip(b.local_offsets, strides)),
+                                   flat_strides=strides)) for b in boxes)
 
 
 def contiguous_strides(shape: Shape) -> Shape:
@@ -195,7 +231,8 @@ def flat_pieces(layout: LocalLayout, local_shape: Shape, start: int, stop: int) 
                 continue
             glob = tuple(g + (l - bo) for g, l, bo in zip(b.global_offsets, lo, b.local_offsets))
             offset = sum(i * s for i, s in zip(lo, strides)) - start
-            pieces.append(Piece(glob, tuple(h - l for l, h in zip(lo, hi)), flat_offset=offset, flat_strides=strides))
+            piece = Piece(glob, tuple(h - l for l, h in zip(lo, hi)), flat_offset=offset, flat_strides=strides)
+            pieces.append(_transposed(piece) if layout.transposed else piece)
     return tuple(pieces)
 
 
@@ -242,7 +279,8 @@ def describe_module(module: nn.Module, prefix: str = "") -> ModelPlacement:
             raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__}; only tensors can be checkpointed "
                             "(move extra state into save(..., extra=...))")
         layout = local_layout(t)
-        tensors[name] = TensorPlacement(name, layout.global_shape, t, box_pieces(layout), layout.replicated)
+        tensors[name] = TensorPlacement(name, layout.logical_shape, t, box_pieces(layout, tuple(t.shape)),
+                                        layout.replicated)
     keys_of: dict[int, list[str]] = {}
     for name, tp in tensors.items():
         keys_of.setdefault(id(tp.local), []).append(name)

@@ -11,16 +11,16 @@ import sys
 
 import parallel_layers.hf as hf
 
-_to_hf_layout = hf._to_hf_layout
+_checked = hf._checked
 
 
-def _corrupted(state, plain, held):
-    state = dict(_to_hf_layout(state, plain, held))
+def _corrupted(state, plain):
+    state = dict(_checked(state, plain))
     state["lm_head.weight"] = state["lm_head.weight"].clone()
     state["lm_head.weight"][:4] *= 0.97
     return state
 
 
-hf._to_hf_layout = _corrupted
+hf._checked = _corrupted
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import fault
+from parallel_layers import fault, placement
 from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
@@ -416,6 +416,8 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         else:
             layer = RowParallelLinear(in_features, out_features, bias is not None, tp_group=tp_group,
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
+        if is_hf_conv1d(module):  # the state_dict entry stays Conv1D's [in, out] (Note [transposed weights])
+            placement.transposed(layer.weight)
         setattr(parent, child, layer)
     if tp > 1:
         _per_head_parameters(model, modules, targets, column_outputs, tp_group)

@@ -1,5 +1,6 @@
 """Our checkpoints are torch.distributed.checkpoint (DCP) checkpoints, both ways, on a Hugging
-Face Llama built from a small config (grouped-query attention, untied head):
+Face Llama built from a small config (grouped-query attention, untied head) and a GPT-2 (Conv1D
+weights [in, out], which our layers hold [out, in]: Note [transposed weights]):
   - a plain `dcp.save({"model": m.state_dict()})` of the unparallelized model loads into our
     layouts (tp=2; tp=2 x dp=2 with ZeRO-3) with the plain model's logits;
   - `dcp.load({"model": m.state_dict()})` of one of our step directories, in a process that
@@ -17,16 +18,21 @@ import torch
 
 from parallel_layers import checkpoint
 from tests.dist_harness import run_distributed
-from tests.hf._tiny import save_tiny_llama
+from tests.hf._tiny import save_tiny_gpt2, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ = 2, 12
-LAYOUTS = {"tp2": dict(tp=2, dp=1, stage=0), "tp2dp2-zero3": dict(tp=2, dp=2, stage=3)}
+LAYOUTS = {"tp2": dict(tp=2, dp=1, stage=0), "tp2dp2-zero3": dict(tp=2, dp=2, stage=3),
+           "gpt2-tp2": dict(tp=2, dp=1, stage=0), "gpt2-tp2dp2-zero3": dict(tp=2, dp=2, stage=3)}
+
+
+def _save_tiny(layout: str, directory) -> None:
+    (save_tiny_gpt2 if layout.startswith("gpt2") else save_tiny_llama)(directory)
 
 
 def _ids(seed: int = 1):
-    return torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))  # GPT-2's vocabulary
 
 
 def _adamw(params):
@@ -36,8 +42,6 @@ def _adamw(params):
 def _build(directory, tp, dp, stage):
     """The pretrained model at tp x dp (ZeRO `stage`, 0: none): (model, what trains, optimizer, ctx).
     Train with `_step`: ZeRO's own step reduces, steps the shards and refreshes the parameters."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
     from parallel_layers import ZeRO, init_parallel
     from parallel_layers.tensor_parallel import parallelize
 
@@ -45,19 +49,22 @@ def _build(directory, tp, dp, stage):
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     parallelize(model, tp_group=ctx.tp_group)  # the model's published plan
     if stage:
-        zero = ZeRO(model, _adamw, stage=stage, group=ctx.dp_group, wrap=lambda m: isinstance(m, LlamaDecoderLayer))
+        zero = ZeRO(model, _adamw, stage=stage, group=ctx.dp_group,
+                    wrap=lambda m: type(m).__name__ in ("LlamaDecoderLayer", "GPT2Block"))
         return model, zero, zero.optimizer, ctx
     return model, model, _adamw(model.parameters()), ctx
 
 
 def _full_state(model, wrapped, ctx) -> dict:
-    """The unparallelized state dict, gathered with the layers' own tools (not the checkpoint's)."""
-    from parallel_layers import ZeRO
+    """The unparallelized state dict, gathered with the layers' own tools (not the checkpoint's);
+    a GPT-2 Conv1D weight our layers hold [out, in] in its own [in, out]."""
+    from parallel_layers import ZeRO, placement
     from parallel_layers.tensor_parallel import gather_full
 
     state = wrapped.full_state_dict() if isinstance(wrapped, ZeRO) else model.state_dict()
     originals = model.state_dict(keep_vars=True)
-    return {k: gather_full(v, ctx.tp_group, getattr(originals[k], "tp_shard", None)).tolist() for k, v in state.items()}
+    full = {k: gather_full(v, ctx.tp_group, getattr(originals[k], "tp_shard", None)) for k, v in state.items()}
+    return {k: (v.t() if placement.local_layout(originals[k]).transposed else v).tolist() for k, v in full.items()}
 
 
 def _step(wrapped, opt):
@@ -80,7 +87,7 @@ def _load_plain_dcp(rank, world, directory, ckpt, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_plain_dcp_checkpoint_loads_into_our_layouts(tmp_path, layout):
-    save_tiny_llama(tmp_path / "hf")
+    _save_tiny(layout, tmp_path / "hf")
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():  # other weights than the pretrained ones the ranks start from
         for p in plain.parameters():
@@ -92,6 +99,8 @@ def test_plain_dcp_checkpoint_loads_into_our_layouts(tmp_path, layout):
     ws = LAYOUTS[layout]["tp"] * LAYOUTS[layout]["dp"]
     for logits, state in run_distributed(_load_plain_dcp, ws, args=(str(tmp_path / "hf"), str(tmp_path / "dcp"),
                                                                      LAYOUTS[layout]), timeout_s=240):
+        # review finding: a GPT-2 checkpoint of tp=2 held [out, in] Conv1D weights, which neither
+        # plain DCP nor our tp=1 layouts could load
         assert torch.allclose(torch.tensor(logits), want, rtol=1e-5, atol=1e-5)
         for k, v in plain.state_dict().items():
             assert torch.equal(torch.tensor(state[k]), v), k
@@ -119,7 +128,7 @@ torch.save(state, sys.argv[3])
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_our_checkpoint_loads_with_plain_dcp(tmp_path, layout):
-    save_tiny_llama(tmp_path / "hf")
+    _save_tiny(layout, tmp_path / "hf")
     ws = LAYOUTS[layout]["tp"] * LAYOUTS[layout]["dp"]
     results = run_distributed(_train_and_save, ws, args=(str(tmp_path / "hf"), str(tmp_path / "ckpt"),
                                                          LAYOUTS[layout]), timeout_s=240)
