@@ -64,7 +64,7 @@ from torch import Tensor
 
 from parallel_layers import activation_checkpointing as activation_checkpointing_module
 from parallel_layers import expert_parallel as expert_parallel_module
-from parallel_layers import fused, meta
+from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
@@ -103,6 +103,13 @@ class Parallelized:
                     "hf.materialize(par) then checkpoint.load(...); or parallel_layers.meta.materialize(par.module, "
                     "device) and your own initialisation")
             self._materialized = True
+        if self.pipeline is None and not isinstance(inputs, Tensor):  # every rank is given one alike, or 106a raises
+            raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
+                            "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
+                            "attention_mask=)")
+        if self.ctx.dims.tp > 1:  # Note [same batch check]
+            _same_batch.check((inputs, targets, attention_mask), ("inputs", "targets", "attention_mask"),
+                              self.ctx.tp_group, "tensor-parallel")
         if self.pipeline is not None:
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
         out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)
@@ -205,6 +212,18 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                         "plan, call parallel_layers.tensor_parallel.parallelize(model, plan, tp_group=...)")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got {zero_stage!r}")
+    if getattr(model, "_pl_parallelized", None) is not None:  # every rank ran the first call: every rank raises
+        raise ValueError(f"parallelize: this {type(model).__name__} was already parallelized ({model._pl_parallelized}); "
+                         "its layers are sharded or wrapped, and ZeRO-3 has freed its full parameters. Build the model "
+                         "again (its constructor, or from_pretrained) to parallelize it another way")
+    if isinstance(tp_plan, str) and tp_plan != "auto":
+        raise ValueError(f"parallelize: tp_plan must be 'auto' (the plan the model publishes), a dict of module-name "
+                         f"pattern -> style, or None (no tensor parallelism); got {tp_plan!r}")
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise TypeError(f"parallelize: optimizer must be a factory that builds the optimizer from the parameters it is "
+                        f"given (e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
+                        f"{type(optimizer).__name__}: tensor parallelism and ZeRO replace the model's parameters, so "
+                        "an optimizer built before parallelize would step tensors nothing reads any more")
     if token_count is not None and not callable(token_count):  # else it would raise on the last stage only
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
@@ -263,7 +282,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         opt = wrapper.optimizer
     else:
         wrapper = DataParallel(net, group=ctx.dp_group) if ctx.dims.dp > 1 else None
-        opt = optimizer(list(net.parameters()))
+        opt = _optimizer.build(optimizer, list(net.parameters()), "parallelize")
+    model._pl_parallelized = (f"tp={ctx.dims.tp} pp={ctx.dims.pp} dp={ctx.dims.dp}, zero_stage={zero_stage}"
+                              + (f", tp_plan={'auto' if tp_plan == 'auto' else 'a plan'}" if tp_plan is not None else ""))
     # 5. the pipeline schedule
     pipe = None
     if pipelined:

@@ -295,3 +295,135 @@ def test_checkpoint_argument_error_on_one_rank_raises_on_every_rank(tmp_path):
     assert rank0.startswith("RuntimeError: checkpoint save failed on 1 rank(s): rank 1: TypeError: extra must hold "
                             "only JSON values")
     assert os.listdir(tmp_path) == []  # refused before anything was written
+
+
+def _optimizer_errors(rank, ws):
+    from parallel_layers import parallelize as compose
+
+    ctx = init_parallel(tp=2, device="cpu")
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+
+    plan = {"0": "column", "1": "row"}
+    loss = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
+    early = model()
+    before = torch.optim.AdamW(early.parameters())  # built before parallelize: the parameters as they were
+    zero = model()
+    return [_error(lambda: compose(model(), ctx, optimizer=torch.optim.AdamW(early.parameters()), loss_fn=loss,
+                                   tp_plan=plan)),
+            _error(lambda: compose(early, ctx, optimizer=lambda params: before, loss_fn=loss, tp_plan=plan)),
+            _error(lambda: ZeRO(zero, lambda shards: torch.optim.AdamW(zero.parameters()), stage=1)),
+            _error(lambda: compose(model(), ctx, optimizer=lambda params: torch.optim.AdamW(params[1:]), loss_fn=loss,
+                                   tp_plan=plan))]  # a subset of them is the factory's choice
+
+
+def test_an_optimizer_built_before_parallelize_is_refused_on_every_rank():
+    """Review finding: an optimizer built before parallelize (or ZeRO) stepped the replaced
+    parameters, and the loss drifted from the plain model's with no error (tp=2, ZeRO-1)."""
+    hint = ("Build it inside the factory from the parameters passed to it (optimizer=lambda params: "
+            "torch.optim.AdamW(params, lr=...)): one built before holds the model's parameters as they were, which "
+            "tensor parallelism and ZeRO replace, and would train them silently wrong")
+    expected = [
+        "TypeError: parallelize: optimizer must be a factory that builds the optimizer from the parameters it is "
+        "given (e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)), got AdamW: tensor parallelism and "
+        "ZeRO replace the model's parameters, so an optimizer built before parallelize would step tensors nothing "
+        "reads any more",
+        "ValueError: parallelize: the optimizer the factory built steps 4 of its 4 tensors that are not among the 4 it "
+        f"was given (shapes [(8, 4), (8,), (4, 8)]). {hint}",
+        "ValueError: ZeRO: the optimizer the factory built steps 4 of its 4 tensors that are not among the 4 it was "
+        f"given (shapes [(8, 4), (8,), (4, 8)]). {hint}",
+        "no error"]
+    assert run_distributed(_optimizer_errors, 2) == [expected, expected]
+
+
+def _batches_by_global_rank(rank, ws, axis):
+    from parallel_layers import parallelize as compose
+
+    ctx = init_parallel(tp=2 if axis == "tp" else 1, pp=2 if axis == "pp" else 1, device="cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    kwargs = dict(tp_plan={"0": "column", "1": "row"})
+    if axis == "pp":
+        model = nn.Module()
+        model.layers = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+        kwargs = dict(pipeline_layers="layers", microbatches=2)
+    par = compose(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                  loss_fn=lambda out, y: ((out - y) ** 2).mean(), **kwargs)
+    rows = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    same = par.forward_backward(rows[:4], rows[:4]).item()  # one batch on every rank: trains
+    mine = rows.chunk(ws)[rank]  # the DDP habit: a shard by the global rank
+    return same, _error(lambda: par.forward_backward(mine, mine))
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp"])
+def test_ranks_of_a_tp_group_or_a_pipeline_given_different_batches_raise_on_every_rank(axis):
+    """Review finding: given other rows on each rank of a TP group (a shard by the global rank),
+    the model trained on a mixture of both batches with no error; under a pipeline stage 0's
+    inputs met the last stage's targets of other rows (Note [same batch check])."""
+    what = "tensor-parallel" if axis == "tp" else "pipeline"
+    names = "inputs: ranks [0] vs ranks [1]; targets: ranks [0] vs ranks [1]"
+    expected = (f"ValueError: the {what} ranks [0, 1] were given different batches ({names}): every rank of a {what} "
+                "group must be given the same batch (only the data-parallel replicas take different rows): shard the "
+                "data by ctx.coordinate('dp'), not by the global rank")
+    (loss0, error0), (loss1, error1) = run_distributed(_batches_by_global_rank, 2, args=(axis,))
+    assert loss0 == loss1 and error0 == error1 == expected
+
+
+def _parallelized_twice(rank, ws):
+    from parallel_layers import parallelize as compose
+    from parallel_layers import tensor_parallel
+
+    ctx = init_parallel(dp=2, device="cpu")
+    sgd, loss = (lambda ps: torch.optim.SGD(ps, lr=0.1)), (lambda out, y: ((out - y) ** 2).mean())
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    compose(model, ctx, optimizer=sgd, loss_fn=loss, zero_stage=3, wrap=lambda m: isinstance(m, nn.Linear))
+    layers = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    tensor_parallel.parallelize(layers, {"0": "column", "1": "row"}, tp_group=dist.group.WORLD)
+    fresh = compose(nn.Linear(4, 4), ctx, optimizer=sgd, loss_fn=loss)
+    return [_error(lambda: compose(model, ctx, optimizer=sgd, loss_fn=loss, zero_stage=3)),
+            _error(lambda: tensor_parallel.parallelize(layers, {"0": "column", "1": "row"}, tp_group=dist.group.WORLD)),
+            _error(lambda: compose(nn.Linear(2, 2), ctx, optimizer=sgd, loss_fn=loss, tp_plan="Auto")),
+            _error(lambda: fresh.forward_backward({"input_ids": torch.zeros(2, 4)}, torch.zeros(2, 4)))]
+
+
+def test_a_second_parallelize_and_a_misspelt_tp_plan_are_refused_on_every_rank():
+    """Review findings: a second parallelize of a ZeRO-3 model (a re-run notebook cell) killed
+    both ranks with SIGSEGV (it cloned freed parameters); of a TP model it said ColumnParallelLinear
+    'is not supported'; tp_plan='Auto' said the plan must be a dict; a tokenizer's dict as the inputs
+    raised an AttributeError from inside the model."""
+    expected = [
+        "ValueError: parallelize: this Sequential was already parallelized (tp=1 pp=1 dp=2, zero_stage=3); its layers "
+        "are sharded or wrapped, and ZeRO-3 has freed its full parameters. Build the model again (its constructor, or "
+        "from_pretrained) to parallelize it another way",
+        "TypeError: parallelize: the plan names a ColumnParallelLinear: this model is already tensor-parallel "
+        "(parallelize ran on it before); build it again to parallelize it another way",
+        "ValueError: parallelize: tp_plan must be 'auto' (the plan the model publishes), a dict of module-name pattern "
+        "-> style, or None (no tensor parallelism); got 'Auto'",
+        "TypeError: forward_backward needs its inputs as one tensor; got dict (a tokenizer's output or a dict? pass "
+        "its input_ids as the inputs and its attention_mask as attention_mask=)"]
+    assert run_distributed(_parallelized_twice, 2) == [expected, expected]
+
+
+def _state_dict_of_zero3(rank, ws):
+    ctx = init_parallel(dp=2, device="cpu")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, group=ctx.dp_group,
+                wrap=lambda m: isinstance(m, nn.Linear))
+    zero(torch.randn(2, 4)).sum().backward()
+    zero.step()
+    full = zero.full_state_dict()  # gathers first: allowed
+    return sorted(full), _error(lambda: model.state_dict())
+
+
+def test_a_plain_state_dict_of_a_zero3_model_is_refused():
+    """Review finding: torch.save(model.state_dict()) of a ZeRO-3 model wrote tensors without
+    storage (the file could not be loaded back), transformers' save_pretrained raised on setStorage."""
+    expected = ("RuntimeError: state_dict() of a model that ZeRO-3 shards: 4 of its full parameters (e.g. ['0.weight', "
+                "'0.bias', '1.weight']) have no storage between forward and backward, only this rank's shards do. "
+                "Read the model through ZeRO: zero.full_state_dict() (every rank), parallel_layers.checkpoint.save(...), "
+                "or parallel_layers.hf.save_pretrained(par.module, directory) instead of torch.save(model.state_dict()) "
+                "or model.save_pretrained(...)")
+    keys = ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert run_distributed(_state_dict_of_zero3, 2) == [(keys, expected), (keys, expected)]

@@ -238,17 +238,34 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _logits(output, labels: Tensor) -> Tensor:
+    """The logits of `output` - the last pipeline stage's tensor, or the ModelOutput of a model
+    called whole (no pipeline) - checked against the labels' shape."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, Tensor) or logits.dim() != 3 or not isinstance(labels, Tensor) or \
+            tuple(labels.shape) != tuple(logits.shape[:2]):
+        got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"causal_lm_loss: needs logits [batch, seq, vocab] and labels [batch, seq] of the same batch "
+                         f"and sequence (the labels are the input ids, -100 where not to learn: the loss shifts them "
+                         f"itself); got logits {got} and labels "
+                         f"{tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__}")
+    return logits
+
+
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Hugging Face's causal-LM loss: position t predicts labels[t + 1]; the mean over the
     tokens whose label is not -100 (`model(input_ids, labels=labels).loss`), in float32.
     The pipeline averages the microbatches' means: the batch's mean when every microbatch
-    counts as many tokens (always, without -100 labels; with padding, use the pair below)."""
+    counts as many tokens (always, without -100 labels; with padding, use the pair below).
+    `logits` may also be the model's ModelOutput (without a pipeline)."""
+    logits = _logits(logits, labels)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
 def causal_lm_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
     """`causal_lm_loss`'s sum instead of its mean; with `token_count=causal_lm_tokens` the
     pipeline divides by the batch's labelled tokens: Hugging Face's loss of the whole batch."""
+    logits = _logits(logits, labels)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
                            reduction="sum")
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel_layers import fault
+from parallel_layers import _same_batch, fault
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
@@ -107,9 +107,12 @@ class PipelineParallel:
             raise ValueError(f"pipeline step needs inputs on pipeline rank 0 (got {'none' if n_in < 0 else n_in}) and "
                              f"targets on pipeline rank {self.last_rank}, the last stage's (got "
                              f"{'none' if n_tgt < 0 else n_tgt})")
-        if n_in % m or n_in != n_tgt:
-            raise ValueError(f"the batch ({n_in} inputs, {n_tgt} targets) must have equal sizes divisible by "
-                             f"microbatches={m}; {n_in} % {m} = {n_in % m}; valid batch sizes are multiples of {m}")
+        if n_in != n_tgt:
+            raise ValueError(f"the batch has {n_in} inputs and {n_tgt} targets (sizes on dim 0): a step's inputs and "
+                             "targets must be as many")
+        if n_in % m:
+            raise ValueError(f"the batch of {n_in} must divide into microbatches={m}; {n_in} % {m} = {n_in % m}; "
+                             f"valid batch sizes are multiples of {m}")
         sig = tuple(sizes[0][3:3 + _HEADER])
         problem = self.stages.input_problem(tuple(sig[2:2 + sig[0]]), _DTYPES[sig[1]]) \
             if self.stages.input_problem is not None and sig[1] >= 0 else None
@@ -155,6 +158,9 @@ class PipelineParallel:
             sig, mask_sig = self._check_batch(inputs if self.rank == 0 else None,
                                               targets if self.rank == self.last_rank else None,
                                               attention_mask if self.rank == 0 else None)
+            if self.ranks > 1:  # what each rank was given (Note [same batch check] in _same_batch.py)
+                _same_batch.check((inputs, targets, attention_mask), ("inputs", "targets", "attention_mask"),
+                                  self.group, "pipeline")
             refused = None
         except (TypeError, ValueError) as e:  # the same on every rank of this pipeline
             refused = e

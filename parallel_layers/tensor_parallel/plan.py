@@ -272,6 +272,9 @@ def _as_linear_weights(module: nn.Module):
         return module.weight.detach(), module.bias.detach() if module.bias is not None else None
     if is_hf_conv1d(module):
         return module.weight.detach().t(), module.bias.detach() if module.bias is not None else None
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        raise TypeError(f"parallelize: the plan names a {type(module).__name__}: this model is already tensor-parallel "
+                        "(parallelize ran on it before); build it again to parallelize it another way")
     raise TypeError(f"parallelize: {type(module).__name__} is not supported; plan entries must name nn.Linear or "
                     "Hugging Face Conv1D modules")
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import placement
+from parallel_layers import _optimizer, placement
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.zero import _state
@@ -91,6 +91,23 @@ def _plain_lookup(module: nn.Module) -> bool:
     kind = next((c for c in (VocabParallelEmbedding, nn.Embedding) if isinstance(module, c)), None)
     return (kind is not None and type(module).forward is kind.forward and not getattr(module, "sparse", False)
             and [n for n, _ in module.named_parameters()] == ["weight"])
+
+
+def _refuse_freed_parameters(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A plain state_dict() of a ZeRO-3 model between steps: its full parameters have no storage
+    (`ShardedParam.free_full`), and what torch.save or transformers' save_pretrained wrote from
+    them could not be loaded (review finding). The library's own readers (keep_vars=True: the
+    placement, which reads the shards) and full_state_dict (after a gather) pass."""
+    if keep_vars:
+        return
+    freed = [n for n, p in module.named_parameters() if p.numel() and not p.is_meta and p.untyped_storage().nbytes() == 0]
+    if freed:
+        raise RuntimeError(
+            f"state_dict() of a model that ZeRO-3 shards: {len(freed)} of its full parameters (e.g. {freed[:3]}) have "
+            "no storage between forward and backward, only this rank's shards do. Read the model through ZeRO: "
+            "zero.full_state_dict() (every rank), parallel_layers.checkpoint.save(...), or "
+            "parallel_layers.hf.save_pretrained(par.module, directory) instead of torch.save(model.state_dict()) or "
+            "model.save_pretrained(...)")
 
 
 def _pooled(groups: list[ParamGroup]) -> list[ParamGroup]:
@@ -201,10 +218,12 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.groups.append(self.root_group)
         for g in _pooled(self.groups) if stage == 3 else ():
             g.pool = pool
-        self.optimizer = optimizer_factory([s for g in self.groups for s in g.shards])
+        self.optimizer = _optimizer.build(optimizer_factory, [s for g in self.groups for s in g.shards], "ZeRO")
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
                                 reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync,
                                 experts=experts_groups)
+        if stage == 3:
+            model.register_state_dict_pre_hook(_refuse_freed_parameters)
 
     def forward(self, *args, **kwargs):
         if self.stage == 3 and self.root_group is not None:

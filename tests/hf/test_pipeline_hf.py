@@ -22,6 +22,8 @@ final norm + head), position ids / rotary cos-sin / causal mask rebuilt on every
   OLMo's in-place clip_qkv) reaches every pipeline rank.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -147,6 +149,14 @@ def test_layers_in_a_row_are_the_model(tmp_path, family):
         out = model(input_ids=ids, labels=ids)
     assert torch.equal(x, out.logits)  # the same modules, called as the model's forward calls them
     assert torch.allclose(causal_lm_loss(x, ids), out.loss, rtol=1e-6)
+    # the model's own output, as a model called whole (no pipeline) gives the loss (review finding:
+    # "tuple indices must be integers or slices"), and labels of another shape named
+    assert torch.equal(causal_lm_loss(out, ids), causal_lm_loss(x, ids))
+    with pytest.raises(ValueError, match=re.escape(
+            f"causal_lm_loss: needs logits [batch, seq, vocab] and labels [batch, seq] of the same batch and sequence "
+            f"(the labels are the input ids, -100 where not to learn: the loss shifts them itself); got logits "
+            f"{tuple(x.shape)} and labels {tuple(ids[:, 1:].shape)}")):
+        causal_lm_loss_sum(x, ids[:, 1:])
     # The adapters mount the model's modules at their own paths: the same state_dict names.
     assert sorted(k for layer in layers for k in layer.state_dict()) == sorted(model.state_dict())
     assert len(layers) == model.config.num_hidden_layers + 2

@@ -57,6 +57,23 @@ def test_shape_change_between_microbatches_raises_on_every_rank():
         assert message.startswith(expected)
 
 
+def _targets_of_another_size(rank, world):
+    from parallel_layers.pipeline import PipelineParallel, PipelineStages
+
+    torch.manual_seed(0)
+    pipe = PipelineParallel(PipelineStages([nn.Linear(4, 4), nn.Linear(4, 3)]), microbatches=4,
+                            loss_fn=F.cross_entropy)
+    try:  # targets flattened from [4, 16] to 64 (review finding: the message said 4 % 4 = 0 was the problem)
+        pipe.step(torch.randn(4, 4), torch.randint(0, 3, (64,)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_inputs_and_targets_of_other_sizes_raise_on_every_rank():
+    msg = "the batch has 4 inputs and 64 targets (sizes on dim 0): a step's inputs and targets must be as many"
+    assert run_distributed(_targets_of_another_size, 2) == [msg, msg]
+
 class ShrinksInSecondStep(nn.Linear):
     """Drops a row of every output from its third call on: the second step, whose inputs have
     the first step's shape, so the boundary contract it sends against is the remembered one."""
@@ -93,8 +110,7 @@ def test_a_remembered_contract_is_still_checked():
 
 
 def test_batch_not_divisible_by_microbatches_raises_on_every_rank():
-    msg = ("the batch (6 inputs, 6 targets) must have equal sizes divisible by microbatches=4; 6 % 4 = 2; "
-           "valid batch sizes are multiples of 4")
+    msg = "the batch of 6 must divide into microbatches=4; 6 % 4 = 2; valid batch sizes are multiples of 4"
     assert run_distributed(_run, 2, args=(_linear, 6, 4)) == [msg, msg]
 
 
@@ -292,8 +308,7 @@ def _replica_fails(rank, world, where):
 @pytest.mark.parametrize("where", ["loss", "token_count", "batch"])
 def test_a_failure_on_one_data_parallel_replica_raises_on_every_rank(where):
     message = "loss refused" if where == "loss" else "count refused"
-    refused = ("the batch (3 inputs, 3 targets) must have equal sizes divisible by microbatches=2; 3 % 2 = 1; "
-               "valid batch sizes are multiples of 2")
+    refused = "the batch of 3 must divide into microbatches=2; 3 % 2 = 1; valid batch sizes are multiples of 2"
     for pp, dp, results, sums in run_distributed(_replica_fails, 4, args=(where,), collective_timeout_s=20):
         assert isinstance(results[0], float) and isinstance(results[2], float), (pp, dp, results)
         kind, text = results[1]
