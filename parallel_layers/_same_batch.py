@@ -8,9 +8,13 @@ partial results, and the model trains on a mixture of both batches with no error
 finding: losses 5.488 and 5.608 on the two TP ranks against the plain model's 5.506). Under a
 pipeline, stage 0's inputs met the last stage's targets of other rows. So `parallelize`'s step
 compares a digest of the batch over the TP group, and the pipeline over its ranks, before the
-forward: a weighted sum of the tensors' bytes (position-weighted, so a permutation differs), and
-their element count; a rank given no tensor (a pipeline rank that is neither the first nor the
-last) is left out. On the CPU a mismatch raises on every rank, naming the ranks; on a GPU the
+forward: a weighted sum of the tensors' words, each position weighted by a hash of it (weights
+linear in the position missed two rows of equal sums swapped: review finding), and their element
+count. A rank given no tensor is left out; under a pipeline only what a rank's role reads is
+the reference - the inputs (and mask) of pipeline rank 0, the targets of the last - and another
+rank's tensor is compared with it only when it has as many elements (a placeholder of another
+size, or a mask a rank does not read, is not an error). A TP group under a pipeline is checked
+by the pipeline, whose batch check carries a refusal to its other ranks. On the CPU a mismatch raises on every rank, naming the ranks; on a GPU the
 comparison is a device-side assert (Note [range checks on a device] in tensor_parallel/vocab.py),
 which costs no host sync: the job stops at its next sync. The cost is one all-gather of a few
 numbers per step over the group, beside the many all-reduces a TP step makes anyway.
@@ -27,7 +31,7 @@ from torch import Tensor
 from parallel_layers import fault
 
 _NONE, _NOT_TENSOR = -1, -2
-_MODULUS = 65521  # the weights cycle 1 .. 65521: position-dependent, and no overflow worth worrying about
+_GOLDEN, _PRIME = 0x9E3779B1, 2**31 - 1  # a multiplicative hash of the position, in [1, 2^31)
 
 
 def _digest(t, device: torch.device) -> list[Tensor]:
@@ -39,7 +43,7 @@ def _digest(t, device: torch.device) -> list[Tensor]:
     word = torch.int64 if size % 8 == 0 else torch.int32 if size % 4 == 0 else torch.int16 if size % 2 == 0 \
         else torch.uint8  # the tensor's bytes, read as whole words where they allow (ids: one int64 each)
     data = t.detach().contiguous().view(-1).view(word).to(device=device, dtype=torch.int64)
-    weights = torch.arange(data.numel(), device=device, dtype=torch.int64) % _MODULUS + 1
+    weights = torch.arange(data.numel(), device=device, dtype=torch.int64) * _GOLDEN % _PRIME + 1
     return [(data * weights).sum(), torch.tensor(t.numel(), device=device)]
 
 
@@ -49,9 +53,11 @@ def _device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def check(tensors: Sequence, names: Sequence[str], group, what: str) -> None:
+def check(tensors: Sequence, names: Sequence[str], group, what: str,
+          readers: Sequence[int | None] | None = None) -> None:
     """Raise on every rank of `group` (or assert on the device) unless the ranks given each of
-    `tensors` were given the same one (Note [same batch check])."""
+    `tensors` were given the same one (Note [same batch check]). readers: per tensor, the group
+    rank whose tensor is the reference (the rank that reads it); None: every rank reads it."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1 or \
             dist.get_backend(group) == "fake":  # the fake process group moves no data: nothing to compare
         return
@@ -61,10 +67,16 @@ def check(tensors: Sequence, names: Sequence[str], group, what: str) -> None:
     with fault.collective(f"{what} same-batch check (all_gather)", group):
         dist.all_gather(every, mine, group=group)
     table = torch.stack(every).view(len(every), len(tensors), 2)  # [rank, tensor, (digest, numel)]
+    # the reference of each tensor: its reader's, or the first rank's that was given one
     given = table[:, :, 1] >= 0
-    lo = torch.where(given[:, :, None], table, torch.iinfo(torch.int64).max).amin(0)
-    hi = torch.where(given[:, :, None], table, torch.iinfo(torch.int64).min).amax(0)
-    agree = (lo == hi) | ~given.any(0)[:, None]
+    first = torch.where(given, torch.arange(len(every), device=device)[:, None], len(every)).amin(0)
+    reader = torch.tensor([first[k] if r is None else r for k, r in enumerate(readers or [None] * len(tensors))],
+                          device=device).clamp(max=len(every) - 1)
+    ref = table[reader, torch.arange(len(tensors), device=device)]  # [tensor, 2]
+    compared = given & given[reader, torch.arange(len(tensors), device=device)][None, :] & (table[:, :, 1] == ref[:, 1])
+    if readers is None:  # every rank reads it: another size is a difference too
+        compared = given
+    agree = (~compared | (table == ref[None]).all(-1)).all(0)  # [tensor]
     ranks = dist.get_process_group_ranks(group)
     hint = (f"every rank of a {what} group must be given the same batch (only the data-parallel replicas take "
             "different rows): shard the data by ctx.coordinate('dp'), not by the global rank")
@@ -75,10 +87,10 @@ def check(tensors: Sequence, names: Sequence[str], group, what: str) -> None:
         return
     differ = []
     for k, name in enumerate(names):
-        if not bool(agree[k].all()):
-            values = {r: tuple(table[i, k].tolist()) for i, r in enumerate(ranks) if bool(given[i, k])}
+        if not bool(agree[k]):
             groups: dict[tuple, list[int]] = {}
-            for r, v in values.items():
-                groups.setdefault(v, []).append(r)
+            for i, r in enumerate(ranks):
+                if bool(compared[i, k]):
+                    groups.setdefault(tuple(table[i, k].tolist()), []).append(r)
             differ.append(f"{name}: " + " vs ".join(f"ranks {rs}" for rs in groups.values()))
     raise ValueError(f"the {what} ranks {ranks} were given different batches ({'; '.join(differ)}): {hint}")

@@ -51,6 +51,7 @@ after it one mask behind.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import torch
@@ -122,19 +123,40 @@ def checkpoint_blocks(model: nn.Module, mode: str, is_block: Callable[[nn.Module
     # under Hugging Face's own gradient checkpointing, which also decides it per call. The config is
     # left alone (review finding: setting config.use_cache = False was written into the exported
     # config.json and generation_config.json, and the reloaded model generated without a cache).
-    if getattr(getattr(model, "config", None), "use_cache", False) and not hasattr(model, "_pl_no_training_cache"):
-        model._pl_no_training_cache = model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    for m in model.modules():  # the model, or the transformers model a user's wrapper holds
+        position = _use_cache_position(m)
+        if position is not None and getattr(getattr(m, "config", None), "use_cache", False) and \
+                not hasattr(m, "_pl_no_training_cache"):
+            m._pl_no_training_cache = m.register_forward_pre_hook(
+                functools.partial(_no_cache_in_training, position=position), with_kwargs=True)
     for _, m in blocks:
         _checkpoint_forward(m, mode)
     return [name for name, _ in blocks]
 
 
-def _no_cache_in_training(module: nn.Module, args, kwargs):
+def _use_cache_position(model: nn.Module) -> int | None:
+    """Where `model.forward` takes `use_cache` by position (a large number if only by keyword),
+    or None when it takes no such argument (a user's wrapper around a transformers model: review
+    finding, the hook's keyword was refused)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "use_cache" not in parameters:
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [name for name, p in parameters.items() if p.kind in kinds]
+    return positional.index("use_cache") if "use_cache" in positional else len(parameters) + 1_000
+
+
+def _no_cache_in_training(module: nn.Module, args, kwargs, *, position: int):
     # a forward that records for backward, whose blocks the backward recomputes (a model from
     # from_pretrained trains in eval mode unless the user calls train(): not module.training)
-    if torch.is_grad_enabled():
-        return args, {**kwargs, "use_cache": False}
-    return None
+    if not torch.is_grad_enabled():
+        return None
+    if len(args) > position:  # given by position
+        return (*args[:position], False, *args[position + 1:]), kwargs
+    return args, {**kwargs, "use_cache": False}
 
 
 def _call(forward, args, kwargs):

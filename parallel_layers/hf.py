@@ -476,6 +476,7 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
         shapes = _file_shapes(files)
         reference = _reference(hf_model)
         described = placement.describe(module)
+        described.check_storage()
         sources = _plan_sources(described, hf_model, reference, shapes, files)
         used = set().union(*(s.file_keys() for s in sources.values()))
     except Exception as e:  # noqa: BLE001 - raised on every rank below

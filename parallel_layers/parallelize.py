@@ -107,7 +107,7 @@ class Parallelized:
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
-        if self.ctx.dims.tp > 1:  # Note [same batch check]
+        if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
             _same_batch.check((inputs, targets, attention_mask), ("inputs", "targets", "attention_mask"),
                               self.ctx.tp_group, "tensor-parallel")
         if self.pipeline is not None:
@@ -243,6 +243,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         raise ValueError(f"parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
                          f"tensor-parallel regions) and no pipeline; got {'no' if tp_plan is None else 'a'} "
                          f"tp_plan, pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
+    originals = {id(p) for p in model.parameters()}  # what an optimizer built before would step
     asked = expert_parallel is True or ep > 1
     experts = [name for name, _ in expert_parallel_module.check(model, ep, expert_parallel)] if asked else []
 
@@ -279,17 +280,19 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     # 4. data parallelism over the dp axis
     if zero_stage:
         wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=zero_units)
-        opt = wrapper.optimizer
+        opt = wrapper.optimizer  # ZeRO checked it against net's parameters; these were the model's before TP
+        _optimizer.check(opt, [s for g in wrapper.groups for s in g.shards], "parallelize", replaced=originals)
     else:
         wrapper = DataParallel(net, group=ctx.dp_group) if ctx.dims.dp > 1 else None
-        opt = _optimizer.build(optimizer, list(net.parameters()), "parallelize")
+        opt = _optimizer.build(optimizer, list(net.parameters()), "parallelize", replaced=originals)
     model._pl_parallelized = (f"tp={ctx.dims.tp} pp={ctx.dims.pp} dp={ctx.dims.dp}, zero_stage={zero_stage}"
                               + (f", tp_plan={'auto' if tp_plan == 'auto' else 'a plan'}" if tp_plan is not None else ""))
     # 5. the pipeline schedule
     pipe = None
     if pipelined:
         pipe = PipelineParallel(net, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
-                                token_count=token_count, data_parallel=wrapper, device=ctx.device)
+                                token_count=token_count, data_parallel=wrapper, device=ctx.device,
+                                tp_group=ctx.tp_group if ctx.dims.tp > 1 else None)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
                         loss_fn=loss_fn, ctx=ctx, token_count=token_count)
 

@@ -262,6 +262,17 @@ class ModelPlacement:
     shard_group: dist.ProcessGroup | None = None  # the locals are disjoint shards over this group (ZeRO)
     after_load: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # run once locals were written
 
+    def check_storage(self) -> None:
+        """Raise unless every tensor this rank holds pieces of has its storage: the full
+        parameters of a model that ZeRO-3 shards have none between steps (reading them ends the
+        process with SIGSEGV); its wrapper describes the shards instead (review finding)."""
+        empty = [tp.name for tp in self.tensors.values() if tp.pieces and tp.local.numel() and not tp.local.is_meta
+                 and tp.local.untyped_storage().nbytes() == 0]
+        if empty:
+            raise ValueError(f"{len(empty)} of the model's tensors (e.g. {empty[:3]}) have no storage: ZeRO-3 frees a "
+                             "model's full parameters between steps. Pass what parallelize returned (par.module) or "
+                             "the ZeRO wrapper, whose shards hold the values, not the model given to it")
+
     def by_local(self) -> dict[int, TensorPlacement]:
         """id(local tensor) -> its placement (the first key of tied entries)."""
         out: dict[int, TensorPlacement] = {}

@@ -14,6 +14,7 @@
 - the bad calls it refuses, on every rank."""
 
 import copy
+import inspect
 import io
 
 import pytest
@@ -138,6 +139,24 @@ def test_a_training_forward_runs_without_a_cache_and_the_config_keeps_its_own(ll
         out.logits.sum().backward()
     with torch.no_grad():
         assert model.eval()(ids).past_key_values is not None  # generation keeps its cache
+    # use_cache given by position (review finding: "got multiple values for argument 'use_cache'")
+    position = list(inspect.signature(model.forward).parameters).index("use_cache")
+    assert model.train()(ids, *[None] * (position - 1), True).past_key_values is None
+
+    class Wrapper(torch.nn.Module):  # a user's model around the transformers one, its config exposed
+        def __init__(self, lm):
+            super().__init__()
+            self.lm, self.config = lm, lm.config
+
+        def forward(self, ids):  # no use_cache argument: the pre-hook must not give one (review finding)
+            return self.lm(input_ids=ids).logits
+
+    wrapper = Wrapper(transformers.AutoModelForCausalLM.from_pretrained(llama_dir))
+    checkpoint_blocks(wrapper, "full", lambda m: isinstance(m, LlamaDecoderLayer))
+    caches = []
+    wrapper.lm.register_forward_hook(lambda m, args, out: caches.append(out.past_key_values))
+    wrapper(ids).sum().backward()
+    assert caches == [None]  # the transformers model inside runs without one
 
 def test_selective_recomputes_the_attention_core_of_the_math_path(llama_dir):
     # Eager attention (matmul, softmax, matmul): its O(seq^2) scores are recomputed, as in

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from parallel_layers import (Column, ColumnParallelLinear, DataParallel, ParallelDims, PipelineParallel,
                              PipelineStages, RowParallelLinear, ZeRO, checkpoint, clip_grad_norm_, init_parallel, ops)
@@ -311,12 +312,19 @@ def _optimizer_errors(rank, ws):
     early = model()
     before = torch.optim.AdamW(early.parameters())  # built before parallelize: the parameters as they were
     zero = model()
+    temperature = nn.Parameter(torch.ones(()))
+    second = model()
+    prebuilt = torch.optim.AdamW(second.parameters())
     return [_error(lambda: compose(model(), ctx, optimizer=torch.optim.AdamW(early.parameters()), loss_fn=loss,
                                    tp_plan=plan)),
             _error(lambda: compose(early, ctx, optimizer=lambda params: before, loss_fn=loss, tp_plan=plan)),
             _error(lambda: ZeRO(zero, lambda shards: torch.optim.AdamW(zero.parameters()), stage=1)),
             _error(lambda: compose(model(), ctx, optimizer=lambda params: torch.optim.AdamW(params[1:]), loss_fn=loss,
-                                   tp_plan=plan))]  # a subset of them is the factory's choice
+                                   tp_plan=plan)),  # a subset of them is the factory's choice
+            _error(lambda: compose(model(), ctx, optimizer=lambda params: torch.optim.AdamW(params + [temperature]),
+                                   loss_fn=loss, tp_plan=plan)),  # and so is a tensor of its own
+            _error(lambda: compose(second, ctx, optimizer=lambda params: prebuilt, loss_fn=loss, tp_plan=plan,
+                                   zero_stage=1))]
 
 
 def test_an_optimizer_built_before_parallelize_is_refused_on_every_rank():
@@ -330,11 +338,13 @@ def test_an_optimizer_built_before_parallelize_is_refused_on_every_rank():
         "given (e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)), got AdamW: tensor parallelism and "
         "ZeRO replace the model's parameters, so an optimizer built before parallelize would step tensors nothing "
         "reads any more",
-        "ValueError: parallelize: the optimizer the factory built steps 4 of its 4 tensors that are not among the 4 it "
-        f"was given (shapes [(8, 4), (8,), (4, 8)]). {hint}",
-        "ValueError: ZeRO: the optimizer the factory built steps 4 of its 4 tensors that are not among the 4 it was "
-        f"given (shapes [(8, 4), (8,), (4, 8)]). {hint}",
-        "no error"]
+        "ValueError: parallelize: the optimizer the factory built steps 4 of the model's parameters as they were "
+        f"before parallelize replaced them (shapes [(8, 4), (8,), (4, 8)]), not the 4 tensors it was given. {hint}",
+        "ValueError: ZeRO: the optimizer the factory built steps 4 of the model's parameters as they were before ZeRO "
+        f"replaced them (shapes [(8, 4), (8,), (4, 8)]), not the 4 tensors it was given. {hint}",
+        "no error", "no error",
+        "ValueError: parallelize: the optimizer the factory built steps 4 of the model's parameters as they were "
+        f"before parallelize replaced them (shapes [(8, 4), (8,), (4, 8)]), not the 4 tensors it was given. {hint}"]
     assert run_distributed(_optimizer_errors, 2) == [expected, expected]
 
 
@@ -427,3 +437,83 @@ def test_a_plain_state_dict_of_a_zero3_model_is_refused():
                 "or model.save_pretrained(...)")
     keys = ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert run_distributed(_state_dict_of_zero3, 2) == [(keys, expected), (keys, expected)]
+
+
+def _batch_check_cases(rank, ws, case):
+    from parallel_layers import parallelize as compose
+
+    tp = 2 if case in ("equal sums swapped", "targets differ in the last stage's tp group") else 1
+    ctx = init_parallel(tp=tp, pp=ws // tp, device="cpu")
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16), nn.Linear(16, 4))
+    pipelined = case != "equal sums swapped"
+    kwargs = dict(pipeline_layers="layers", microbatches=2) if pipelined else {}
+    if tp > 1:
+        kwargs["tp_plan"] = {"layers.1": "column", "layers.2": "row"}
+    par = compose(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                  loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), **kwargs)
+    ids = torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1], [5, 6, 7, 8], [9, 9, 9, 9]])  # rows 0 and 1: equal sums
+    targets = ids % 4
+    last = ctx.coordinate("pp") == ctx.dims.pp - 1
+    if case == "placeholders":  # what a rank's stages do not read may be anything of another size
+        return _error(lambda: par.forward_backward(ids if ctx.coordinate("pp") == 0 else torch.empty(0),
+                                                   targets if last else torch.empty(0, dtype=torch.long)))
+    if case == "equal sums swapped":
+        mine = ids[[1, 0, 2, 3]] if ctx.coordinate("tp") == 1 else ids
+        return _error(lambda: par.forward_backward(mine, targets))
+    # targets differ between the TP ranks of the last stage only: every rank of every stage raises
+    mine = targets if ctx.coordinate("tp") == 0 or not last else (targets + 1) % 4
+    return _error(lambda: par.forward_backward(ids, mine))
+
+
+def test_the_same_batch_check_reads_what_each_rank_reads_and_sees_swapped_rows():
+    """Review findings (helper-34): placeholders of another size on the ranks that do not read
+    them were refused; two rows of equal sums swapped passed (position weights linear in the
+    position); a TP group of the last stage given different targets raised there only, the
+    first stage waited in the next collective until the timeout."""
+    assert run_distributed(_batch_check_cases, 2, args=("placeholders",)) == ["no error"] * 2
+    hint = ("every rank of a tensor-parallel group must be given the same batch (only the data-parallel replicas "
+            "take different rows): shard the data by ctx.coordinate('dp'), not by the global rank")
+    swapped = f"ValueError: the tensor-parallel ranks [0, 1] were given different batches (inputs: ranks [0] vs ranks [1]): {hint}"
+    assert run_distributed(_batch_check_cases, 2, args=("equal sums swapped",)) == [swapped] * 2
+    found = run_distributed(_batch_check_cases, 4, args=("targets differ in the last stage's tp group",))
+    own = f"ValueError: the tensor-parallel ranks [2, 3] were given different batches (targets: ranks [2] vs ranks [3]): {hint}"
+    other = ("ValueError: the tensor-parallel group of pipeline rank(s) [1] was given different batches (its ranks "
+             "name them): every rank of a tensor-parallel group must be given the same batch: shard the data by "
+             "ctx.coordinate('dp'), not by the global rank")
+    assert found == [other, other, own, own]
+
+
+def _inner_model_of_zero3(rank, ws, root):
+    from parallel_layers import hf
+    from parallel_layers import parallelize as compose
+    from tests.hf._tiny import save_tiny_llama
+
+    if rank == 0:
+        save_tiny_llama(f"{root}/src")
+    dist.barrier()
+    ctx = init_parallel(dp=2, device="cpu")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{root}/src")
+    par = compose(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                  loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), zero_stage=3)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    par.forward_backward(ids, ids)
+    par.step()
+    return [_error(lambda: checkpoint.save(f"{root}/ckpt", 1, model)),
+            _error(lambda: hf.save_pretrained(model, f"{root}/export")),
+            _error(lambda: hf.load_pretrained(f"{root}/src", model))]
+
+
+def test_the_model_given_to_zero3_is_refused_where_its_wrapper_is_needed(tmp_path):
+    """Review finding (helper-34): checkpoint.save or hf.save_pretrained of the model given to
+    parallelize at ZeRO-3, instead of par.module, handed storage-less parameters to DCP: SIGSEGV
+    on both ranks."""
+    problem = ("20 of the model's tensors (e.g. ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight', "
+               "'model.layers.0.self_attn.k_proj.weight']) have no storage: ZeRO-3 frees a model's full parameters "
+               "between steps. Pass what parallelize returned (par.module) or the ZeRO wrapper, whose shards hold the "
+               "values, not the model given to it")
+    for errors in run_distributed(_inner_model_of_zero3, 2, args=(str(tmp_path),)):
+        assert len(errors) == 3 and all(problem in e for e in errors), errors

@@ -40,8 +40,11 @@ def _check(path: str, saved: dict[str, TensorStorageMetadata], described: ModelP
     if missing:
         raise KeyError(f"the checkpoint {path} has no tensor for {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
                        f"it holds {len(saved)} model keys, e.g. {list(saved)[:5]}")
-    wrong = [f"{n}: checkpoint {tuple(saved[n].size)} vs model {described.tensors[n].shape}" for n in held
-             if tuple(saved[n].size) != tuple(described.tensors[n].shape)]
+    wrong = [f"{n}: checkpoint {tuple(saved[n].size)} vs model {described.tensors[n].shape}"
+             + (" (its transpose: parallel_layers before 2026-11-27 saved a GPT-2 Conv1D weight [out, in] at tp > 1, "
+                "it now holds [in, out] at every layout, as the plain model does: Note [transposed weights])"
+                if len(saved[n].size) == 2 and tuple(saved[n].size) == tuple(described.tensors[n].shape)[::-1] else "")
+             for n in held if tuple(saved[n].size) != tuple(described.tensors[n].shape)]
     if wrong:
         raise ValueError("shape mismatch between checkpoint and model (logical, unparallelized shapes): "
                          + "; ".join(wrong))
@@ -72,6 +75,7 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
                 raise ValueError(f"checkpoint {path} is corrupt: {'; '.join(found)}")
         saved = _model_keys(metadata)
         described = describe(model, prefix)
+        described.check_storage()
         on_meta = [name for name, tp in described.tensors.items() if tp.local.is_meta]
         if on_meta:
             raise ValueError(

@@ -88,6 +88,7 @@ def _begin(directory: str, step: int, model, optimizer, extra, group, prefix: st
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra = _check_extra(extra)
         described = describe(model, prefix)
+        described.check_storage()
         copies = _staged_copies(described, optimizer) if stage else None
         state = {MODEL: model_state(described, copies), RNG: rng_state(rank)}
         if optimizer is not None:

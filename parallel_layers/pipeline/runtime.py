@@ -49,7 +49,9 @@ from parallel_layers.pipeline.stages import PipelineStages
 class PipelineParallel:
     def __init__(self, stages: PipelineStages, *, schedule: str = "1f1b", microbatches: int,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], token_count: Callable[[Tensor], int] | None = None,
-                 data_parallel=None, device: torch.device | str | None = None):
+                 data_parallel=None, device: torch.device | str | None = None, tp_group=None):
+        """tp_group: the tensor-parallel group of this rank's stages, whose ranks must be given the
+        same batch; the step checks it (Note [same batch check] in parallel_layers/_same_batch.py)."""
         if not isinstance(stages, PipelineStages):
             raise TypeError(f"stages must be a PipelineStages (this rank's chunks of the model), got {type(stages)}")
         if schedule == "interleaved" and stages.virtual == 1 and stages.ranks > 1:
@@ -70,6 +72,7 @@ class PipelineParallel:
         self.loss_fn, self.token_count, self.data_parallel = loss_fn, token_count, data_parallel
         self.group, self.rank, self.ranks = stages.group, stages.rank, stages.ranks
         self.num_stages = stages.num_stages
+        self.tp_group = tp_group
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in stages.parameters()), torch.device("cpu"))
         self.actions = build_schedule(schedule, self.ranks, microbatches, stages.virtual)  # validated
@@ -79,10 +82,12 @@ class PipelineParallel:
             stage_random.seed(self.rank, self.device)
 
     # ---- one step -------------------------------------------------------------------------
-    def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None) -> tuple:
+    def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None,
+                     tp_refused: ValueError | None = None) -> tuple:
         """Every pipeline rank learns both batch sizes and the attention mask's shape, and raises
         the same error on a bad one; returns the inputs' signature (Note [stage boundary
-        contract] in _p2p.py) and the mask's (all -1 without one)."""
+        contract] in _p2p.py) and the mask's (all -1 without one). tp_refused: this rank's TP
+        group was given different batches; every pipeline rank raises it."""
         # Something other than a tensor (a tokenizer's BatchEncoding, a dict with an attention
         # mask) is sent as size -2, so that every rank refuses it together.
         not_tensor = [x is not None and not isinstance(x, Tensor) for x in (inputs, targets, mask)]
@@ -90,13 +95,21 @@ class PipelineParallel:
                              -2 if not_tensor[1] else targets.shape[0] if targets is not None else -1,
                              -2 if not_tensor[2] else 0] +
                             signature(inputs if not not_tensor[0] else None) +
-                            signature(mask if not not_tensor[2] else None), dtype=torch.int64, device=self.device)
+                            signature(mask if not not_tensor[2] else None) + [int(tp_refused is not None)],
+                            dtype=torch.int64, device=self.device)
         sizes = [mine]
         if self.ranks > 1:
             sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
             with fault.collective("pipeline batch-size check (all_gather)", self.group):
                 dist.all_gather(sizes, mine, group=self.group)
         sizes = [t.tolist() for t in sizes]
+        if tp_refused is not None:
+            raise tp_refused
+        refusing = [r for r, row in enumerate(sizes) if row[-1]]
+        if refusing:
+            raise ValueError(f"the tensor-parallel group of pipeline rank(s) {refusing} was given different batches "
+                             "(its ranks name them): every rank of a tensor-parallel group must be given the same "
+                             "batch: shard the data by ctx.coordinate('dp'), not by the global rank")
         n_in, n_tgt, mask_flag = sizes[0][0], sizes[self.last_rank][1], sizes[0][2]
         m = self.microbatches
         if -2 in (n_in, n_tgt, mask_flag):
@@ -154,13 +167,18 @@ class PipelineParallel:
         """Forward and backward of one batch by the schedule; returns the batch loss (every
         pipeline rank). attention_mask: [batch, seq] (1 attend, 0 padding), given with the
         inputs on pipeline rank 0, for pipelines whose layers take it (Note [side inputs])."""
+        role = (inputs if self.rank == 0 else None, targets if self.rank == self.last_rank else None,
+                attention_mask if self.rank == 0 else None)  # what this rank's stages read
         try:
-            sig, mask_sig = self._check_batch(inputs if self.rank == 0 else None,
-                                              targets if self.rank == self.last_rank else None,
-                                              attention_mask if self.rank == 0 else None)
-            if self.ranks > 1:  # what each rank was given (Note [same batch check] in _same_batch.py)
-                _same_batch.check((inputs, targets, attention_mask), ("inputs", "targets", "attention_mask"),
-                                  self.group, "pipeline")
+            try:  # Note [same batch check] in parallel_layers/_same_batch.py
+                _same_batch.check(role, ("inputs", "targets", "attention_mask"), self.tp_group, "tensor-parallel")
+                tp_refused = None
+            except ValueError as e:
+                tp_refused = e
+            sig, mask_sig = self._check_batch(*role, tp_refused=tp_refused)
+            if self.ranks > 1:  # the readers' inputs and targets against what the other ranks were given
+                _same_batch.check((inputs, targets), ("inputs", "targets"), self.group, "pipeline",
+                                  readers=(0, self.last_rank))
             refused = None
         except (TypeError, ValueError) as e:  # the same on every rank of this pipeline
             refused = e

@@ -218,7 +218,8 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.groups.append(self.root_group)
         for g in _pooled(self.groups) if stage == 3 else ():
             g.pool = pool
-        self.optimizer = _optimizer.build(optimizer_factory, [s for g in self.groups for s in g.shards], "ZeRO")
+        self.optimizer = _optimizer.build(optimizer_factory, [s for g in self.groups for s in g.shards], "ZeRO",
+                                          replaced={id(p) for p in model.parameters()})
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
                                 reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync,
                                 experts=experts_groups)

@@ -104,6 +104,10 @@ def test_model_mismatches_name_the_tensors(tmp_path):
         checkpoint.load(path, nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2)))
     with pytest.raises(ValueError, match=r"1.weight: checkpoint \(2, 4\) vs model \(5, 4\)"):
         checkpoint.load(path, nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5)))
+    # the transpose: what an earlier version saved of a GPT-2 Conv1D weight at tp > 1 (review finding)
+    with pytest.raises(ValueError, match=r"1.weight: checkpoint \(2, 4\) vs model \(4, 2\) \(its transpose: "
+                                         r"parallel_layers before 2026-11-27 saved a GPT-2 Conv1D weight \[out, in\]"):
+        checkpoint.load(path, nn.Sequential(nn.Linear(3, 4), nn.Linear(2, 4, bias=False)), strict=False)
     with pytest.raises(KeyError, match=r"holds \['1.weight', '1.bias'\], which no rank's model has"):
         checkpoint.load(path, nn.Sequential(nn.Linear(3, 4)))
     checkpoint.load(path, nn.Sequential(nn.Linear(3, 4)), strict=False, restore_rng=False)
