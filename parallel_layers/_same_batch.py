@@ -70,10 +70,13 @@ def check(tensors: Sequence, names: Sequence[str], group, what: str,
     # the reference of each tensor: its reader's, or the first rank's that was given one
     given = table[:, :, 1] >= 0
     first = torch.where(given, torch.arange(len(every), device=device)[:, None], len(every)).amin(0)
-    reader = torch.tensor([first[k] if r is None else r for k, r in enumerate(readers or [None] * len(tensors))],
-                          device=device).clamp(max=len(every) - 1)
-    ref = table[reader, torch.arange(len(tensors), device=device)]  # [tensor, 2]
-    compared = given & given[reader, torch.arange(len(tensors), device=device)][None, :] & (table[:, :, 1] == ref[:, 1])
+    reader = first.clamp(max=len(every) - 1)  # device tensors throughout: no host sync on a GPU
+    if readers is not None:
+        fixed = torch.tensor([-1 if r is None else r for r in readers], device=device)
+        reader = torch.where(fixed >= 0, fixed, reader)
+    column = torch.arange(len(tensors), device=device)
+    ref = table[reader, column]  # [tensor, 2]
+    compared = given & given[reader, column][None, :] & (table[:, :, 1] == ref[:, 1])
     if readers is None:  # every rank reads it: another size is a difference too
         compared = given
     agree = (~compared | (table == ref[None]).all(-1)).all(0)  # [tensor]
