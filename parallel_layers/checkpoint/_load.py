@@ -52,6 +52,25 @@ def _check(path: str, saved: dict[str, TensorStorageMetadata], described: ModelP
         raise ValueError("the checkpoint was saved without optimizer state; pass optimizer=None to load the model only")
 
 
+# Note [ties in a checkpoint]: a model that ties two keys (an embedding read by the head) holds
+# one tensor under both; loading a checkpoint that holds them as two tensors - saved by the
+# untied model - writes both into that one tensor, and the last one written wins: training went
+# on from a head that was neither of the saved ones, with no error (review finding: a loss of
+# 5.54 where the saved model gave 5.28). Our checkpoints record which keys were one tensor at
+# save ("tied" in parallel_layers.json); a load into a model that ties keys held apart there is
+# refused. (A tied checkpoint into an untied model gives both keys the one value, as
+# from_pretrained does when it unties; plain DCP checkpoints record no ties.)
+def _check_ties(path: str, saved: dict, described: ModelPlacement, tied: list[list[str]]) -> None:
+    together = {name: set(group) for group in tied for name in group}
+    for tp in described.tensors.values():
+        apart = [a for a in tp.aliases if tp.name in saved and a in saved and a not in together.get(tp.name, ())]
+        if apart:
+            raise ValueError(f"checkpoint {path} holds {tp.name} and {apart} as separate tensors (the model that saved "
+                             f"it did not tie them), but this model ties them: loading would keep one of them for "
+                             "both. Build the model untied (e.g. tie_word_embeddings=False in its config), or save "
+                             "from a model that ties them")
+
+
 def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, restore_rng: bool = True,
          prefix: str = "") -> dict:
     """Load the checkpoint at `path` (a step_<N> directory, or any DCP checkpoint whose model
@@ -85,6 +104,8 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
                 "checkpoint holds, such as the rotary inv_freq), else parallel_layers.meta.materialize(model, device) "
                 "and compute such buffers yourself")
         _check(path, saved, described, optimizer, metadata)
+        if ours is not None and "tied" in ours:
+            _check_ties(path, saved, described, ours["tied"])
         signature = layout_signature(described, world)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e

@@ -59,6 +59,13 @@ def _check_extra(extra) -> dict:
         raise TypeError(f"extra must hold only JSON values (numbers, strings, lists, dicts): {e}") from e
 
 
+def tied_names(described: ModelPlacement) -> list[list[str]]:
+    """Each group of state_dict keys this rank holds as one tensor (a tied weight's), sorted:
+    recorded at save, so that a load into a model that ties keys the checkpoint holds apart can
+    say so (Note [ties in a checkpoint] in _load.py)."""
+    return sorted({tuple(sorted((tp.name, *tp.aliases))) for tp in described.tensors.values() if tp.aliases})
+
+
 def layout_signature(described: ModelPlacement, world: int) -> str:
     """A digest of which pieces this rank holds, and of the world size: equal on every rank at
     save and at load <=> the same layout (then the RNG state is restored)."""
@@ -83,6 +90,7 @@ def _begin(directory: str, step: int, model, optimizer, extra, group, prefix: st
     """Checks, the state dict to write, the partial directory, what rank 0 will commit."""
     rank, world = rank_world(group)
     mine = state = signature = None
+    ties: list[list[str]] = []
     try:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -94,9 +102,10 @@ def _begin(directory: str, step: int, model, optimizer, extra, group, prefix: st
         if optimizer is not None:
             state[OPTIMIZER] = optimizer_state(optimizer, described, copies)
         signature = layout_signature(described, world)
+        ties = tied_names(described)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
-    gathered = all_gather((describe_error(mine) if mine else None, signature, optimizer is not None), group)
+    gathered = all_gather((describe_error(mine) if mine else None, signature, optimizer is not None, ties), group)
     raise_if_any([g[0] for g in gathered], mine, "checkpoint save")
     with_opt = [g[2] for g in gathered]
     if any(with_opt) and not all(with_opt):
@@ -112,7 +121,8 @@ def _begin(directory: str, step: int, model, optimizer, extra, group, prefix: st
     if err is not None:
         raise RuntimeError(f"checkpoint save: rank 0 could not create a directory under {directory!r}: {err}")
     ours = {"format": _io.FORMAT, "step": step, "world_size": world, "extra": extra,
-            "signatures": [g[1] for g in gathered], "optimizer": all(with_opt)}
+            "signatures": [g[1] for g in gathered], "optimizer": all(with_opt),
+            "tied": sorted({tuple(names) for g in gathered for names in g[3]})}
     return state, partial, ours
 
 

@@ -6,6 +6,7 @@ torch.distributed."""
 import os
 import pathlib
 import pickle
+import re
 
 import pytest
 import torch
@@ -131,3 +132,26 @@ def test_bad_paths_and_arguments(tmp_path):
     with pytest.raises(ValueError, match="step must be a non-negative int, got -1"):
         checkpoint.save(str(tmp_path), -1, model)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_1"]  # refused saves leave nothing behind
+
+
+def test_an_untied_checkpoint_into_a_tied_model_is_refused(tmp_path):
+    """Note [ties in a checkpoint] (review finding): the untied model's embedding and head both
+    went into the tied model's one tensor, the last written winning, with no error."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama(tied: bool):
+        torch.manual_seed(0 if tied else 1)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=32, tie_word_embeddings=tied))
+
+    untied, tied = checkpoint.save(str(tmp_path / "untied"), 1, llama(False)), \
+        checkpoint.save(str(tmp_path / "tied"), 1, llama(True))
+    with pytest.raises(ValueError, match=re.escape(
+            "holds model.embed_tokens.weight and ['lm_head.weight'] as separate tensors (the model that saved it did "
+            "not tie them), but this model ties them")):
+        checkpoint.load(untied, llama(True))
+    model = llama(False)  # the other way: both keys take the one saved value, as from_pretrained unties
+    checkpoint.load(tied, model)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    checkpoint.load(tied, llama(True))
