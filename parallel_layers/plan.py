@@ -440,6 +440,12 @@ class TrainSpec:
         if self.optimizer_offload and self.zero == 0:
             raise ValueError("optimizer_offload=True needs ZeRO >= 1 (ZeRO-Offload moves the optimizer shard), "
                              "got zero=0")
+        for name in ("dropout_mask_bytes", "pooled_gather_buffers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.fused_kernels, bool):
+            raise ValueError(f"fused_kernels must be True or False (parallelize's), got {self.fused_kernels!r}")
 
     @property
     def act_bytes(self) -> int:

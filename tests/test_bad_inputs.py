@@ -190,6 +190,9 @@ CASES = [
     pytest.param(lambda: _pipe(data_parallel=object()),
                  TypeError, "data_parallel must be a DataParallel or ZeRO wrapper (with no_sync() and "
                  "reduce_gradients()), got <class 'object'>", id="PipelineParallel-data-parallel"),
+    pytest.param(lambda: _pipe(tp_group=[0, 1]),
+                 TypeError, "tp_group must be a torch.distributed ProcessGroup (the tensor-parallel group of this "
+                 "rank's stages) or None, got list", id="PipelineParallel-tp-group"),
     # ---- checkpoint -------------------------------------------------------------------------------------------------
     pytest.param(lambda: checkpoint.save("/nonexistent/ckpt", 1.5, nn.Linear(2, 2)),
                  ValueError, "step must be a non-negative int, got 1.5", id="checkpoint.save-step-float"),

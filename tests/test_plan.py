@@ -396,6 +396,12 @@ def test_new_options_reject_bad_values():
         TrainSpec(optimizer_offload=True, zero=0)
     with pytest.raises(ValueError, match=re.escape("context_parallel must be a positive integer or None")):
         TrainSpec(context_parallel=0)
+    with pytest.raises(ValueError, match=re.escape("pooled_gather_buffers must be a non-negative integer, got -1")):
+        TrainSpec(pooled_gather_buffers=-1)
+    with pytest.raises(ValueError, match=re.escape("dropout_mask_bytes must be a non-negative integer, got 0.5")):
+        TrainSpec(dropout_mask_bytes=0.5)
+    with pytest.raises(ValueError, match=re.escape("fused_kernels must be True or False (parallelize's), got 'yes'")):
+        TrainSpec(fused_kernels="yes")
     with pytest.raises(ValueError, match=re.escape("unknown GPU 'v100'; presets: ['a100-40gb', 'a100-80gb', 'h100'")):
         ClusterSpec.preset("v100", 8)
     with pytest.raises(ValueError, match=re.escape("heads 12 must be a multiple of kv_heads 5")):

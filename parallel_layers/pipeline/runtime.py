@@ -72,6 +72,9 @@ class PipelineParallel:
         self.loss_fn, self.token_count, self.data_parallel = loss_fn, token_count, data_parallel
         self.group, self.rank, self.ranks = stages.group, stages.rank, stages.ranks
         self.num_stages = stages.num_stages
+        if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+            raise TypeError(f"tp_group must be a torch.distributed ProcessGroup (the tensor-parallel group of this "
+                            f"rank's stages) or None, got {type(tp_group).__name__}")
         self.tp_group = tp_group
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in stages.parameters()), torch.device("cpu"))
