@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -103,7 +104,9 @@ class Parallelized:
                     "hf.materialize(par) then checkpoint.load(...); or parallel_layers.meta.materialize(par.module, "
                     "device) and your own initialisation")
             self._materialized = True
-        if self.pipeline is None and not isinstance(inputs, Tensor):  # every rank is given one alike, or 106a raises
+        if self.pipeline is None and isinstance(inputs, Mapping) and hasattr(_innermost(self.module), "config"):
+            # a tokenizer's output given to a transformers model (which would take it as input_ids); a model
+            # of the user's own may take a dict
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
@@ -295,6 +298,13 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                 tp_group=ctx.tp_group if ctx.dims.tp > 1 else None)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
                         loss_fn=loss_fn, ctx=ctx, token_count=token_count)
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    """The model inside DataParallel / ZeRO (their `.module`)."""
+    while isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module
+    return module
 
 
 def vocabulary_units(model: nn.Module, blocks: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:

@@ -384,6 +384,15 @@ def test_ranks_of_a_tp_group_or_a_pipeline_given_different_batches_raise_on_ever
     assert loss0 == loss1 and error0 == error1 == expected
 
 
+class DictModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, batch):
+        return self.lin(batch["x"])
+
+
 def _parallelized_twice(rank, ws):
     from parallel_layers import parallelize as compose
     from parallel_layers import tensor_parallel
@@ -394,11 +403,17 @@ def _parallelized_twice(rank, ws):
     compose(model, ctx, optimizer=sgd, loss_fn=loss, zero_stage=3, wrap=lambda m: isinstance(m, nn.Linear))
     layers = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
     tensor_parallel.parallelize(layers, {"0": "column", "1": "row"}, tp_group=dist.group.WORLD)
-    fresh = compose(nn.Linear(4, 4), ctx, optimizer=sgd, loss_fn=loss)
+    import transformers
+
+    fresh = compose(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=32)), ctx, optimizer=sgd, loss_fn=loss)
+    own = compose(DictModel(), ctx, optimizer=sgd, loss_fn=loss)  # a model of the user's that takes a dict
     return [_error(lambda: compose(model, ctx, optimizer=sgd, loss_fn=loss, zero_stage=3)),
             _error(lambda: tensor_parallel.parallelize(layers, {"0": "column", "1": "row"}, tp_group=dist.group.WORLD)),
             _error(lambda: compose(nn.Linear(2, 2), ctx, optimizer=sgd, loss_fn=loss, tp_plan="Auto")),
-            _error(lambda: fresh.forward_backward({"input_ids": torch.zeros(2, 4)}, torch.zeros(2, 4)))]
+            _error(lambda: fresh.forward_backward({"input_ids": torch.zeros(2, 4)}, torch.zeros(2, 4))),
+            _error(lambda: own.forward_backward({"x": torch.ones(2, 4)}, torch.zeros(2, 4)))]
 
 
 def test_a_second_parallelize_and_a_misspelt_tp_plan_are_refused_on_every_rank():
@@ -415,7 +430,8 @@ def test_a_second_parallelize_and_a_misspelt_tp_plan_are_refused_on_every_rank()
         "ValueError: parallelize: tp_plan must be 'auto' (the plan the model publishes), a dict of module-name pattern "
         "-> style, or None (no tensor parallelism); got 'Auto'",
         "TypeError: forward_backward needs its inputs as one tensor; got dict (a tokenizer's output or a dict? pass "
-        "its input_ids as the inputs and its attention_mask as attention_mask=)"]
+        "its input_ids as the inputs and its attention_mask as attention_mask=)",
+        "no error"]
     assert run_distributed(_parallelized_twice, 2) == [expected, expected]
 
 
