@@ -237,7 +237,8 @@ def _draws(func, args, kwargs) -> bool:
 
 def _storages(tree) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != 0}
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()  # a freed ZeRO-3 one's data_ptr raises
+            and t.untyped_storage().data_ptr() != 0}
 
 
 def _written(func, args, kwargs) -> set[int]:

@@ -536,3 +536,58 @@ def test_the_model_given_to_zero3_is_refused_where_its_wrapper_is_needed(tmp_pat
                "values, not the model given to it")
     for errors in run_distributed(_inner_model_of_zero3, 2, args=(str(tmp_path),)):
         assert len(errors) == 3 and all(problem in e for e in errors), errors
+
+
+def _read_freed_zero3_parameters(rank, ws):
+    import copy
+
+    from parallel_layers.zero._param import MARKS_FREED
+
+    ctx = init_parallel(dp=2, device="cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, group=ctx.dp_group,
+                wrap=lambda m: isinstance(m, nn.Linear))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))  # one batch on both ranks: the plain model's
+    losses, reads = [], []
+    for step in range(2):
+        loss = zero(x).sum()
+        if step == 0:  # between forward and backward: the layers are freed again (reshard_after_forward)
+            reads.append(_error(lambda: model[0].weight.norm()))
+        loss.backward()
+        zero.step()
+        zero.zero_grad()
+        losses.append(loss.item())
+    reads += [_error(lambda: model[1].weight.norm()), _error(lambda: repr(model[0].bias)),
+              _error(lambda: copy.deepcopy(model)), _error(lambda: model.to(torch.float64))]
+    shapes = [tuple(p.shape) for p in model.parameters()]  # what needs no values still answers
+    reference = []
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = plain(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        reference.append(loss.item())
+    full = zero.full_state_dict()
+    same = all(torch.allclose(full[k], v, atol=1e-6) for k, v in plain.state_dict().items())
+    return MARKS_FREED, reads, shapes, losses == pytest.approx(reference, abs=1e-6), same
+
+
+def test_reading_a_freed_zero3_parameter_raises_and_training_goes_on():
+    """Reading a ZeRO-3 parameter directly between its uses (`layer.weight.norm()`, printing it,
+    deepcopy, .to()) dereferenced its freed storage: SIGSEGV on a CPU (an illegal address on a
+    GPU), the process gone without a message (Note [reading a freed parameter]). Now each raises
+    a RuntimeError naming what works, and the training around it is unaffected: losses and the
+    gathered parameters match the plain model's after two steps."""
+    results = run_distributed(_read_freed_zero3_parameters, 2)
+    if not results[0][0]:
+        pytest.skip("this torch build lacks torch._C._set/_clear_storage_data_ptr_access_error_msg")
+    message = ("RuntimeError: this parameter's full values are not in memory: ZeRO-3 (parallel_layers' zero_stage=3) "
+               "keeps only this rank's shard between uses. Read the full parameters through ZeRO on every rank - "
+               "parallel_layers.zero.ZeRO.full_state_dict(), parallel_layers.checkpoint.save(...) or "
+               "parallel_layers.hf.save_pretrained(par.module, directory) - or train at zero_stage 1 or 2, which keep "
+               "them whole")
+    expected = (True, [message] * 5, [(8, 4), (8,), (4, 8), (4,)], True, True)
+    assert results == [expected, expected]

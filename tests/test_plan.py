@@ -215,12 +215,13 @@ def _measure_layout(rank, world, dp, tp, zero):
     else:
         wrapped = DataParallel(model, group=ctx.dp_group) if dp > 1 else model
         opt = adamw(model.parameters())
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # the parameters' StorageImpls (ZeRO-3 frees and refills them in place: their data_ptr changes)
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
+        if storage._cdata not in param_storages:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 

@@ -95,11 +95,11 @@ def _saved_bytes(params, forward) -> int:
     parameters' left out."""
     import torch
 
-    skip = {p.untyped_storage().data_ptr() for p in params}
+    skip = {p.untyped_storage()._cdata for p in params}  # StorageImpls: a ZeRO-3 one's data_ptr changes
     saved = {}
 
     def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
+        if t.untyped_storage()._cdata not in skip:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 

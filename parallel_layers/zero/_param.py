@@ -55,6 +55,37 @@ def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> 
         raise ValueError(f"reduce_dtype must be one of {list(_DTYPES)}, got {reduce_dtype!r}")
 
 
+# Note [reading a freed parameter]: between its uses a ZeRO-3 parameter keeps its shape,
+# dtype and device but has no storage (ShardedParam.free_full). Read directly
+# (`layer.weight.norm()`, `print(model.lm_head.weight)`, `copy.deepcopy(model)`), its data
+# pointer is null and a kernel dereferences it: SIGSEGV on a CPU, an illegal address on a
+# GPU, either killing the process without a word. torch's own CUDA-graph trees meet the same
+# problem for the outputs they reclaim and answer it by marking the storage so that asking it
+# for its data pointer raises; so does free_full, with a message naming what works instead,
+# and refill_full clears the mark before giving the bytes back. Only what reads the values
+# asks for the pointer: shapes, dtype, device, `numel()`, `zeros_like`, views and autograd's
+# saved references are untouched. The mark costs well under a microsecond a parameter. Older
+# torch builds without the two private functions keep the crash (the test skips there).
+_FREED_MESSAGE = (
+    "this parameter's full values are not in memory: ZeRO-3 (parallel_layers' zero_stage=3) keeps only this "
+    "rank's shard between uses. Read the full parameters through ZeRO on every rank - "
+    "parallel_layers.zero.ZeRO.full_state_dict(), parallel_layers.checkpoint.save(...) or "
+    "parallel_layers.hf.save_pretrained(par.module, directory) - or train at zero_stage 1 or 2, which keep them whole")
+_MARK = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+_UNMARK = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
+MARKS_FREED = _MARK is not None and _UNMARK is not None
+
+
+def _poison(storage: torch.UntypedStorage) -> None:
+    if MARKS_FREED:
+        _MARK(storage._cdata, _FREED_MESSAGE)
+
+
+def _unpoison(storage: torch.UntypedStorage) -> None:
+    if MARKS_FREED:
+        _UNMARK(storage._cdata)
+
+
 class UnshardHandle:
     """What `ShardedParam.unshard(async_op=True)` returns: `wait()` completes the gather."""
 
@@ -167,15 +198,20 @@ class ShardedParam:
 
     # ---- the full parameter's storage ------------------------------------------------------
     def free_full(self) -> None:
-        """Resize the full parameter's storage to zero (the shard stays)."""
-        self.full.untyped_storage().resize_(0)
+        """Resize the full parameter's storage to zero (the shard stays); reading it until the
+        next refill raises (Note [reading a freed parameter])."""
+        storage = self.full.untyped_storage()
+        if storage.nbytes():  # shared within the group: the first member frees it for all
+            storage.resize_(0)
+            _poison(storage)
         self.is_unsharded = False
 
     def refill_full(self) -> Tensor:
         """Give the full parameter its storage back (values still to be written); returns the
         tensor the all-gather's copy-out writes."""
         storage = self.full.untyped_storage()
-        if storage.size() == 0:  # shared within the group: the first member refills it for all
+        if storage.nbytes() == 0 and self._storage_nbytes:  # shared: the first member refills it for all
+            _unpoison(storage)
             storage.resize_(self._storage_nbytes)
         return self.full.data
 

@@ -128,8 +128,7 @@ def _bytes(t: torch.Tensor | None) -> int:
 def memory_bytes(zero: ZeRO) -> dict[str, int]:
     members = [sp for g in zero.groups for sp in g.members]
     # A master shard that is a view of its full parameter (ZeRO-1/2) costs nothing extra.
-    masters = sum(_bytes(sp.shard) for sp in members
-                  if sp.shard.untyped_storage().data_ptr() != sp.full.untyped_storage().data_ptr())
+    masters = sum(_bytes(sp.shard) for sp in members if not sp.aliases_full)
     opt = sum(_bytes(t) for st in zero.optimizer.state.values() for t in st.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0)
     return {"params": sum(sp.full.untyped_storage().size() for sp in members),

@@ -130,7 +130,7 @@ def _storage_shared_within(params: list[nn.Parameter]) -> set[int]:
     _param.py). Meta tensors have no storage to share."""
     by_storage: dict[int, list[nn.Parameter]] = {}
     for p in params:
-        if not p.is_meta and p.untyped_storage().data_ptr() != 0:
+        if not p.is_meta and p.untyped_storage().nbytes():  # a freed one's data_ptr raises
             by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
     shared: set[int] = set()
     for users in by_storage.values():

@@ -55,7 +55,7 @@ def _train(rank, world, directory, wrapper):
 
         for layer in model.model.layers:
             gate, up = layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
-            assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+            assert gate.untyped_storage()._cdata == up.untyped_storage()._cdata  # one StorageImpl
             assert gate.untyped_storage().nbytes() == 0  # freed
             layer.mlp.register_forward_pre_hook(lambda m, _: packed.append(
                 _adjacent(m.gate_proj.weight, m.up_proj.weight) and m.gate_proj.weight.untyped_storage().nbytes()))
