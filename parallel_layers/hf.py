@@ -412,6 +412,78 @@ def _read_stacked(tp, stacked: _Stacked, files: dict[str, str]) -> None:
                     out.copy_(handles[files[key]].get_slice(key)[tuple(box)])
 
 
+# Note [both copies of a tie in the files]: a model that ties its head to its embedding
+# (config.tie_word_embeddings) holds one tensor under two names; transformers' save_pretrained
+# writes it once. Files that hold both names - an untied model's checkpoint under a config that
+# ties, or a tied model saved by a tool that writes every name - are read by transformers'
+# from_pretrained as what they are: equal copies are tied, different ones untie the model
+# (each name gets its own values, with a warning). hf.load_pretrained fills a model whose ties
+# were fixed before it was parallelized, so it compares the copies (each rank a slice of rows,
+# RAM bounded by _COMPARE_ROWS rows): equal ones load as one tensor, different ones are refused
+# on every rank, naming how to build the model untied. Loading one of them silently would
+# train a different model than from_pretrained's.
+_COMPARE_ROWS = 4096
+
+
+def _tied_copies(reference: nn.Module, hf_model: nn.Module, shapes: dict[str, tuple[int, ...]]
+                 ) -> list[tuple[str, str]]:
+    """(the key read, another key of the same tied tensor) for every tie the files hold twice."""
+    base = getattr(hf_model, "base_model_prefix", "")
+    names_of: dict[int, list[str]] = {}
+    for name, p in reference.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    pairs = []
+    for names in names_of.values():
+        keys = []
+        for name in names:
+            stripped = name[len(base) + 1:] if base and name.startswith(base + ".") else None
+            key = next((c for c in (name, stripped) if c is not None and c in shapes), None)
+            if key is not None and key not in keys:
+                keys.append(key)
+        pairs.extend((keys[0], other) for other in keys[1:])
+    return pairs
+
+
+def _differing_copies(pairs: list[tuple[str, str]], files: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                      group) -> list[tuple[str, str]]:
+    """The pairs whose tensors differ in the rows this rank compares (a 1/world share of each)."""
+    from safetensors import safe_open
+    rank, world = rank_world(group)
+    differ = []
+    for first, other in pairs:
+        if shapes[first] != shapes[other]:
+            differ.append((first, other))
+            continue
+        rows = shapes[first][0] if shapes[first] else 1
+        share = -(-rows // world)
+        lo, hi = min(rank * share, rows), min((rank + 1) * share, rows)
+        with safe_open(files[first], framework="pt") as a, safe_open(files[other], framework="pt") as b:
+            x, y = a.get_slice(first), b.get_slice(other)
+            if not shapes[first]:
+                same = torch.equal(x[:], y[:])
+            else:
+                same = all(torch.equal(x[i:min(i + _COMPARE_ROWS, hi)], y[i:min(i + _COMPARE_ROWS, hi)])
+                           for i in range(lo, hi, _COMPARE_ROWS))
+        if not same:
+            differ.append((first, other))
+    return differ
+
+
+def _refuse_differing_copies(differ: list[tuple[str, str]], shapes: dict[str, tuple[int, ...]], hf_model: nn.Module,
+                             directory: str) -> None:
+    if not differ:
+        return
+    first, other = differ[0]
+    how = ("a different shape" if shapes[first] != shapes[other] else "different values")
+    flag = ("config.tie_word_embeddings = False" if getattr(hf_model.config, "tie_word_embeddings", False)
+            else "the model's config untied")
+    raise ValueError(
+        f"hf.load_pretrained: the model ties {other} to {first} (one tensor), but {directory} holds both, with {how} "
+        f"(a checkpoint of an untied model); transformers' from_pretrained unties such a model and loads each. Build "
+        f"the model with {flag} (set on the config before constructing it), then parallelize and load it; or, to "
+        f"keep the tie, remove {other!r} from the files")
+
+
 def _read_pieces(described: placement.ModelPlacement, sources: dict[str, _Source], files: dict[str, str]) -> None:
     """Copy every piece this rank holds from the files into its local tensor."""
     from safetensors import safe_open
@@ -471,6 +543,7 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
     rank, _ = rank_world(group)
     mine = described = sources = files = reference = None
     used: set[str] = set()
+    differ: list[tuple[str, str]] = []
     try:
         files = _weight_files(os.fspath(directory))
         shapes = _file_shapes(files)
@@ -478,13 +551,18 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
         described = placement.describe(module)
         described.check_storage()
         sources = _plan_sources(described, hf_model, reference, shapes, files)
-        used = set().union(*(s.file_keys() for s in sources.values()))
+        copies = _tied_copies(reference, hf_model, shapes)  # Note [both copies of a tie in the files]
+        differ = _differing_copies(copies, files, shapes, group)
+        used = set().union(*(s.file_keys() for s in sources.values()), (other for _, other in copies))
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
-    reports = all_gather((describe_error(mine) if mine else None, used), group)
-    raise_if_any([error for error, _ in reports], mine, "hf.load_pretrained")
+    reports = all_gather((describe_error(mine) if mine else None, used, differ), group)
+    raise_if_any([error for error, _, _ in reports], mine, "hf.load_pretrained")
+    # each rank compared a share of the rows: every rank refuses what any rank found
+    _refuse_differing_copies(sorted(set().union(*(pairs for _, _, pairs in reports))), shapes, hf_model,
+                             os.fspath(directory))
 
-    used = set().union(*(keys for _, keys in reports))  # pipeline ranks read different tensors
+    used = set().union(*(keys for _, keys, _ in reports))  # pipeline ranks read different tensors
     unexpected = [k for k in files if k not in used]
     if unexpected and rank == 0:
         warnings.warn(f"hf.load_pretrained: {directory} holds {len(unexpected)} tensor(s) the model does not have, "

@@ -462,3 +462,68 @@ def test_a_meta_built_model_resumes_from_a_checkpoint(tmp_path):
         assert any("non-persistent buffer(s) are zeros now" in w and "embed_scale" in w and "inv_freq" in w
                    for w in warned), warned
         assert diff == 0.0
+
+
+def _load_tied_copies(rank, world, directory):
+    from parallel_layers import hf, init_parallel, parallelize
+
+    ctx = init_parallel(dp=world, device="cpu")
+    par = parallelize(_on_meta(directory), ctx, optimizer=_adamw, loss_fn=_loss, zero_stage=3)
+    try:
+        hf.load_pretrained(directory, par)
+    except Exception as e:  # noqa: BLE001 - what each rank raised comes back
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_both_copies_of_a_tie_in_the_files_load_as_transformers_loads_them(tmp_path):
+    """Note [both copies of a tie in the files]. A tying config over files that hold the head
+    and the embedding with different values: transformers unties the model; hf.load_pretrained
+    kept the tie, read the embedding into it and warned that the files held 'a tensor the model
+    does not have' (the head): it trained another model than from_pretrained's. Now it is
+    refused on every rank - also when only one rank's share of the rows differs. Equal copies
+    load tied, as transformers loads them, without the warning."""
+    import json
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    from parallel_layers import hf
+
+    untied = tmp_path / "untied"
+    _save("llama", untied)
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(untied)
+    assert reference.lm_head.weight is not reference.model.embed_tokens.weight  # what we match
+    refused = ("ValueError: hf.load_pretrained: the model ties lm_head.weight to model.embed_tokens.weight (one tensor), "
+               f"but {untied} holds both, with different values (a checkpoint of an untied model); transformers' "
+               "from_pretrained unties such a model and loads each. Build the model with "
+               "config.tie_word_embeddings = False (set on the config before constructing it), then parallelize and "
+               "load it; or, to keep the tie, remove 'lm_head.weight' from the files")
+    with pytest.raises(ValueError) as raised:
+        hf.load_pretrained(untied, _on_meta(untied), device="cpu")
+    assert f"ValueError: {raised.value}" == refused
+
+    # only the last row differs: in rank 1's share of the rows, rank 0 raises too
+    state = load_file(untied / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["lm_head.weight"][-1] += 1
+    save_file(state, untied / "model.safetensors", metadata={"format": "pt"})
+    assert run_distributed(_load_tied_copies, 2, args=(str(untied),)) == [refused, refused]
+
+    tied = tmp_path / "tied"  # equal copies: one tied tensor, no warning
+    _save("llama-tied", tied)
+    state = load_file(tied / "model.safetensors")
+    assert "lm_head.weight" not in state  # transformers writes a tie once
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, tied / "model.safetensors", metadata={"format": "pt"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tied)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = hf.load_pretrained(tied, _on_meta(tied), device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(_probe()).logits, reference(_probe()).logits)
+    assert run_distributed(_load_tied_copies, 2, args=(str(tied),)) == [None, None]
