@@ -47,7 +47,8 @@ from parallel_layers import fault
 from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_forward, linear_gelu_forward,
                                  linear_input_grad, linear_swiglu_forward, linear_weight_grad, swiglu_backward)
 from parallel_layers.tensor_parallel import comm
-from parallel_layers.tensor_parallel.sharding import check_divisible, check_size, gather_full, sharded_parameter
+from parallel_layers.tensor_parallel.sharding import (check_divisible, check_size, gather_full, keep_requires_grad,
+                                                      sharded_parameter)
 
 _ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
 
@@ -87,7 +88,12 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
         comm.all_reduce(grad, group)
         return grad
 
+    # a frozen parameter takes no hook; registered while it requires grad, the hook stays for
+    # when the user unfreezes it
+    frozen = not param.requires_grad
+    param.requires_grad_(True)
     param.register_hook(hook)
+    param.requires_grad_(not frozen)
     param._pl_tp_grad_hook = True
 
 
@@ -270,7 +276,8 @@ class _LinearConversions:
     def from_linear(cls, linear: nn.Linear, **kwargs):
         """Shard an existing nn.Linear (its weights are copied, nothing is re-initialised)."""
         full = (linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, _full=full, **kwargs)
+        return keep_requires_grad(cls(linear.in_features, linear.out_features, linear.bias is not None, _full=full,
+                                      **kwargs), linear)
 
     def to_linear(self) -> nn.Linear:
         """The gathered nn.Linear (a collective: every rank of the TP group must call it)."""

@@ -94,7 +94,7 @@ from parallel_layers.tensor_parallel import experts as moe
 from parallel_layers.tensor_parallel import hf_sequence_parallel, region_random
 from parallel_layers.tensor_parallel.experts import Experts
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
-from parallel_layers.tensor_parallel.sharding import sharded_parameter
+from parallel_layers.tensor_parallel.sharding import keep_requires_grad, sharded_parameter
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding, subclass_problem
 
 
@@ -421,7 +421,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
         if is_hf_conv1d(module):  # the state_dict entry stays Conv1D's [in, out] (Note [transposed weights])
             placement.transposed(layer.weight)
-        setattr(parent, child, layer)
+        setattr(parent, child, keep_requires_grad(layer, module))
     if tp > 1:
         _per_head_parameters(model, modules, targets, column_outputs, tp_group)
     if fused_kernels:  # before the SP hooks, which then land on the fused modules

@@ -62,6 +62,17 @@ def sharded_parameter(full: Tensor, dim: int, tp: int, rank: int, fused: tuple[i
     return p
 
 
+def keep_requires_grad(layer: nn.Module, replaced: nn.Module) -> nn.Module:
+    """Give `layer`'s parameters the `requires_grad` of the same-named ones of the module it
+    replaces: the sharded parameters are new tensors, and without this a weight the user froze
+    before parallelize (a partial fine-tune) trained at tp > 1 (review finding)."""
+    for name, param in layer.named_parameters(recurse=False):
+        old = getattr(replaced, name, None)
+        if isinstance(old, Tensor):
+            param.requires_grad_(old.requires_grad)
+    return layer
+
+
 def check_size(size, what: str) -> None:
     """Raise unless `size` (a layer's feature or row count) is a non-negative integer."""
     if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from parallel_layers import fault
 from parallel_layers.tensor_parallel import comm
-from parallel_layers.tensor_parallel.sharding import check_size, sharded_parameter
+from parallel_layers.tensor_parallel.sharding import check_size, keep_requires_grad, sharded_parameter
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -101,8 +101,8 @@ class VocabParallelEmbedding(nn.Module):
         its own forward keeps it (Note [nn.Embedding subclasses])."""
         if problem := subclass_problem(embedding):
             raise ValueError(problem)
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
-                    _full=embedding.weight.detach(), **kwargs)
+        layer = keep_requires_grad(cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+                                       _full=embedding.weight.detach(), **kwargs), embedding)
         if type(embedding).forward is not nn.Embedding.forward:
             _keep_own_forward(layer, embedding)
         return layer
