@@ -18,6 +18,33 @@ def build(factory: Callable, params: Sequence[torch.Tensor], who: str, replaced:
     return opt
 
 
+# Note [an optimizer over shards]: ZeRO's optimizer steps this rank's flat float32 shards, but
+# the recipes people bring group parameters by what they are - by name (transformers' Trainer:
+# no weight decay for biases and norm weights) or by dimension (nanoGPT: decay what has
+# p.dim() >= 2) - and a shard has neither: handed the shards, a Trainer-style factory put every
+# one in the decay group, a nanoGPT-style one none (review finding; no error, only a different
+# model). So the factory is called with the model's own parameters, which have their names,
+# shapes and dtypes, and each is then replaced, in place in its group's list, by its shard, as
+# DeepSpeed's ZeRO takes the user's parameter groups and flattens each into shards. The
+# optimizer's settings per group stay as the factory made them. The factory must not read the
+# parameters' values (ZeRO-3 has freed them: that raises); a torch.optim optimizer creates its
+# state at the first step, from the shards.
+def build_over_shards(factory: Callable, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], who: str,
+                      replaced: set[int]):
+    """`factory([full for full, _ in pairs])` with each full parameter then replaced by its shard
+    (Note [an optimizer over shards]), checked by `check`."""
+    opt = factory([full for full, _ in pairs])
+    shard_of = {id(full): shard for full, shard in pairs}
+    for group in getattr(opt, "param_groups", ()):
+        group["params"][:] = [shard_of.get(id(p), p) for p in group["params"]]  # in place: LBFGS keeps the list
+    state = getattr(opt, "state", None)
+    if state and any(id(p) in shard_of for p in state):
+        raise ValueError(f"{who}: the optimizer the factory built already holds state for the model's parameters; "
+                         "build it fresh in the factory (its state is created at the first step, from the shards)")
+    check(opt, [shard for _, shard in pairs], who, replaced)
+    return opt
+
+
 def check(opt, params: Sequence[torch.Tensor], who: str, replaced: set[int]) -> None:
     """Raise, alike on every rank (every rank builds it from the same code), when `opt` steps a
     tensor that `who` replaced by `params`: the ids in `replaced` (the model's parameters before

@@ -4,8 +4,11 @@
     loss = loss_fn(zero(batch)); loss.backward(); zero.step(); zero.zero_grad()
 
 Stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (ZeRO
-paper). The optimizer only ever sees this rank's float32 shards (see _param.py, Note [ZeRO
+paper). The optimizer steps only this rank's float32 shards (see _param.py, Note [ZeRO
 sharded parameter]), so any torch.optim optimizer works and its state is sharded in every stage.
+The factory is called with the model's parameters, so groups by name or by shape work as on
+the plain model; each is then replaced by its shard (Note [an optimizer over shards] in
+parallel_layers/_optimizer.py).
 
   stage 1  full params and full grads on every rank; at step(): reduce-scatter the grads
            into the shards, step the shards, all-gather the params.
@@ -152,10 +155,10 @@ class ZeRO(LocalAccumulation, nn.Module):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if not callable(optimizer_factory):
-            raise TypeError(f"optimizer_factory must be a callable that builds the optimizer from the shards it is "
-                            f"given (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
-                            f"{type(optimizer_factory).__name__}: ZeRO's optimizer steps this rank's shards, not the "
-                            "model's parameters")
+            raise TypeError(f"optimizer_factory must be a callable that builds the optimizer from the parameters it "
+                            f"is given (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
+                            f"{type(optimizer_factory).__name__}: ZeRO's optimizer steps this rank's shards of them, "
+                            "which it puts in their place")
         check_dtypes(param_dtype, reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
@@ -218,8 +221,9 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.groups.append(self.root_group)
         for g in _pooled(self.groups) if stage == 3 else ():
             g.pool = pool
-        self.optimizer = _optimizer.build(optimizer_factory, [s for g in self.groups for s in g.shards], "ZeRO",
-                                          replaced={id(p) for p in model.parameters()})
+        self.optimizer = _optimizer.build_over_shards(  # Note [an optimizer over shards] in _optimizer.py
+            optimizer_factory, [(sp.full, sp.shard) for g in self.groups for sp in g.members], "ZeRO",
+            replaced={id(p) for p in model.parameters()})
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
                                 reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync,
                                 experts=experts_groups)
