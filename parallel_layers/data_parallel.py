@@ -40,6 +40,7 @@ collective which parameters no rank used: their `.grad` is left as it was (None 
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.distributed as dist
@@ -182,6 +183,18 @@ class _Reducer:
         self.set_buckets([self.params[i] for i in order.tolist()])
 
 
+def _refuse_unfrozen(name: str, p: nn.Parameter) -> None:
+    """A parameter frozen when DataParallel was built is in no bucket: unfrozen later, its
+    gradient would stay this replica's own and the replicas would drift apart with no error
+    (review finding; torch's DDP has the same limit, documented)."""
+    raise RuntimeError(
+        f"DataParallel: {name} got a gradient, but it was frozen (requires_grad=False) when DataParallel was built, "
+        "so no gradient bucket holds it: its gradient would not be averaged over the data-parallel ranks and the "
+        "replicas would drift apart. Set requires_grad on the parameters that will train before parallelize / "
+        "DataParallel (or build it again after changing them); zero_stage 1-3 shard frozen parameters too and take "
+        "this change")
+
+
 class DataParallel(LocalAccumulation, nn.Module):
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
@@ -220,6 +233,11 @@ class DataParallel(LocalAccumulation, nn.Module):
         for r in self._reducers:
             for p in r.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        for name, p in module.named_parameters():
+            if not p.requires_grad:  # registered while it requires grad: the hook stays for when it is unfrozen
+                p.requires_grad_(True)
+                p.register_post_accumulate_grad_hook(functools.partial(_refuse_unfrozen, name))
+                p.requires_grad_(False)
 
     @property
     def buckets(self) -> list[_Bucket]:
