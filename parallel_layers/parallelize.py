@@ -95,6 +95,41 @@ class Parallelized:
         loss (detached; with a pipeline, on every pipeline rank; with token_count, its sum over the
         count of the dp replicas' batches / dp, whose mean over dp is the whole batch's loss). attention_mask: a padded
         batch's [batch, seq] mask, for a model (or pipeline layers) that takes one."""
+        self._check_batch(inputs, targets, attention_mask)
+        if self.pipeline is not None:
+            return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
+        loss = self._loss(inputs, targets, attention_mask)
+        loss.backward()
+        return loss.detach()
+
+    def evaluate(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+        """The loss of this replica's batch as forward_backward returns it, with the model in eval
+        mode (no dropout) and no gradient kept, at any layout: a validation step, as torchtitan's
+        validator runs one. With a pipeline it runs the schedule's forwards through the stages
+        (whose backwards have nothing to do: each sends zeros), so every pipeline rank gets the loss;
+        `module(inputs)` there would return a stage's activations. The optimizer is not touched."""
+        self._check_batch(inputs, targets, attention_mask)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                if self.pipeline is not None:
+                    return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
+                return self._loss(inputs, targets, attention_mask)
+        finally:
+            self.module.train(was_training)
+
+    def _loss(self, inputs: Tensor, targets: Tensor, attention_mask: Tensor | None) -> Tensor:
+        out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)
+        loss = self.loss_fn(out, targets)
+        # the logits ([tokens, vocab], float32 for a Hugging Face model) are not needed by backward:
+        # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan.py)
+        del out
+        if self.token_count is not None:  # loss_fn returned a sum: the batch's count over dp divides it
+            loss = loss / token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)
+        return loss
+
+    def _check_batch(self, inputs, targets, attention_mask) -> None:
         if not self._materialized:  # once: the first step of a model built on the meta device
             if meta.has_meta(self.module):  # every rank built it so: every rank raises
                 raise RuntimeError(
@@ -113,17 +148,6 @@ class Parallelized:
         if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
             _same_batch.check((inputs, targets, attention_mask), ("inputs", "targets", "attention_mask"),
                               self.ctx.tp_group, "tensor-parallel")
-        if self.pipeline is not None:
-            return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
-        out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)
-        loss = self.loss_fn(out, targets)
-        # the logits ([tokens, vocab], float32 for a Hugging Face model) are not needed by backward:
-        # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan.py)
-        del out
-        if self.token_count is not None:  # loss_fn returned a sum: the batch's count over dp divides it
-            loss = loss / token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)
-        loss.backward()
-        return loss.detach()
 
     def _dp_group(self):
         """The group the wrapper averages gradients over; None without one."""

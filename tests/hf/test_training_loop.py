@@ -153,3 +153,64 @@ def test_a_parameter_unfrozen_after_parallelize(tmp_path):
                "them); zero_stage 1-3 shard frozen parameters too and take this change")
     assert results == [refused, refused]
     assert not os.path.exists(tmp_path / "out")
+
+
+def _probe():
+    """A batch no step trains on, as many rows as a training batch (the pipeline's microbatches divide it)."""
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def _evaluate_between_steps(rank, world, directory, out, layout):
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    tp, pp = (2 if layout == "tp2" else 1), (2 if layout == "pp2" else 1)
+    ctx = init_parallel(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).train()  # from_pretrained: eval mode
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
+                      zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None)
+    dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
+    first, second = (ids.chunk(dp)[dp_rank] for ids in _tiny.token_batches(2, BATCH, SEQ, VOCAB))
+    probe = _probe()
+    losses = [par.forward_backward(first, first).item()]
+    par.step()
+    par.zero_grad()
+    evaluated = par.evaluate(probe, probe).item()
+    training = par.module.training
+    losses.append(par.forward_backward(second, second).item())
+    par.step()
+    hf.save_pretrained(par.module, out)
+    return losses, evaluated, training
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero3", "pp2"])
+def test_evaluate_between_steps(tmp_path, layout):
+    """Review finding: at pp=2 there was no way to evaluate but forward_backward under no_grad
+    (`module(ids)` gave rank 0 a stage's activations and rank 1 a dtype error). `evaluate` is the
+    validation loss at every layout (the plain model's in eval mode under no_grad), and training
+    goes on as if it had not run."""
+    _tiny.save_tiny_qwen2(tmp_path / "src")
+    results = run_distributed(_evaluate_between_steps, 2,
+                              args=(str(tmp_path / "src"), str(tmp_path / "out"), layout))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").train()
+    opt = _sgd(plain.parameters())
+    first, second = _tiny.token_batches(2, BATCH, SEQ, VOCAB)
+    probe = _probe()
+    losses = [plain(first, labels=first).loss]
+    losses[0].backward()
+    opt.step()
+    opt.zero_grad()
+    plain.eval()
+    with torch.no_grad():
+        expected = plain(probe, labels=probe).loss.item()
+    plain.train()
+    losses.append(plain(second, labels=second).loss)
+    losses[1].backward()
+    opt.step()
+    for rank_losses, evaluated, training in results:
+        assert evaluated == pytest.approx(expected, abs=1e-5) and training
+        if layout != "dp2-zero3":  # each dp replica's own half otherwise
+            assert rank_losses == pytest.approx([loss.item() for loss in losses], abs=1e-5)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, tensor in plain.state_dict().items():
+        assert torch.allclose(trained[name], tensor, atol=1e-5), (name, (trained[name] - tensor).abs().max())
