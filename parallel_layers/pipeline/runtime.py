@@ -207,6 +207,7 @@ class PipelineParallel:
         sync = self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with sync:
+            self.stages.scale_tied_grads_before_step()  # Note [tied gradients accumulate] in stages.py
             run = _StepRun(self, msg, x_mb, y_mb, scale, side)
             total = run.run()
             self.stages.sync_tied_grads()

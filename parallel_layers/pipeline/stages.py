@@ -18,6 +18,15 @@ from the lowest stage's rank) and stay equal because their gradients are summed 
 ranks holding them before the optimizer step (`sync_tied_grads`), so every copy takes the
 same step. Gradient-norm clipping counts a tied parameter once, on its lowest stage.
 
+Note [tied gradients accumulate]: a step may start with gradients already there - several
+`step`s (forward_backward calls) before one optimizer step, accumulating, or an evaluation
+between. The tied copies' gradients were summed by the earlier step and are equal on every
+copy; summed again, that part would count once per copy (a tied Llama at pp=2 accumulating two
+batches: embedding 6.4e-3 off the plain model's after one SGD step, with no error). So each
+step first divides what is there by the number of copies (exact for the usual two, the first
+and last stage) and the sum gives it back once, plus every copy's new part
+(`scale_tied_grads_before_step`).
+
 Note [side inputs]: a layer may need, besides the activations, a per-microbatch tensor that
 does not flow from the previous stage: the attention mask of a padded batch. A layer that
 declares `pipeline_side_inputs = ("attention_mask",)` is called as `layer(x, attention_mask=m)`;
@@ -200,6 +209,12 @@ class PipelineStages(nn.Module):
                 with fault.collective("tied-parameter broadcast", tie_group):
                     dist.broadcast(p.data, src=dist.get_global_rank(tie_group, 0), group=tie_group)
         return ties
+
+    def scale_tied_grads_before_step(self) -> None:
+        """Divide the tied copies' gradients by the number of copies (Note [tied gradients accumulate])."""
+        for p, tie_group, _ in self._ties:
+            if p.grad is not None:
+                p.grad.div_(dist.get_world_size(tie_group))
 
     def sync_tied_grads(self) -> None:
         """Sum the gradients of tied parameters over the ranks holding a copy."""
