@@ -204,17 +204,22 @@ class PipelineParallel:
                     count = 0
                 divisor = float(token_divisor(count, self._dp_group(), self.device))
                 scale = 1.0 / divisor if divisor > 0 else 0.0
-        sync = self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
+        # under no_grad (Parallelized.evaluate, on every rank) no gradient comes: nothing to reduce
+        grads = torch.is_grad_enabled()
+        dp = self.data_parallel if grads else None
+        sync = dp.no_sync() if dp is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with sync:
-            self.stages.scale_tied_grads_before_step()  # Note [tied gradients accumulate] in stages.py
+            if grads:
+                self.stages.scale_tied_grads_before_step()  # Note [tied gradients accumulate] in stages.py
             run = _StepRun(self, msg, x_mb, y_mb, scale, side)
             total = run.run()
-            self.stages.sync_tied_grads()
+            if grads:
+                self.stages.sync_tied_grads()
         self.last_step_times = {"schedule_s": time.perf_counter() - start, "waiting_s": run.waiting_s,
                                 "compute_s": run.compute_s}
-        if self.data_parallel is not None:
-            self.data_parallel.reduce_gradients()
+        if dp is not None:
+            dp.reduce_gradients()
         # The loss (from the last stage) and every rank's broken-contract flag in one all-reduce:
         # a contract broken anywhere is raised everywhere (Note [stage boundary contract]).
         summary = torch.stack([total, torch.tensor(float(msg.error is not None), dtype=torch.float64,
