@@ -252,3 +252,44 @@ def test_gradients_accumulated_over_steps_with_a_tied_head_at_pp2(tmp_path):
     assert trained.lm_head.weight is trained.model.embed_tokens.weight
     for name, tensor in plain.state_dict().items():
         assert torch.allclose(trained.state_dict()[name], tensor, atol=1e-6), name
+
+
+def _compiled_layers(rank, world, directory, layout):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    tp = 2 if layout == "tp2" else 1
+    ctx = init_parallel(tp=tp, dp=world // tp, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).train()
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
+                      zero_stage=3 if layout == "dp2-zero3" else 0)
+    for layer in model.model.layers:  # torchtitan's habit: compile each block after parallelizing
+        layer.compile()
+    dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
+    losses = []
+    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
+        losses.append(par.forward_backward(ids.chunk(dp)[dp_rank], ids.chunk(dp)[dp_rank]).item())
+        par.step()
+        par.zero_grad()
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero3"])
+def test_decoder_layers_compiled_after_parallelize(tmp_path, layout):
+    """torch.compile of each decoder layer after parallelize (dynamo breaks the graph at the
+    library's collectives and hooks) trains as the plain model does: tp2 on one batch, dp2 ZeRO-3
+    with the replicas' mean loss."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    results = run_distributed(_compiled_layers, 2, args=(str(tmp_path / "src"), layout), timeout_s=280)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").train()
+    opt = _sgd(plain.parameters())
+    expected = []
+    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
+        loss = plain(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    mean = [sum(r[i] for r in results) / len(results) for i in range(STEPS)]
+    assert mean == pytest.approx(expected, abs=1e-5)
