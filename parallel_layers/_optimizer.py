@@ -12,10 +12,23 @@ import torch
 
 
 def build(factory: Callable, params: Sequence[torch.Tensor], who: str, replaced: set[int]):
-    """`factory(list(params))`, checked by `check`."""
+    """`factory(list(params))`, without other stages' parameters (`_drop_unheld`), checked by `check`."""
     opt = factory(list(params))
+    _drop_unheld(opt, params)
     check(opt, params, who, replaced)
     return opt
+
+
+def _drop_unheld(opt, params: Sequence[torch.Tensor]) -> None:
+    """Take out of the optimizer's groups the tensors on the meta device that it was not given:
+    under a pipeline, the other stages' parameters, which a factory grouping the whole model by
+    name (`model.named_parameters()`, as transformers' Trainer does) includes. They never train
+    here, and a checkpoint of the optimizer found no placement for them (review finding: "the
+    optimizer steps a tensor ... that is not a parameter of the model")."""
+    given = {id(p) for p in params}
+    for group in getattr(opt, "param_groups", ()):
+        if any(p.is_meta and id(p) not in given for p in group["params"]):
+            group["params"][:] = [p for p in group["params"] if not p.is_meta or id(p) in given]
 
 
 # Note [an optimizer over shards]: ZeRO's optimizer steps this rank's flat float32 shards, but
@@ -37,6 +50,7 @@ def build_over_shards(factory: Callable, pairs: Sequence[tuple[torch.Tensor, tor
     shard_of = {id(full): shard for full, shard in pairs}
     for group in getattr(opt, "param_groups", ()):
         group["params"][:] = [shard_of.get(id(p), p) for p in group["params"]]  # in place: LBFGS keeps the list
+    _drop_unheld(opt, [shard for _, shard in pairs])
     state = getattr(opt, "state", None)
     if state and any(id(p) in shard_of for p in state):
         raise ValueError(f"{who}: the optimizer the factory built already holds state for the model's parameters; "
@@ -49,8 +63,8 @@ def check(opt, params: Sequence[torch.Tensor], who: str, replaced: set[int]) -> 
     """Raise, alike on every rank (every rank builds it from the same code), when `opt` steps a
     tensor that `who` replaced by `params`: the ids in `replaced` (the model's parameters before
     it) that are not among `params` and still hold values. Other tensors the factory may add (a
-    learnable loss temperature; another pipeline stage's parameters, left on the meta device,
-    which get no gradient) are its own business."""
+    learnable loss temperature) are its own business; another pipeline stage's parameters, left
+    on the meta device, were dropped (`_drop_unheld`)."""
     given = {id(p) for p in params}
     stepped = [p for group in getattr(opt, "param_groups", ()) for p in group["params"]]
     stale = [p for p in stepped if id(p) not in given and id(p) in replaced and not p.is_meta]
