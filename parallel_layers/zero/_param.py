@@ -129,10 +129,12 @@ class ShardedParam:
         self.storage_shared = storage_shared_in_group and param_dtype in (None, param.dtype)
         if not alias_full:
             self._own_storage()
-        self._storage_nbytes = param.untyped_storage().nbytes()  # what refill_full gives back
         self.shard = nn.Parameter(self._master_shard(alias_full and not offload), requires_grad=param.requires_grad)
         if param_dtype is not None:
             param.data = param.data.to(param_dtype)
+        # what refill_full gives back: the bytes of the parameter as gathered (after the cast; taken
+        # before it, a bfloat16 parameter was refilled at its float32 size, twice what it needs)
+        self._storage_nbytes = param.untyped_storage().nbytes()
         self.is_unsharded = True  # `full` holds the current values (False: freed, or stale after a step)
         self._alone: ParamGroup | None = None  # the group of one behind unshard / reduce_grad
         if not keep_full and not self.storage_shared:  # shared: freed by ZeRO once every member has its shard

@@ -72,3 +72,23 @@ def test_fake_process_group_at_1024_ranks(stage):
         assert abs(total - expected) <= 0.10 * expected + padding, f"{parts} = {total} B, formula {expected} B"
     finally:
         dist.destroy_process_group()
+
+
+def _gathered_bytes(rank, ws):
+    model = _model(16)
+    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, wrap=lambda m: isinstance(m, nn.Linear),
+                param_dtype=torch.bfloat16)
+    seen = []
+    for layer in (model[0], model[2]):
+        layer.register_forward_pre_hook(lambda m, _: seen.append(
+            (m.weight.untyped_storage().nbytes(), m.weight.numel() * m.weight.element_size())))
+    zero(torch.randn(4, 16, dtype=torch.bfloat16)).float().sum().backward()
+    return seen
+
+
+def test_a_bfloat16_parameter_is_gathered_at_its_own_size():
+    """Found this session (helper-36): ZeRO-3 with param_dtype=bfloat16 took the size a gather
+    refills before casting the parameter, so each gathered parameter held its float32 size: twice
+    the memory of the full parameters at the step's peak, for the mixed-precision setting GPUs use."""
+    for seen in run_distributed(_gathered_bytes, 2):
+        assert seen and all(held == needed for held, needed in seen), seen
