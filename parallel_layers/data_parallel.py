@@ -234,9 +234,13 @@ class DataParallel(LocalAccumulation, nn.Module):
             for p in r.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         for name, p in module.named_parameters():
-            if not p.requires_grad:  # registered while it requires grad: the hook stays for when it is unfrozen
+            earlier = p.__dict__.pop("_pl_frozen_hook", None)
+            if earlier is not None:  # an earlier DataParallel's (built again after unfreezing): this one decides
+                earlier.remove()
+            if not p.requires_grad and (p.is_floating_point() or p.is_complex()):  # others cannot require grad
+                # registered while it requires grad, the hook stays for when it is unfrozen
                 p.requires_grad_(True)
-                p.register_post_accumulate_grad_hook(functools.partial(_refuse_unfrozen, name))
+                p._pl_frozen_hook = p.register_post_accumulate_grad_hook(functools.partial(_refuse_unfrozen, name))
                 p.requires_grad_(False)
 
     @property

@@ -152,3 +152,37 @@ def test_a_gradient_cleared_after_no_sync_is_not_a_use():
     None; no rank uses it in the next backward, so its .grad stays None (as for a parameter no rank
     used), not zeros that weight decay or Adam would then step on."""
     assert run_distributed(_cleared_after_no_sync, 2) == [(True, True), (True, True)]
+
+
+def _frozen_then_rebuilt(rank, ws):
+    from parallel_layers import init_parallel
+
+    ctx = init_parallel(dp=2, device="cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model.register_parameter("order", nn.Parameter(torch.arange(4), requires_grad=False))  # an integer table
+    model[0].weight.requires_grad_(False)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    first = DataParallel(model, group=ctx.dp_group)
+    first(x).sum().backward()  # frozen: no gradient, no error
+    model[0].weight.requires_grad_(True)
+    for p in model.parameters():
+        p.grad = None
+    DataParallel(model, group=ctx.dp_group)(x).sum().backward()  # built again after unfreezing, as the error says
+    return model[0].weight.grad.tolist()  # plain values: a tensor would cross processes by shared memory
+
+
+def test_frozen_parameters_of_any_dtype_and_building_again_after_unfreezing():
+    """Review findings (helper-36) on the refusal of a parameter unfrozen after DataParallel was
+    built: a frozen integer parameter made DataParallel's constructor raise (it cannot require
+    grad), and the refusal stayed on the parameter, so building DataParallel again - what its
+    message advises - raised the same error. Now the rebuilt wrapper averages the gradient."""
+    grads = [torch.tensor(g) for g in run_distributed(_frozen_then_rebuilt, 2)]
+    assert torch.equal(grads[0], grads[1])
+    own = []
+    for rank in range(2):  # the average of the two replicas' own gradients
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        own.append(model[0].weight.grad)
+    assert torch.allclose(grads[0], (own[0] + own[1]) / 2, atol=1e-6)
