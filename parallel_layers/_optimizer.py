@@ -40,22 +40,26 @@ def _drop_unheld(opt, params: Sequence[torch.Tensor]) -> None:
 # shapes and dtypes, and each is then replaced, in place in its group's list, by its shard, as
 # DeepSpeed's ZeRO takes the user's parameter groups and flattens each into shards. The
 # optimizer's settings per group stay as the factory made them. The factory must not read the
-# parameters' values (ZeRO-3 has freed them: that raises); a torch.optim optimizer creates its
-# state at the first step, from the shards.
-def build_over_shards(factory: Callable, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], who: str,
+# parameters' values (ZeRO-3 has freed them: that raises). Most torch.optim optimizers create
+# their state at the first step, from the shards; one that creates it in its constructor
+# (Adagrad's accumulator) has it cut as the shards are - once, allocated at the full size.
+def build_over_shards(factory: Callable, members: Sequence[tuple[torch.Tensor, torch.Tensor, Callable]], who: str,
                       replaced: set[int]):
-    """`factory([full for full, _ in pairs])` with each full parameter then replaced by its shard
-    (Note [an optimizer over shards]), checked by `check`."""
-    opt = factory([full for full, _ in pairs])
-    shard_of = {id(full): shard for full, shard in pairs}
-    for group in getattr(opt, "param_groups", ()):
-        group["params"][:] = [shard_of.get(id(p), p) for p in group["params"]]  # in place: LBFGS keeps the list
-    _drop_unheld(opt, [shard for _, shard in pairs])
+    """`factory([full, ...])` for `members` = (full parameter, its shard, cut), each full parameter
+    then replaced by its shard and its state by `cut(state)` (Note [an optimizer over shards]),
+    checked by `check`."""
+    opt = factory([full for full, _, _ in members])
+    shard_of = {id(full): (shard, cut) for full, shard, cut in members}
+    for group in getattr(opt, "param_groups", ()):  # in place: LBFGS keeps the list
+        group["params"][:] = [shard_of[id(p)][0] if id(p) in shard_of else p for p in group["params"]]
     state = getattr(opt, "state", None)
-    if state and any(id(p) in shard_of for p in state):
-        raise ValueError(f"{who}: the optimizer the factory built already holds state for the model's parameters; "
-                         "build it fresh in the factory (its state is created at the first step, from the shards)")
-    check(opt, [shard for _, shard in pairs], who, replaced)
+    for full, shard, cut in members if state else ():
+        if full in state:
+            state[shard] = {k: cut(v) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == full.shape else v
+                            for k, v in state.pop(full).items()}
+    shards = [shard for _, shard, _ in members]
+    _drop_unheld(opt, shards)
+    check(opt, shards, who, replaced)
     return opt
 
 

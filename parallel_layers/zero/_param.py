@@ -198,6 +198,14 @@ class ShardedParam:
                     shard = shard.pin_memory()
             swap_in(self.shard, shard)
 
+    def cut(self, t: Tensor) -> Tensor:
+        """This rank's part of a tensor shaped like the full parameter, cut as the master shard is
+        (flattened, padded), in the shard's dtype and on its device: what ZeRO makes of optimizer
+        state built for the full parameter (Note [an optimizer over shards])."""
+        s = self.shard_numel
+        flat = F.pad(t.detach().reshape(-1).to(self.shard.dtype), (0, s * self.world - t.numel()))
+        return flat[self.rank * s:(self.rank + 1) * s].clone().to(self.shard.device)
+
     # ---- the full parameter's storage ------------------------------------------------------
     def free_full(self) -> None:
         """Resize the full parameter's storage to zero (the shard stays); reading it until the

@@ -222,7 +222,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         for g in _pooled(self.groups) if stage == 3 else ():
             g.pool = pool
         self.optimizer = _optimizer.build_over_shards(  # Note [an optimizer over shards] in _optimizer.py
-            optimizer_factory, [(sp.full, sp.shard) for g in self.groups for sp in g.members], "ZeRO",
+            optimizer_factory, [(sp.full, sp.shard, sp.cut) for g in self.groups for sp in g.members], "ZeRO",
             replaced={id(p) for p in model.parameters()})
         self._hooks = ZeROHooks(model, self.groups, module_group, self.root_group, stage, prefetch=prefetch,
                                 reshard_after_forward=reshard_after_forward, syncing=lambda: self._sync,
