@@ -9,7 +9,8 @@
 #                    at dp=2 x tp=2 ZeRO-3 (examples/finetune_hf.py), checked, exported, reloaded
 #   make wheel       dist/parallel_layers-*.whl
 #   make info        python -m parallel_layers.info
-#   make test-cpu-torch   build + test against the CPU-only torch 2.13.0 wheel in .venv-cpu
+#   make test-cpu-torch   build + test against the CPU-only torch 2.13.0 wheel in .venv-cpu (the wheel
+#                         pip finds; TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu where that is a CUDA one)
 #
 # PARALLEL_LAYERS_FORCE_CPU=1, PARALLEL_LAYERS_CUDA_ARCHS=80;90+PTX and MAX_JOBS=N pass through.
 
@@ -69,7 +70,11 @@ info: build
 # A CPU-only torch (the 2.13.0 CPU wheel on this machine's disk): proves the CPU-only build.
 test-cpu-torch:
 	test -x .venv-cpu/bin/python || $(PYTHON) -m venv .venv-cpu
-	.venv-cpu/bin/python -m pip install --quiet torch==2.13.0 $$(grep -v -E '^(-r|torch|#)' requirements-dev.txt)
+	.venv-cpu/bin/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX)) \
+		$$(grep -v -E '^(-r|torch|#)' requirements-dev.txt)
+	.venv-cpu/bin/python -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else \
+		'test-cpu-torch: pip installed torch ' + torch.__version__ + ', a CUDA build; give the CPU wheels: ' \
+		'make test-cpu-torch TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu')"
 	rm -rf build-cpu && mkdir -p build-cpu
 	.venv-cpu/bin/python setup.py --quiet build_ext --inplace --build-temp build-cpu
 	.venv-cpu/bin/python -m pytest tests -q
