@@ -169,8 +169,7 @@ class ShardedParam:
             return p.detach().view(-1)[self.rank * s:(self.rank + 1) * s]
         if p.is_meta:  # built on the meta device: storage comes with `materialize`
             return torch.empty(s, dtype=torch.float32, device="meta")
-        flat = F.pad(p.detach().reshape(-1).float(), (0, s * self.world - p.numel()))
-        shard = flat[self.rank * s:(self.rank + 1) * s].clone()
+        shard = self._part(p, torch.float32)
         if self.offload:
             shard = shard.cpu().pin_memory() if torch.cuda.is_available() else shard.cpu()
         return shard
@@ -198,13 +197,18 @@ class ShardedParam:
                     shard = shard.pin_memory()
             swap_in(self.shard, shard)
 
-    def cut(self, t: Tensor) -> Tensor:
-        """This rank's part of a tensor shaped like the full parameter, cut as the master shard is
-        (flattened, padded), in the shard's dtype and on its device: what ZeRO makes of optimizer
-        state built for the full parameter (Note [an optimizer over shards])."""
+    def _part(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        """This rank's part of a tensor shaped like the full parameter: flattened, padded to
+        world * shard_numel, its slice (a copy, in `dtype`)."""
         s = self.shard_numel
-        flat = F.pad(t.detach().reshape(-1).to(self.shard.dtype), (0, s * self.world - t.numel()))
-        return flat[self.rank * s:(self.rank + 1) * s].clone().to(self.shard.device)
+        flat = F.pad(t.detach().reshape(-1).to(dtype), (0, s * self.world - t.numel()))
+        return flat[self.rank * s:(self.rank + 1) * s].clone()
+
+    def cut(self, t: Tensor) -> Tensor:
+        """`t`, shaped like the full parameter, cut as the master shard is, in the shard's dtype
+        and on its device: what ZeRO makes of optimizer state built for the full parameter (Note
+        [an optimizer over shards])."""
+        return self._part(t, self.shard.dtype).to(self.shard.device)
 
     # ---- the full parameter's storage ------------------------------------------------------
     def free_full(self) -> None:
