@@ -224,6 +224,15 @@ class _Source:
         return {self.key} if self.key is not None else set()
 
 
+def _names_by_tensor(reference: nn.Module) -> list[list[str]]:
+    """Every name of each parameter: a tied one has several (GPT-2's lm_head.weight and
+    transformer.wte.weight)."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in reference.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    return list(names_of.values())
+
+
 def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, reference: nn.Module,
                   shapes: dict[str, tuple[int, ...]], files: dict[str, str]) -> dict[str, _Source]:
     """For every tensor this rank holds, where it comes from; raises naming every missing key
@@ -235,10 +244,7 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
         by_local.setdefault(id(tp.local), []).append(name)
     # The other names of a tied parameter: a pipeline stage may hold a tie under the name the
     # files dropped (the last stage's lm_head.weight, where the files keep the embedding's).
-    names_of: dict[int, list[str]] = {}
-    for name, p in reference.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    aliases = {name: names for names in names_of.values() for name in names}
+    aliases = {name: names for names in _names_by_tensor(reference) for name in names}
 
     renamed, stacked, converted, unstacked = _checkpoint_renamings(reference, shapes)
 
@@ -429,11 +435,8 @@ def _tied_copies(reference: nn.Module, hf_model: nn.Module, shapes: dict[str, tu
                  ) -> list[tuple[str, str]]:
     """(the key read, another key of the same tied tensor) for every tie the files hold twice."""
     base = getattr(hf_model, "base_model_prefix", "")
-    names_of: dict[int, list[str]] = {}
-    for name, p in reference.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
     pairs = []
-    for names in names_of.values():
+    for names in _names_by_tensor(reference):
         keys = []
         for name in names:
             stripped = name[len(base) + 1:] if base and name.startswith(base + ".") else None
