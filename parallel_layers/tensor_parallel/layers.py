@@ -82,6 +82,8 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
     """
     if comm.group_size(group) == 1 or getattr(param, "_pl_tp_grad_hook", False):
         return
+    if not (param.is_floating_point() or param.is_complex()):  # an integer table never has a gradient
+        return
 
     def hook(grad: Tensor) -> Tensor:
         grad = grad.contiguous().clone()
