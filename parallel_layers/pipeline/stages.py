@@ -219,6 +219,8 @@ class PipelineStages(nn.Module):
     def sync_tied_grads(self) -> None:
         """Sum the gradients of tied parameters over the ranks holding a copy."""
         for p, tie_group, _ in self._ties:
+            if not p.requires_grad:  # frozen (on every copy alike): no gradient, as the plain model has none
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             fault.check_agreement("tied-parameter gradient all_reduce", p.grad, tie_group)

@@ -305,3 +305,30 @@ def test_decoder_layers_compiled_after_parallelize(tmp_path, layout):
         expected.append(loss.item())
     mean = [sum(r[i] for r in results) / len(results) for i in range(STEPS)]
     assert mean == pytest.approx(expected, abs=1e-5)
+
+
+def _frozen_tied(rank, world, directory, out):
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(pp=2, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).train()
+    model.model.embed_tokens.weight.requires_grad_(False)  # the tied head with it
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1),
+                      loss_fn=causal_lm_loss, pipeline_layers="auto")
+    for ids in _tiny.token_batches(2, BATCH, SEQ, VOCAB):
+        par.forward_backward(ids, ids)
+        par.step()
+        par.zero_grad()
+    hf.save_pretrained(par.module, out)
+
+
+def test_a_frozen_tied_embedding_stays_frozen_at_pp2(tmp_path):
+    """Review finding (helper-38): the pipeline's sum of a tied weight's gradients over its copies
+    gave a frozen tied embedding a zero gradient, and SGD's weight decay then moved it (1.36e-3 in
+    two steps) where the plain model, whose gradient stays None, leaves it."""
+    _tiny.save_tiny_llama(tmp_path / "src", tie_word_embeddings=True)
+    run_distributed(_frozen_tied, 2, args=(str(tmp_path / "src"), str(tmp_path / "out")))
+    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").model.embed_tokens.weight
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.embed_tokens.weight
+    assert torch.equal(trained, start)
