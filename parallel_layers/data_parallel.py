@@ -195,6 +195,15 @@ def _refuse_unfrozen(name: str, p: nn.Parameter) -> None:
         "this change")
 
 
+def release_frozen_hooks(module: nn.Module) -> None:
+    """Remove the refusals an earlier DataParallel left on `module`'s frozen parameters: a new
+    wrapper (DataParallel again, or ZeRO, which takes a parameter unfrozen later) decides."""
+    for p in module.parameters():
+        hook = p.__dict__.pop("_pl_frozen_hook", None)
+        if hook is not None:
+            hook.remove()
+
+
 class DataParallel(LocalAccumulation, nn.Module):
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
@@ -233,10 +242,8 @@ class DataParallel(LocalAccumulation, nn.Module):
         for r in self._reducers:
             for p in r.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        release_frozen_hooks(module)  # an earlier DataParallel's (built again after unfreezing): this one decides
         for name, p in module.named_parameters():
-            earlier = p.__dict__.pop("_pl_frozen_hook", None)
-            if earlier is not None:  # an earlier DataParallel's (built again after unfreezing): this one decides
-                earlier.remove()
             if not p.requires_grad and (p.is_floating_point() or p.is_complex()):  # others cannot require grad
                 # registered while it requires grad, the hook stays for when it is unfrozen
                 p.requires_grad_(True)

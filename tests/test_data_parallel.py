@@ -186,3 +186,28 @@ def test_frozen_parameters_of_any_dtype_and_building_again_after_unfreezing():
         model(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
         own.append(model[0].weight.grad)
     assert torch.allclose(grads[0], (own[0] + own[1]) / 2, atol=1e-6)
+
+
+def _data_parallel_then_zero(rank, ws):
+    from parallel_layers import ZeRO, init_parallel
+
+    ctx = init_parallel(dp=2, device="cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    DataParallel(model, group=ctx.dp_group)
+    model[0].weight.requires_grad_(True)  # then ZeRO, which its message says takes this change
+    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=1, group=ctx.dp_group)
+    zero(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    zero.step()
+    return zero.full_state_dict()["0.weight"].tolist()
+
+
+def test_zero_after_a_data_parallel_takes_a_parameter_unfrozen_between():
+    """Review finding (helper-38): the refusal a DataParallel left on a frozen parameter stayed when
+    the model went to ZeRO instead, which its message names as the way to unfreeze later."""
+    weights = run_distributed(_data_parallel_then_zero, 2)
+    assert weights[0] == weights[1]
+    torch.manual_seed(0)
+    start = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))[0].weight
+    assert not torch.equal(torch.tensor(weights[0]), start)  # it trained

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel_layers import _optimizer, placement
+from parallel_layers.data_parallel import release_frozen_hooks
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.zero import _state
@@ -164,6 +165,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
         self.module, self.stage, self.group = model, stage, group
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        release_frozen_hooks(model)  # a DataParallel's built before: ZeRO takes a parameter unfrozen later
 
         pool = BufferPool()  # every group's gather and reduce buffers (Note [CPU buffer reuse] in _group.py)
 
@@ -221,6 +223,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             self.groups.append(self.root_group)
         for g in _pooled(self.groups) if stage == 3 else ():
             g.pool = pool
+        self._stepped = False
         self.optimizer = _optimizer.build_over_shards(  # Note [an optimizer over shards] in _optimizer.py
             optimizer_factory, [(sp.full, sp.shard, sp.cut) for g in self.groups for sp in g.members], "ZeRO",
             replaced={id(p) for p in model.parameters()})
@@ -257,6 +260,9 @@ class ZeRO(LocalAccumulation, nn.Module):
         return clip_grad_norm_(self.module, max_norm, data_parallel=self, tp_group=tp_group, pp_group=pp_group)
 
     def step(self) -> None:
+        if not self._stepped:  # once: a meta-built model's optimizer state (the step would fail obscurely)
+            _optimizer.check_state_has_storage(self.optimizer, "ZeRO.step")
+            self._stepped = True
         self._hooks.reduce_remaining()
         for g in self.groups:
             g.drop_prefetch()
