@@ -26,9 +26,13 @@ def _drop_unheld(opt, params: Sequence[torch.Tensor]) -> None:
     here, and a checkpoint of the optimizer found no placement for them (review finding: "the
     optimizer steps a tensor ... that is not a parameter of the model")."""
     given = {id(p) for p in params}
+    state = getattr(opt, "state", {})
     for group in getattr(opt, "param_groups", ()):
-        if any(p.is_meta and id(p) not in given for p in group["params"]):
+        dropped = [p for p in group["params"] if p.is_meta and id(p) not in given]
+        if dropped:
             group["params"][:] = [p for p in group["params"] if not p.is_meta or id(p) in given]
+            for p in dropped:  # state an optimizer built in its constructor (Adagrad) goes with them
+                state.pop(p, None)
 
 
 # Note [an optimizer over shards]: ZeRO's optimizer steps this rank's flat float32 shards, but
@@ -42,7 +46,10 @@ def _drop_unheld(opt, params: Sequence[torch.Tensor]) -> None:
 # optimizer's settings per group stay as the factory made them. The factory must not read the
 # parameters' values (ZeRO-3 has freed them: that raises). Most torch.optim optimizers create
 # their state at the first step, from the shards; one that creates it in its constructor
-# (Adagrad's accumulator) has it cut as the shards are - once, allocated at the full size.
+# (Adagrad's accumulator) has it cut as the shards are - once, allocated at the full size, in
+# the parameters' dtype (with param_dtype=bfloat16 its initial value is rounded to bfloat16
+# before it becomes float32), and on a model built on the meta device it has no values, which
+# the first step refuses (check_state_has_storage).
 def build_over_shards(factory: Callable, members: Sequence[tuple[torch.Tensor, torch.Tensor, Callable]], who: str,
                       replaced: set[int]):
     """`factory([full, ...])` for `members` = (full parameter, its shard, cut), each full parameter
@@ -61,6 +68,21 @@ def build_over_shards(factory: Callable, members: Sequence[tuple[torch.Tensor, t
     _drop_unheld(opt, shards)
     check(opt, shards, who, replaced)
     return opt
+
+
+def check_state_has_storage(opt, who: str) -> None:
+    """Raise before a step when the optimizer holds state on the meta device: an optimizer that
+    builds its state in its constructor (Adagrad's accumulator) over a model built on the meta
+    device keeps it there when the weights are loaded (review finding: the step failed with
+    'Tensor on device cpu is not on the expected device meta!')."""
+    meta = [type(v).__name__ for st in getattr(opt, "state", {}).values() for v in st.values()
+            if isinstance(v, torch.Tensor) and v.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"{who}: the optimizer ({type(opt).__name__}) holds {len(meta)} state tensor(s) on the meta device: it built "
+            "them in its constructor over a model built on the meta device, and loading the weights gave the "
+            "parameters storage, not the optimizer's state. Resume from a checkpoint (checkpoint.load fills the state), "
+            "build the model for real, or use an optimizer that creates its state at the first step (SGD, Adam, AdamW)")
 
 
 def check(opt, params: Sequence[torch.Tensor], who: str, replaced: set[int]) -> None:

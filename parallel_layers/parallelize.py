@@ -89,6 +89,7 @@ class Parallelized:
     ctx: ParallelContext
     token_count: Callable[[Tensor], Tensor] | None = None
     _materialized: bool = dataclasses.field(default=False, init=False, repr=False)
+    _stepped: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """Forward and backward of this replica's batch, gradients reduced over dp; returns its
@@ -166,6 +167,9 @@ class Parallelized:
 
     def step(self) -> None:
         """The optimizer step (ZeRO: on the shards, then the parameters are all-gathered)."""
+        if not isinstance(self.module, ZeRO) and not self._stepped:  # ZeRO.step checks its own
+            _optimizer.check_state_has_storage(self.optimizer, "parallelize(...).step")
+            self._stepped = True
         (self.module if isinstance(self.module, ZeRO) else self.optimizer).step()
 
     def zero_grad(self) -> None:

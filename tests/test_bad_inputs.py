@@ -590,3 +590,26 @@ def test_reading_a_freed_zero3_parameter_raises_and_training_goes_on():
                "them whole")
     expected = (True, [message] * 5, [(8, 4), (8,), (4, 8), (4,)], True, True)
     assert results == [expected, expected]
+
+
+def _meta_adagrad(rank, ws):
+    ctx = init_parallel(dp=2, device="cpu")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    zero = ZeRO(model, lambda ps: torch.optim.Adagrad(ps, lr=0.1), stage=3, group=ctx.dp_group,
+                wrap=lambda m: isinstance(m, nn.Linear))
+    zero.materialize("cpu")
+    zero(torch.randn(2, 4)).sum().backward()
+    return _error(zero.step)
+
+
+def test_optimizer_state_left_on_the_meta_device_is_named_at_the_first_step():
+    """Review finding (helper-38): Adagrad builds its accumulator in its constructor; over a model
+    built on the meta device it stayed there when the model got storage, and the first step failed
+    with 'Tensor on device cpu is not on the expected device meta!'."""
+    expected = ("RuntimeError: ZeRO.step: the optimizer (Adagrad) holds 4 state tensor(s) on the meta device: it built "
+                "them in its constructor over a model built on the meta device, and loading the weights gave the "
+                "parameters storage, not the optimizer's state. Resume from a checkpoint (checkpoint.load fills the "
+                "state), build the model for real, or use an optimizer that creates its state at the first step (SGD, "
+                "Adam, AdamW)")
+    assert run_distributed(_meta_adagrad, 2) == [expected, expected]
