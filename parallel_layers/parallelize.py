@@ -106,9 +106,9 @@ class Parallelized:
     def evaluate(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """The loss of this replica's batch as forward_backward returns it, with the model in eval
         mode (no dropout) and no gradient kept, at any layout: a validation step, as torchtitan's
-        validator runs one. With a pipeline it runs the schedule's forwards through the stages
-        (whose backwards have nothing to do: each sends zeros; no gradient is reduced), so every
-        pipeline rank gets the loss;
+        validator runs one. With a pipeline it runs the schedule's forwards and their messages only
+        (`schedule.forward_only`; no gradient message, no gradient reduced), so every pipeline rank
+        gets the loss;
         `module(inputs)` there would return a stage's activations. The optimizer is not touched."""
         self._check_batch(inputs, targets, attention_mask)
         was_training = self.module.training

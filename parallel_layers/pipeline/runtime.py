@@ -41,7 +41,8 @@ from parallel_layers import _same_batch, fault
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
-from parallel_layers.pipeline.schedule import BATCH, FORWARD, RECV_B, RECV_F, SEND_F, build_schedule, check_arguments
+from parallel_layers.pipeline.schedule import (BATCH, FORWARD, RECV_B, RECV_F, SEND_F, build_schedule, check_arguments,
+                                               forward_only, validate)
 from parallel_layers.pipeline import stage_random
 from parallel_layers.pipeline.stages import PipelineStages
 
@@ -79,6 +80,9 @@ class PipelineParallel:
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in stages.parameters()), torch.device("cpu"))
         self.actions = build_schedule(schedule, self.ranks, microbatches, stages.virtual)  # validated
+        # under no_grad (evaluate): the forwards and their messages only, checked by the same rules
+        self.forward_actions = forward_only(self.actions)
+        validate(self.forward_actions, self.ranks, microbatches, stages.virtual, kinds=(FORWARD,))
         self.last_rank = (self.num_stages - 1) % self.ranks
         self.messenger = Messenger(self.group, self.device)
         if self.ranks > 1:  # Note [a random stream per pipeline stage]
@@ -307,7 +311,7 @@ class _StepRun:
 
     def __init__(self, pipe: PipelineParallel, msg: Messenger, x_mb, y_mb, scale, side: list[dict]):
         self.pipe, self.msg, self.x_mb, self.y_mb, self.scale, self.side = pipe, msg, x_mb, y_mb, scale, side
-        self.actions = pipe.actions[pipe.rank]
+        self.actions = (pipe.actions if torch.is_grad_enabled() else pipe.forward_actions)[pipe.rank]
         self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output or scaled loss)
         self.handed: dict[tuple, Tensor] = {}  # passed between stages of this rank (p = 1): ("act"|"grad", stage, mb)
         self.broken: set[tuple] = set()  # (stage, mb) whose output broke the boundary contract (zeros were sent)

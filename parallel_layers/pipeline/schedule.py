@@ -281,11 +281,31 @@ def build_schedule(schedule: str, ranks: int, microbatches: int, virtual: int = 
     raise AssertionError("unreachable")
 
 
+def forward_only(lists: list[list]) -> list[list]:
+    """Each rank's actions without the backward computes and the gradient messages: a step under
+    no_grad (Parallelized.evaluate). Both ends of every gradient message go, so each pair of
+    ranks still issues its remaining sends and receives in the same order; `validate(...,
+    kinds=(FORWARD,))` checks the result against NCCL's rules as the full lists are checked."""
+    out = []
+    for actions in lists:
+        mine: list = []
+        for a in actions:
+            if a.kind == BATCH:
+                ops = tuple(op for op in a.ops if op.kind in (SEND_F, RECV_F))
+                if ops:
+                    mine.append(Batch(ops))
+            elif a.kind not in (BACKWARD, SEND_B, RECV_B):
+                mine.append(a)
+        out.append(mine)
+    return out
+
+
 class ScheduleError(ValueError):
     """An action list that would deadlock, mismatch a message, or break a data dependency."""
 
 
-def validate(lists: list[list], ranks: int, microbatches: int, virtual: int = 1) -> int:
+def validate(lists: list[list], ranks: int, microbatches: int, virtual: int = 1,
+             kinds: tuple[str, ...] = (FORWARD, BACKWARD)) -> int:
     """Check action lists against NCCL's point-to-point rules (Note [p2p rounds]) and the data
     flow; return the number of rounds `simulate_p2p` took.
 
@@ -293,7 +313,8 @@ def validate(lists: list[list], ranks: int, microbatches: int, virtual: int = 1)
     operation is issued). Raises ScheduleError on a deadlock (naming each rank's blocked
     batch), a channel whose k-th send and k-th receive carry different things (out of
     order), a send without receive, a send before its compute, a compute whose input has
-    not been received, or a stage and microbatch not computed exactly once on its rank.
+    not been received, or a stage and microbatch not computed exactly once on its rank (for
+    each of `kinds`: the forwards only, for `forward_only`'s lists).
     """
     stages = ranks * virtual
     if len(lists) != ranks:
@@ -313,8 +334,7 @@ def validate(lists: list[list], ranks: int, microbatches: int, virtual: int = 1)
                     raise ScheduleError(f"rank {r} sends {op} before computing it")
             have.update(_item(op) for op in ops if op.kind in (RECV_F, RECV_B))
             mine.append([("send" if op.kind in (SEND_F, SEND_B) else "recv", op.peer, _item(op)) for op in ops])
-        expected = {(kind, k, i) for kind in (FORWARD, BACKWARD) for k in range(r, stages, ranks)
-                    for i in range(microbatches)}
+        expected = {(kind, k, i) for kind in kinds for k in range(r, stages, ranks) for i in range(microbatches)}
         if done != expected:
             raise ScheduleError(f"rank {r} computes {sorted(done - expected)} it should not and misses "
                                 f"{sorted(expected - done)}")

@@ -9,6 +9,7 @@ from parallel_layers.pipeline import Action, Batch, ScheduleError, balanced_spli
 from parallel_layers.pipeline.schedule import (
     BATCH,
     compute_order,
+    forward_only,
     p2p_ops,
     peak_in_flight,
     replay_makespan,
@@ -36,6 +37,12 @@ def test_every_schedule_is_valid_for_any_stage_and_microbatch_count(schedule, p,
         recvs = sum(a.kind.startswith("RECV") for a in p2p_ops(actions))
         # Stage 0 receives no activation, the last stage no gradient; with p = 1 nothing travels.
         assert sends == recvs == (0 if p == 1 else 2 * m * v - (m if r == 0 else 0) - (m if r == p - 1 else 0))
+    # an evaluation's lists (no_grad): the forwards and their messages only, valid by the same rules
+    forwards = forward_only(lists)
+    validate(forwards, p, m, v, kinds=("F",))
+    for r, actions in enumerate(forwards):
+        assert [a for a in actions if a.kind in ("F", "B")] == [a for a in lists[r] if a.kind == "F"]
+        assert all(op.kind in ("SEND_F", "RECV_F") for op in p2p_ops(actions))
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 5) for m in (1, 2, 3, 7, 9, 16)])
