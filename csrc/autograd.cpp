@@ -117,8 +117,11 @@ R below_autograd(const TypedOp<R(Args...)>& op, std::type_identity_t<Args>... ar
 // Sizes through sym_* throughout: under torch.compile with dynamic shapes they are symbolic.
 bool defined_nonempty(const at::Tensor& t) { return t.defined() && t.sym_numel() != 0; }
 
-// dz [..., n] summed over all leading dims -> [n].
-at::Tensor sum_rows(const at::Tensor& dz) { return dz.reshape_symint({-1, dz.sym_size(-1)}).sum(0); }
+// dz [..., n] summed over all leading dims -> [n]. flatten, not reshape({-1, n}): with n = 0 the
+// -1 would be ambiguous (a [3, 0] dz raised "cannot reshape tensor of 0 elements").
+at::Tensor sum_rows(const at::Tensor& dz) {
+  return dz.dim() == 1 ? dz.unsqueeze(0).sum(0) : dz.flatten(0, -2).sum(0);
+}
 
 // (dx, dweight, dbias) of x @ weight^T + bias from the pre-activation's gradient dz, each only
 // when asked, by the fused ops' GEMM rules (linear_input_grad / linear_weight_grad): the path of

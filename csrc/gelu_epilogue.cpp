@@ -244,7 +244,9 @@ at::Tensor dgelu_parallel(const at::Tensor& dy, const at::Tensor& z, const at::T
   const int64_t rows = z.size(0), cols = z.size(1);
   // Chunks of ~64K elements at least: enough work to amortise scheduling, small enough for L2.
   const int64_t min_rows = std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1));
-  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), min_rows);
+  // At most 256 chunks whatever the thread count: the chunking, and so dbias's summation order,
+  // depends on the shape only (as rms_norm_backward's and the CUDA kernels' do).
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, min_rows);
   const at::Tensor partials =
       want_dbias ? bias_partials(chunks.num_chunks(), cols, z.options().dtype(at::toOpMathType(z.scalar_type())))
                  : at::Tensor();

@@ -209,7 +209,8 @@ at::Tensor dswiglu_parallel(const at::Tensor& dy, const at::Tensor& z, const at:
   const int64_t rows = z.size(0), n = z.size(1) / 2;
   TORCH_INTERNAL_ASSERT(!dz_t.defined() || (dz_t.is_contiguous() && dz_t.size(0) == 2 * n && dz_t.size(1) == rows),
                         "dswiglu: dz_t must be a contiguous [2n, rows]");
-  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/4 * at::get_num_threads(), rows_per_task(2 * n));
+  // Shape-only chunking (no thread count), so dbias's summation order is the same on any machine.
+  const RowChunks chunks = make_row_chunks(rows, /*max_chunks=*/256, rows_per_task(2 * n));
   const auto acc_type = at::toOpMathType(z.scalar_type());
   const at::Tensor partials =
       want_dbias ? bias_partials(chunks.num_chunks(), 2 * n, z.options().dtype(acc_type)) : at::Tensor();

@@ -9,7 +9,9 @@ slows kernels down ~100x) and odd: columns not a multiple of the vector width, r
 multiple of the block, one row, one column - and columns that are whole 16-byte units (264, for
 the vectorised kernels), with rows that leave a short last chunk of row lanes. Values are not
 checked here (tests/ops does that); this only runs each kernel, forward and backward, in
-float32 and bfloat16. tools/gpu_check.sh also runs it under racecheck and synccheck, for the
+float32, bfloat16, float16 and float64 (the vectorised kernels' widths differ by dtype: 4, 8, 8
+and 2 elements a 16-byte unit), and once on operands that start one element past an aligned
+address, which must take the scalar path (each launch checks every pointer's alignment). tools/gpu_check.sh also runs it under racecheck and synccheck, for the
 backward kernels' shared-memory sums (parallel_layers/cuda/column_sums.h, the RMSNorm block
 reductions).
 """
@@ -50,6 +52,16 @@ def _probe_dtype(dtype: torch.dtype, dev: str) -> None:
         ops.linear_swiglu(x, w2, b2).sum().backward()
         ops.linear_swiglu(x, w2, None).sum().backward()
 
+    # Views one element past an aligned start, columns whole 16-byte units (n = 264): the
+    # vectorised kernels must see the misalignment and run scalar.
+    rows, n = 70, 264
+    x = randn(rows * n + 1)[1:].view(rows, n).detach().requires_grad_()
+    b = randn(n + 1)[1:].detach().requires_grad_()
+    ops.bias_gelu(x, b, "tanh").sum().backward()
+    z = randn(rows * 2 * n + 1)[1:].view(rows, 2 * n)
+    ops.swiglu_backward(randn(rows * n + 1)[1:].view(rows, n), z)
+    ops.rms_norm(x, randn(n + 1)[1:], 1e-6)
+
     world = 3
     # 70 tensors: two launches of the CUDA ops (Note [shard tables by value]); empty ones too.
     tensors = [randn(7, 5), randn(13), randn(1), randn(4, 4)] + [randn(i % 9) for i in range(66)]
@@ -65,7 +77,7 @@ def _probe_dtype(dtype: torch.dtype, dev: str) -> None:
 def main() -> None:
     # `python tools/cuda_probe.py cpu` runs the same calls on the CPU kernels (a dry run of the probe).
     dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         _probe_dtype(dtype, dev)
     if dev == "cuda":
         torch.cuda.synchronize()

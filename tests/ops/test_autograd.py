@@ -166,3 +166,57 @@ def test_functorch_transforms_run_ops_whose_inputs_do_not_depend_on_the_transfor
     torch.testing.assert_close(grad_s, y.sum(), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="functorch"):
         torch.func.grad(lambda s: P.linear_gelu(s * x, w, b, "tanh", False)[0].sum())(s)
+
+
+def test_bias_gradients_do_not_depend_on_the_thread_count():
+    """Each backward that sums the bias gradient over rows sums per-chunk partials, and the chunks
+    are fixed by the shape (Note in docs/kernels.md, GeLU rule step 2): a run's bits do not change
+    with OMP_NUM_THREADS / torch.set_num_threads. 16384 rows make enough chunks that a chunking
+    by thread count (as the CPU kernels had) gave a different dbias at every count."""
+    g = torch.Generator().manual_seed(3)
+    rows, k, n = 16384, 16, 64
+    x, w = torch.randn(rows, k, generator=g), torch.randn(2 * n, k, generator=g)
+    z, z2 = torch.randn(rows, n, generator=g), torch.randn(rows, 2 * n, generator=g)
+    dy = torch.randn(rows, n, generator=g)
+    backwards = {
+        "bias_gelu_backward": lambda: P.bias_gelu_backward(dy, z, "tanh")[1],
+        "swiglu_backward": lambda: P.swiglu_backward(dy, z2, True)[1],
+        "linear_gelu_backward": lambda: P.linear_gelu_backward(dy, x, w[:n], z, "tanh", [True, True, True])[2],
+        "linear_swiglu_backward": lambda: P.linear_swiglu_backward(dy, x, w, z2, [True, True, True])[2],
+    }
+    threads = torch.get_num_threads()
+    try:
+        for name, backward in backwards.items():
+            per_count = []
+            for t in (1, 2, 3, 4):
+                torch.set_num_threads(t)
+                per_count.append(backward())
+            for t, dbias in zip((2, 3, 4), per_count[1:]):
+                assert torch.equal(dbias, per_count[0]), (
+                    f"{name}: dbias at {t} threads differs from 1 thread's by "
+                    f"{(dbias - per_count[0]).abs().max().item():.3g}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_an_empty_feature_dimension_through_both_outputs(device):
+    """n = 0 features with the pre-activation output used too: the bias gradient is the sum of dz
+    over rows, which reshape([-1, 0]) could not make ("cannot reshape tensor of 0 elements")."""
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    c = torch.randn(0, device=device, requires_grad=True)
+    y, z = P.bias_gelu(x, c, "none")
+    (y.sum() + z.sum()).backward()
+    assert x.grad.shape == (3, 0) and c.grad.shape == (0,)
+    v = torch.randn(0, device=device, requires_grad=True)  # 1-D
+    y, z = P.bias_gelu(v, c, "tanh")
+    (y.sum() + 2 * z.sum()).backward()
+    assert v.grad.shape == (0,)
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    for w, op in ((torch.randn(0, 4, device=device, requires_grad=True), lambda w, b: P.linear_gelu(x, w, b, "tanh", True)),
+                  (torch.randn(0, 4, device=device, requires_grad=True), lambda w, b: P.linear_swiglu(x, w, b, True))):
+        b = torch.randn(0, device=device, requires_grad=True)
+        y, z = op(w, b)
+        (y.sum() + z.sum()).backward()
+        assert w.grad.shape == w.shape and b.grad.shape == (0,)
+        assert torch.equal(x.grad, torch.zeros_like(x))

@@ -201,27 +201,37 @@ def test_torch_compile_inductor_cpu():
 @pytest.mark.parametrize("device", devices())
 # 4099 x 257 is more elements than the forward's grid has threads (at most 8 blocks of 256 per
 # SM), so its grid-stride loop wraps and RowColCursor carries columns into rows.
-# 517 x 264: rows of whole 16-byte units, the vectorized path (parallel_layers/cuda/vec.h).
-@pytest.mark.parametrize("shape", [(300, 129), (4099, 257), (517, 264)])
-def test_cuda_matches_cpu(device, shape):
+# 517 x 264: rows of whole 16-byte units, the vectorized path (parallel_layers/cuda/vec.h), in
+# fewer units than one wave; 16384 x 264 in bfloat16: 8 elements a unit, 540,672 units, more than
+# one resident wave of the largest GPUs (132 SMs x 2048 threads = 270,336), so the vectorized
+# loop wraps and RowColCursor advances in units.
+@pytest.mark.parametrize("shape, dtype", [((300, 129), torch.float32), ((4099, 257), torch.float32),
+                                          ((517, 264), torch.float32), ((16384, 264), torch.bfloat16)])
+def test_cuda_matches_cpu(device, shape, dtype):
     if device == "cpu":
         pytest.skip("compares the CUDA kernels with the CPU ones")
-    x, b = _inputs(shape, torch.float32, "cpu")
-    dy = torch.randn(x.shape)
+    x, b = _inputs(shape, dtype, "cpu")
+    dy = torch.randn(x.shape).to(dtype)
+    # float32: erff/tanhf differ by ~1 ulp; 16-bit: both round the same float32 value once, so
+    # they differ by at most one ulp of the 16-bit result where the float32 values straddle a tie
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
+    tol_b = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else tol
     for approximate in APPROX:
         cpu = torch.ops.parallel_layers.bias_gelu(x, b, approximate)
         gpu = torch.ops.parallel_layers.bias_gelu(x.cuda(), b.cuda(), approximate)
         for c, g in zip(cpu, gpu):
-            torch.testing.assert_close(g.cpu(), c, rtol=1e-6, atol=1e-6)  # erff/tanhf differ by ~1 ulp
+            torch.testing.assert_close(g.cpu(), c, **tol)
         cpu_b = torch.ops.parallel_layers.bias_gelu_backward(dy, cpu[1], approximate)
         gpu_b = torch.ops.parallel_layers.bias_gelu_backward(dy.cuda(), cpu[1].cuda(), approximate)
-        torch.testing.assert_close(gpu_b[0].cpu(), cpu_b[0], rtol=1e-5, atol=1e-5)  # erff/tanhf ulps
+        torch.testing.assert_close(gpu_b[0].cpu(), cpu_b[0], **tol_b)
         # dbias: each op sums its own rounded dz, in its own order (4099 rows: the order matters
-        # more than 1e-5), so each is held to its float64 sum: within 8 float32 ulps of sum |dz|.
+        # more than 1e-5), so each is held to its float64 sum: within 8 float32 ulps of sum |dz|
+        # (and half an ulp of the result's dtype, where it is 16-bit).
         for dz, db in (cpu_b, gpu_b):
             dz, db = dz.cpu().double(), db.cpu().double()
-            bound = 8 * torch.finfo(torch.float32).eps * dz.abs().sum(0)
-            assert ((db - dz.sum(0)).abs() <= bound).all(), (db - dz.sum(0)).abs().max()
+            exact = dz.sum(0)
+            bound = 8 * torch.finfo(torch.float32).eps * dz.abs().sum(0) + torch.finfo(dtype).eps * exact.abs()
+            assert ((db - exact).abs() <= bound).all(), (db - exact).abs().max()
 
 
 @pytest.mark.parametrize(

@@ -447,6 +447,33 @@ def test_epilogue_op_is_the_backward_ops_epilogue(shape, n, dtype, device):
         torch.ops.parallel_layers.swiglu_backward(cast(dy), cast(dy), True)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_cuda_epilogue_where_the_vectorized_grid_wraps(device):
+    """The Llama MLP's bfloat16 path on CUDA at a size whose vectorized loops wrap: n = 1376 is
+    172 whole 16-byte units of 8, and 4096 rows make 704,512 units, more than one resident wave
+    of the largest GPUs (132 SMs x 2048 threads), so PackedGateUp's cursor advances in units.
+    The forward's y against float64 SwiGLU of the pre-activation the GPU computed (one bfloat16
+    rounding); swiglu_backward's d_preact and dbias against the CPU kernels' on the same inputs."""
+    if device == "cpu":
+        pytest.skip("compares the CUDA kernels with the CPU ones")
+    g = torch.Generator().manual_seed(11)
+    rows, k, n = 4096, 64, 1376
+    x, w, b = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((rows, k), (2 * n, k), (2 * n,)))
+    y, pre = torch.ops.parallel_layers.linear_swiglu(x.cuda(), (w / 8).cuda(), b.cuda(), True)
+    gate, up = pre.cpu().double().chunk(2, dim=-1)
+    reference = (F.silu(gate) * up).to(torch.bfloat16)
+    torch.testing.assert_close(y.cpu(), reference, rtol=2 ** -7, atol=1e-5)  # one rounding each
+    z = torch.randn(rows, 2 * n, generator=g).to(torch.bfloat16)
+    dy = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    d_cpu, db_cpu = ops.swiglu_backward(dy, z)
+    d_gpu, db_gpu = ops.swiglu_backward(dy.cuda(), z.cuda())
+    torch.testing.assert_close(d_gpu.cpu(), d_cpu, rtol=2 ** -7, atol=1e-5)
+    for d, db in ((d_cpu, db_cpu), (d_gpu.cpu(), db_gpu.cpu())):
+        exact = d.double().sum(0)
+        bound = 8 * torch.finfo(torch.float32).eps * d.double().abs().sum(0) + 2 ** -8 * exact.abs()
+        assert ((db.double() - exact).abs() <= bound).all(), (db.double() - exact).abs().max()
+
+
 @pytest.mark.parametrize("dtype, gemm", [(torch.bfloat16, "auto"), (torch.float32, "onednn"), (torch.float32, "aten")])
 def test_inference_through_onednn_post_ops(dtype, gemm):
     """Note [SwiGLU inference through oneDNN post-ops]: with nothing kept for backward, bfloat16
