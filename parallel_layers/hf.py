@@ -78,10 +78,16 @@ def _checked(state: dict[str, torch.Tensor], plain: nn.Module) -> dict[str, torc
     return out
 
 
-def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torch.dtype | None = None) -> str:
-    """Write `model` (this rank's part of a transformers model, at any layout) as a directory
-    that `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads; a collective.
-    dtype: cast the weights (default: as held; ZeRO's float32 masters for ZeRO parameters)."""
+def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torch.dtype | None = None,
+                    max_shard_size: int | str | None = None) -> str:
+    """Write `model` (this rank's part of a transformers model, at any layout, or the
+    `Parallelized` of `parallelize`) as a directory that
+    `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads; a collective.
+    dtype: cast the weights (default: as held; ZeRO's float32 masters for ZeRO parameters).
+    max_shard_size: transformers' (files of at most this size and an index; default its own).
+    Weight files an earlier save left in `directory` that this one did not write are removed
+    (Note [stale weight files])."""
+    model = _unwrap(model)[0]
     hf_model = _hf_model(model)
     rank, _ = rank_world(group)
     staging = os.path.join(directory, ".parallel_layers-export")
@@ -99,7 +105,9 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
             plain.tie_weights()
             if getattr(hf_model, "generation_config", None) is not None:  # the model's own (sampling settings),
                 plain.generation_config = copy.deepcopy(hf_model.generation_config)  # not one made from its config
-            plain.save_pretrained(directory)
+            before = _weight_file_stats(directory)
+            plain.save_pretrained(directory, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+            _remove_stale_weight_files(directory, before)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = describe_error(e)
         finally:
@@ -111,13 +119,44 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
 
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+
+
+# Note [stale weight files]: transformers' save_pretrained removes the shards of an earlier save
+# into the same directory but not its index: exporting a model as one model.safetensors over a
+# sharded save left model.safetensors.index.json naming files no longer there, which readers that
+# take the index first (hf.load_pretrained did; vLLM filters weight files by it) then failed on
+# or read wrongly (review finding). A weight file (model*.safetensors, the index) whose inode,
+# size and mtime are what they were before this save was not written by it, and is removed.
+def _weight_file_stats(directory: str) -> dict[str, tuple[int, int, int]]:
+    if not os.path.isdir(directory):
+        return {}
+    stats = {}
+    for name in os.listdir(directory):
+        if _WEIGHT_FILE.match(name):
+            st = os.stat(os.path.join(directory, name))
+            stats[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return stats
+
+
+def _remove_stale_weight_files(directory: str, before: dict[str, tuple[int, int, int]]) -> None:
+    after = _weight_file_stats(directory)
+    for name, stat in after.items():
+        if before.get(name) == stat:
+            os.remove(os.path.join(directory, name))
 
 
 def _weight_files(directory: str) -> dict[str, str]:
-    """Tensor name -> the safetensors file holding it: one `model.safetensors`, or the files
-    of a sharded `model.safetensors.index.json` (transformers' names)."""
+    """Tensor name -> the safetensors file holding it: one `model.safetensors`, else the files
+    of a sharded `model.safetensors.index.json` (transformers' names and order)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"hf.load_pretrained: {directory!r} is not a directory")
+    # transformers' order: a model.safetensors first, then the index
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
@@ -130,11 +169,6 @@ def _weight_files(directory: str) -> dict[str, str]:
             raise FileNotFoundError(f"hf.load_pretrained: {index} names files that {directory!r} does not hold: "
                                     f"{absent[:5]}")
         return files
-    single = os.path.join(directory, SINGLE_FILE)
-    if os.path.isfile(single):
-        from safetensors import safe_open
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
     raise FileNotFoundError(f"hf.load_pretrained: {directory!r} holds neither {SINGLE_FILE} nor {INDEX_FILE} (it "
                             f"holds {sorted(os.listdir(directory))[:10]}); write it with transformers' "
                             "save_pretrained, whose default format is safetensors")

@@ -22,8 +22,8 @@ every rank together (Note [errors on every rank] in _dist.py). The first format 
 + metadata.json) converts with `python -m parallel_layers.checkpoint.convert`.
 """
 
-from parallel_layers.checkpoint._io import latest_checkpoint, verify
+from parallel_layers.checkpoint._io import verify
 from parallel_layers.checkpoint._load import export_state_dict, load
-from parallel_layers.checkpoint._save import AsyncSave, async_save, save, wait
+from parallel_layers.checkpoint._save import AsyncSave, async_save, latest_checkpoint, save, wait
 
 __all__ = ["AsyncSave", "async_save", "export_state_dict", "latest_checkpoint", "load", "save", "verify", "wait"]

@@ -190,6 +190,17 @@ def latest_checkpoint(root: str, verify: bool = True) -> str | None:
     return None
 
 
+def identity(path: str) -> dict:
+    """What names the checkpoint at `path` whatever its path (Note [one checkpoint on every rank]
+    in _load.py): {"path", "what", "digest"}."""
+    if os.path.isfile(os.path.join(path, OURS)):
+        ours = read_ours(path)
+        digest = zlib.crc32(json.dumps(ours.get("files", {}), sort_keys=True).encode())
+        return {"path": path, "what": f"step {ours.get('step')}", "digest": digest}
+    record = file_record(os.path.join(path, DCP_METADATA))
+    return {"path": path, "what": f"{DCP_METADATA} of {record['bytes']} bytes", "digest": record["crc32"]}
+
+
 def check_path(path) -> str:
     """`path` as a str if it is a DCP checkpoint directory (ours or anyone's); a clear error else."""
     if not isinstance(path, (str, os.PathLike)):
@@ -198,6 +209,9 @@ def check_path(path) -> str:
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, DCP_METADATA)) and ".partial-" not in os.path.basename(path):
         return path
+    if _COMPLETE.match(os.path.basename(os.path.normpath(path))) and os.path.isfile(os.path.join(path, OURS)):
+        raise FileNotFoundError(f"checkpoint {path!r} lacks DCP's {DCP_METADATA} (deleted or never written); its "
+                                f"other files are there. latest_checkpoint(root) skips such a checkpoint")
     if os.path.isfile(os.path.join(path, "metadata.json")):
         raise ValueError(f"{path} is a checkpoint in parallel_layers' old format (rank<r>.pt + metadata.json); "
                          f"convert it once with: python -m parallel_layers.checkpoint.convert {path} <new directory>")

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from parallel_layers.checkpoint import _io
 from parallel_layers.checkpoint._dist import all_gather, describe_error, quiet, raise_if_any, rank_world
 from parallel_layers.checkpoint._safe import SafeLoadPlanner, SafeReader
-from parallel_layers.checkpoint._save import _wait_in_flight, layout_signature
+from parallel_layers.checkpoint._save import _wait_in_flight, layout_signature, unwrap
 from parallel_layers.checkpoint._state import (MODEL, OPTIMIZER, RNG, OptimizerLoad, has_optimizer, model_state,
                                                rng_template, set_rng)
 from parallel_layers.placement import ModelPlacement, describe
@@ -71,6 +71,24 @@ def _check_ties(path: str, saved: dict, described: ModelPlacement, tied: list[li
                              "from a model that ties them")
 
 
+# Note [one checkpoint on every rank]: each rank passes its own `path`, and a rank that picks it
+# differently - latest_checkpoint(root) called while an async_save was still committing (rank 0
+# waited for the handle, rank 1 did not), a path built from a rank-local step - read another
+# step's files. With the same layout the load went through on every rank: tensor-parallel shards
+# from two different steps trained on, with no error (review finding). Every rank now names the
+# checkpoint it opened (its step and a digest of the sizes and CRC-32s its files were written
+# with, or for another program's checkpoint the size and CRC-32 of DCP's .metadata) and all
+# raise if they differ. Checkpoints copied to a node-local path still agree: the digest is of
+# the contents, not of the path.
+def _check_same_checkpoint(identities: list) -> None:
+    if len({(i["what"], i["digest"]) for i in identities}) > 1:
+        per_rank = "; ".join(f"rank {r}: {i['path']} ({i['what']})" for r, i in enumerate(identities))
+        raise ValueError(f"checkpoint load: the ranks opened different checkpoints ({per_rank}); every rank must load "
+                         "the same one. Pick the path once - e.g. checkpoint.latest_checkpoint(root) on every rank "
+                         "after the last save has finished (it waits for this process's async_save), or on rank 0 "
+                         "and broadcast it")
+
+
 def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, restore_rng: bool = True,
          prefix: str = "") -> dict:
     """Load the checkpoint at `path` (a step_<N> directory, or any DCP checkpoint whose model
@@ -81,11 +99,13 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
     save. The RNG state is restored only at the layout it was saved at. On an error every
     rank raises; the model may then be partly loaded.
     """
+    model, optimizer, prefix = unwrap(model, optimizer, prefix)
     _wait_in_flight()
     rank, world = rank_world(group)
-    mine = described = metadata = ours = signature = saved = None
+    mine = described = metadata = ours = signature = saved = identity = None
     try:
         path = _io.check_path(path)
+        identity = _io.identity(path)
         metadata = SafeReader(path).read_metadata()
         if os.path.isfile(os.path.join(path, _io.OURS)):
             ours = _io.read_ours(path)
@@ -110,8 +130,9 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
     gathered = all_gather((describe_error(mine) if mine else None,
-                           list(described.tensors) if described else [], signature), group)
+                           list(described.tensors) if described else [], signature, identity), group)
     raise_if_any([g[0] for g in gathered], mine, "checkpoint load")
+    _check_same_checkpoint([g[3] for g in gathered])
     if strict:
         held = {k for g in gathered for k in g[1]}
         unexpected = [k for k in saved if k not in held]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,9 @@ def _begin(directory: str, step: int, model, optimizer, extra, group, prefix: st
     mine = state = signature = None
     ties: list[list[str]] = []
     try:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"checkpoint save: directory must be a str or os.PathLike (the checkpoint root), got "
+                            f"{directory!r}")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra = _check_extra(extra)
@@ -115,7 +119,7 @@ def _begin(directory: str, step: int, model, optimizer, extra, group, prefix: st
     if rank == 0:
         try:
             partial = _io.start(directory, step)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
             err = describe_error(e)
     partial, err = broadcast((partial, err), group)
     if err is not None:
@@ -133,7 +137,7 @@ def _write_and_commit(state: dict, partial: str, ours: dict, group) -> str:
     if rank == 0:
         try:
             final = _io.commit(partial, ours)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
             err = describe_error(e)
     final, err = broadcast((final, err), group)
     if err is not None:
@@ -162,6 +166,7 @@ def save(directory: str, step: int, model, optimizer=None, *, extra: dict | None
     position, step, epoch). prefix: prepended to the model's keys (pipeline stages, see
     PipelineStages.state_placement). Returns the checkpoint's path once it is committed.
     """
+    model, optimizer, prefix = unwrap(model, optimizer, prefix)
     _wait_in_flight()
     state, partial, ours = _begin(directory, step, model, optimizer, extra, group, prefix, stage=False)
     return _write_and_commit(state, partial, ours, group)
@@ -198,6 +203,7 @@ def async_save(directory: str, step: int, model, optimizer=None, *, extra: dict 
     """`save`, with the writing in the background (Note [asynchronous save]); a collective.
     Returns once this rank's tensors are copied to host memory."""
     global _executor, _in_flight
+    model, optimizer, prefix = unwrap(model, optimizer, prefix)
     _wait_in_flight()
     background = _async_group(group)
     state, partial, ours = _begin(directory, step, model, optimizer, extra, group, prefix, stage=True)
@@ -207,9 +213,33 @@ def async_save(directory: str, step: int, model, optimizer=None, *, extra: dict 
     return AsyncSave(_in_flight)
 
 
+def latest_checkpoint(root: str, verify: bool = True) -> str | None:
+    """The newest complete checkpoint under `root` that passes its integrity check, or None;
+    first waits for this process's asynchronous save in flight, if any, so that every rank that
+    calls it after the same saves sees the same checkpoints (Note [one checkpoint on every rank]
+    in _load.py).
+
+    The one `latest` names comes first (a run restarted from an earlier step resumes from what
+    it saved last), then the others, newest step first. A checkpoint that fails its check
+    (Note [integrity] in _io.py) is skipped with a warning."""
+    _wait_in_flight()
+    return _io.latest_checkpoint(root, verify)
+
+
+def unwrap(model, optimizer, prefix: str):
+    """(module, optimizer, prefix) of a `Parallelized` (parallelize's result), else as given."""
+    from parallel_layers.parallelize import Parallelized
+    if isinstance(model, Parallelized):
+        if optimizer is not None and optimizer is not model.optimizer:
+            raise ValueError("checkpoint: given a Parallelized, pass no optimizer (its own, par.optimizer, is used) "
+                             "or par.optimizer itself")
+        return model.module, model.optimizer, prefix or model.prefix
+    return model, optimizer, prefix
+
+
 def wait() -> None:
     """Wait for an asynchronous save in flight, if any (raising its error)."""
     _wait_in_flight()
 
 
-__all__ = ["AsyncSave", "async_save", "save", "wait"]
+__all__ = ["AsyncSave", "async_save", "latest_checkpoint", "save", "wait"]
