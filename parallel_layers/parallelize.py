@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from collections.abc import Mapping
 from typing import Callable
 
@@ -90,6 +91,7 @@ class Parallelized:
     token_count: Callable[[Tensor], Tensor] | None = None
     _materialized: bool = dataclasses.field(default=False, init=False, repr=False)
     _stepped: bool = dataclasses.field(default=False, init=False, repr=False)
+    _warned_mean: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """Forward and backward of this replica's batch, gradients reduced over dp; returns its
@@ -147,9 +149,39 @@ class Parallelized:
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
+        if (self.pipeline is None and isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
+                and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
+                and hasattr(_innermost(self.module), "config")):
+            # a transformers model takes a [batch, seq] mask of another width without a word (it
+            # slices or broadcasts it): a left-padded batch's loss changed (review finding); the
+            # pipeline refuses it too (errors.md row 109d). A 4-D mask is the user's own, passed on.
+            raise ValueError(f"attention_mask must have the inputs' shape {list(inputs.shape)} (1: a token to attend "
+                             f"to, 0: padding); got shape {list(attention_mask.shape)}")
+        self._warn_mean_over_padding(attention_mask)
         if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
             _same_batch.check((inputs, targets, attention_mask), ("inputs", "targets", "attention_mask"),
                               self.ctx.tp_group, "tensor-parallel")
+
+    def _warn_mean_over_padding(self, attention_mask) -> None:
+        """Once: a padded batch, a loss_fn that returns a mean, and several replicas or microbatches
+        whose means the step averages (Note [token mean over data parallelism] in _accumulation.py)."""
+        if attention_mask is None or self.token_count is not None or self._warned_mean:
+            return
+        dp = self.ctx.dims.dp
+        m = self.pipeline.microbatches if self.pipeline is not None else 1
+        if dp * m == 1:
+            return
+        self._warned_mean = True
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            parts = " and ".join(p for p in (f"{dp} data-parallel replicas" if dp > 1 else "",
+                                             f"{m} microbatches" if m > 1 else "") if p)
+            warnings.warn(
+                f"parallelize: a padded batch (attention_mask=) with a loss_fn that returns a mean and no token_count=: "
+                f"the step averages the means of its {parts}, each over its own tokens, so a token of a part with "
+                "fewer labelled tokens weighs more than in the plain model's mean over the whole batch (transformers' "
+                "Trainer divides by the batch's count, num_items_in_batch). For that mean pass "
+                "loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens (parallel_layers.pipeline.hf); if every "
+                "part holds as many labelled tokens, ignore this", UserWarning, stacklevel=3)
 
     def _dp_group(self):
         """The group the wrapper averages gradients over; None without one."""

@@ -332,3 +332,51 @@ def test_a_frozen_tied_embedding_stays_frozen_at_pp2(tmp_path):
     start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").model.embed_tokens.weight
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.embed_tokens.weight
     assert torch.equal(trained, start)
+
+
+def _mask_checks(rank, world, directory):
+    import warnings
+
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss, causal_lm_loss_sum, causal_lm_tokens
+
+    ctx = init_parallel(dp=2, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss)
+    ids = _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0]
+    mask = torch.ones_like(ids)
+    mask[:, : 4 + 2 * rank] = 0  # left padding, more on rank 1
+    refused = []
+    for bad in (mask[:, :8], mask[:, :15]):
+        try:
+            par.forward_backward(ids, ids, attention_mask=bad)
+        except ValueError as e:
+            refused.append(str(e))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        par.forward_backward(ids, ids, attention_mask=mask)
+        par.forward_backward(ids, ids, attention_mask=mask)  # warned once
+    mean_warnings = [str(w.message) for w in caught if "loss_fn that returns a mean" in str(w.message)]
+    summed = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
+                         loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summed.forward_backward(ids, ids, attention_mask=mask)
+    silent = not [w for w in caught if "loss_fn that returns a mean" in str(w.message)]
+    return refused, mean_warnings, silent
+
+
+def test_a_mask_of_another_shape_is_refused_and_a_mean_loss_over_padding_warns(tmp_path):
+    """helper-39: without a pipeline a [batch, seq] mask narrower than the inputs trained with no
+    error (transformers takes it; a left-padded batch's loss changed), where the pipeline refuses
+    it; and a padded batch with a mean loss at dp2 averages the replicas' means (1.3e-1 off the
+    plain model after 3 steps) with nothing to say so. Now refused (errors.md row 109d1), and
+    warned once on rank 0, not with the sum loss and token_count."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    results = run_distributed(_mask_checks, 2, args=(str(tmp_path / "src"),))
+    for rank, (refused, mean_warnings, silent) in enumerate(results):
+        assert refused == [f"attention_mask must have the inputs' shape [{BATCH}, {SEQ}] (1: a token to attend to, 0: "
+                           f"padding); got shape [{BATCH}, {w}]" for w in (8, 15)]
+        assert len(mean_warnings) == (1 if rank == 0 else 0) and silent
+    assert "the means of its 2 data-parallel replicas" in results[0][1][0]
+    assert "loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens" in results[0][1][0]
