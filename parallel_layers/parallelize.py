@@ -93,38 +93,44 @@ class Parallelized:
     _stepped: bool = dataclasses.field(default=False, init=False, repr=False)
     _warned_mean: bool = dataclasses.field(default=False, init=False, repr=False)
 
-    def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+    def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
+                         position_ids: Tensor | None = None) -> Tensor:
         """Forward and backward of this replica's batch, gradients reduced over dp; returns its
         loss (detached; with a pipeline, on every pipeline rank; with token_count, its sum over the
         count of the dp replicas' batches / dp, whose mean over dp is the whole batch's loss). attention_mask: a padded
-        batch's [batch, seq] mask, for a model (or pipeline layers) that takes one."""
-        self._check_batch(inputs, targets, attention_mask)
+        batch's [batch, seq] mask, for a model (or pipeline layers) that takes one. position_ids:
+        [batch, seq] (or [1, seq]) positions for the model's forward (left padding under learned
+        positions, packed sequences), without a pipeline (whose stages compute arange(seq))."""
+        self._check_batch(inputs, targets, attention_mask, position_ids)
         if self.pipeline is not None:
-            return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
-        loss = self._loss(inputs, targets, attention_mask)
+            return self.pipeline.step(inputs, targets, attention_mask=attention_mask, position_ids=position_ids)
+        loss = self._loss(inputs, targets, attention_mask, position_ids)
         loss.backward()
         return loss.detach()
 
-    def evaluate(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+    def evaluate(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
+                 position_ids: Tensor | None = None) -> Tensor:
         """The loss of this replica's batch as forward_backward returns it, with the model in eval
         mode (no dropout) and no gradient kept, at any layout: a validation step, as torchtitan's
         validator runs one. With a pipeline it runs the schedule's forwards and their messages only
         (`schedule.forward_only`; no gradient message, no gradient reduced), so every pipeline rank
         gets the loss;
         `module(inputs)` there would return a stage's activations. The optimizer is not touched."""
-        self._check_batch(inputs, targets, attention_mask)
+        self._check_batch(inputs, targets, attention_mask, position_ids)
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad():
                 if self.pipeline is not None:
-                    return self.pipeline.step(inputs, targets, attention_mask=attention_mask)
-                return self._loss(inputs, targets, attention_mask)
+                    return self.pipeline.step(inputs, targets, attention_mask=attention_mask, position_ids=position_ids)
+                return self._loss(inputs, targets, attention_mask, position_ids)
         finally:
             self.module.train(was_training)
 
-    def _loss(self, inputs: Tensor, targets: Tensor, attention_mask: Tensor | None) -> Tensor:
-        out = self.module(inputs) if attention_mask is None else self.module(inputs, attention_mask=attention_mask)
+    def _loss(self, inputs: Tensor, targets: Tensor, attention_mask: Tensor | None,
+              position_ids: Tensor | None = None) -> Tensor:
+        given = {"attention_mask": attention_mask, "position_ids": position_ids}
+        out = self.module(inputs, **{k: v for k, v in given.items() if v is not None})
         loss = self.loss_fn(out, targets)
         # the logits ([tokens, vocab], float32 for a Hugging Face model) are not needed by backward:
         # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan.py)
@@ -133,7 +139,7 @@ class Parallelized:
             loss = loss / token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)
         return loss
 
-    def _check_batch(self, inputs, targets, attention_mask) -> None:
+    def _check_batch(self, inputs, targets, attention_mask, position_ids=None) -> None:
         if not self._materialized:  # once: the first step of a model built on the meta device
             if meta.has_meta(self.module):  # every rank built it so: every rank raises
                 raise RuntimeError(
@@ -157,10 +163,20 @@ class Parallelized:
             # pipeline refuses it too (errors.md row 109d). A 4-D mask is the user's own, passed on.
             raise ValueError(f"attention_mask must have the inputs' shape {list(inputs.shape)} (1: a token to attend "
                              f"to, 0: padding); got shape {list(attention_mask.shape)}")
+        if (self.pipeline is None and position_ids is not None and isinstance(inputs, Tensor)
+                and hasattr(_innermost(self.module), "config")
+                and (not isinstance(position_ids, Tensor) or position_ids.is_floating_point()
+                     or position_ids.dim() != 2 or position_ids.shape[-1] != inputs.shape[-1]
+                     or position_ids.shape[0] not in (1, inputs.shape[0]))):
+            got = (f"shape {list(position_ids.shape)} and dtype {position_ids.dtype}" if isinstance(position_ids, Tensor)
+                   else type(position_ids).__name__)
+            raise ValueError(f"position_ids must be an integer tensor of the inputs' shape {list(inputs.shape)} (or [1, "
+                             f"{inputs.shape[-1]}]); got {got}")
         self._warn_mean_over_padding(attention_mask)
         if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
-            _same_batch.check((inputs, targets, attention_mask), ("inputs", "targets", "attention_mask"),
-                              self.ctx.tp_group, "tensor-parallel")
+            _same_batch.check((inputs, targets, attention_mask, position_ids),
+                              ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
+                              "tensor-parallel")
 
     def _warn_mean_over_padding(self, attention_mask) -> None:
         """Once: a padded batch, a loss_fn that returns a mean, and several replicas or microbatches

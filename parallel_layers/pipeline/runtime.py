@@ -90,7 +90,7 @@ class PipelineParallel:
 
     # ---- one step -------------------------------------------------------------------------
     def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None,
-                     tp_refused: ValueError | None = None) -> tuple:
+                     tp_refused: ValueError | None = None, positions: bool = False) -> tuple:
         """Every pipeline rank learns both batch sizes and the attention mask's shape, and raises
         the same error on a bad one; returns the inputs' signature (Note [stage boundary
         contract] in _p2p.py) and the mask's (all -1 without one). tp_refused: this rank's TP
@@ -102,7 +102,7 @@ class PipelineParallel:
                              -2 if not_tensor[1] else targets.shape[0] if targets is not None else -1,
                              -2 if not_tensor[2] else 0] +
                             signature(inputs if not not_tensor[0] else None) +
-                            signature(mask if not not_tensor[2] else None) + [int(tp_refused is not None)],
+                            signature(mask if not not_tensor[2] else None) + [int(positions), int(tp_refused is not None)],
                             dtype=torch.int64, device=self.device)
         sizes = [mine]
         if self.ranks > 1:
@@ -117,6 +117,13 @@ class PipelineParallel:
             raise ValueError(f"the tensor-parallel group of pipeline rank(s) {refusing} was given different batches "
                              "(its ranks name them): every rank of a tensor-parallel group must be given the same "
                              "batch: shard the data by ctx.coordinate('dp'), not by the global rank")
+        with_positions = [r for r, row in enumerate(sizes) if row[-2]]
+        if with_positions:
+            raise ValueError(f"position_ids= was given (pipeline rank(s) {with_positions}), but a pipeline's stages "
+                             "compute the positions themselves, arange(seq) (Note [hf pipeline layers]): positions of "
+                             "the user's own - left padding under GPT-2's learned positions, packed sequences - are "
+                             "supported without a pipeline (tensor, sequence and data parallelism, ZeRO); for a "
+                             "rotary model under left padding they do not change the logits, so leave them out")
         n_in, n_tgt, mask_flag = sizes[0][0], sizes[self.last_rank][1], sizes[0][2]
         m = self.microbatches
         if -2 in (n_in, n_tgt, mask_flag):
@@ -170,10 +177,11 @@ class PipelineParallel:
         return [{"attention_mask": part} for part in full.chunk(m)]
 
     def step(self, inputs: Tensor | None = None, targets: Tensor | None = None, *,
-             attention_mask: Tensor | None = None) -> Tensor:
+             attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
         """Forward and backward of one batch by the schedule; returns the batch loss (every
         pipeline rank). attention_mask: [batch, seq] (1 attend, 0 padding), given with the
-        inputs on pipeline rank 0, for pipelines whose layers take it (Note [side inputs])."""
+        inputs on pipeline rank 0, for pipelines whose layers take it (Note [side inputs]).
+        position_ids: refused on every rank (each stage computes arange(seq))."""
         role = (inputs if self.rank == 0 else None, targets if self.rank == self.last_rank else None,
                 attention_mask if self.rank == 0 else None)  # what this rank's stages read
         try:
@@ -182,7 +190,7 @@ class PipelineParallel:
                 tp_refused = None
             except ValueError as e:
                 tp_refused = e
-            sig, mask_sig = self._check_batch(*role, tp_refused=tp_refused)
+            sig, mask_sig = self._check_batch(*role, tp_refused=tp_refused, positions=position_ids is not None)
             if self.ranks > 1:  # the readers' inputs and targets against what the other ranks were given
                 _same_batch.check((inputs, targets), ("inputs", "targets"), self.group, "pipeline",
                                   readers=(0, self.last_rank))

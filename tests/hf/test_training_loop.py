@@ -380,3 +380,97 @@ def test_a_mask_of_another_shape_is_refused_and_a_mean_loss_over_padding_warns(t
         assert len(mean_warnings) == (1 if rank == 0 else 0) and silent
     assert "the means of its 2 data-parallel replicas" in results[0][1][0]
     assert "loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens" in results[0][1][0]
+
+
+def _left_padded(steps):
+    """GPT-2 batches (vocab 96) left-padded by a different amount per row, labels -100 on the
+    padding, and positions counting from each row's first token (what generate-style code and
+    TRL pass)."""
+    out = []
+    for ids in _tiny.token_batches(steps, BATCH, SEQ, 96):
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate((0, 5, 2, 9)):
+            mask[row, :pad] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append((ids, labels, mask, (mask.cumsum(-1) - 1).clamp(min=0)))
+    return out
+
+
+def _positions_given(rank, world, directory, out, layout):
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+
+    tp = 2 if layout.startswith("tp2") else 1
+    ctx = init_parallel(tp=tp, dp=world // tp, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens,
+                      tp_plan="auto" if tp > 1 else None, sequence_parallel=layout == "tp2-sp",
+                      zero_stage=3 if layout == "dp2-zero3" else 0)
+    dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
+    for batch in _left_padded(2):
+        ids, labels, mask, positions = (t.chunk(dp)[dp_rank] for t in batch)
+        par.forward_backward(ids, labels, attention_mask=mask, position_ids=positions)
+        par.step()
+        par.zero_grad()
+    ids, labels, mask, positions = _left_padded(3)[2]
+    evaluated = par.evaluate(ids, labels, attention_mask=mask, position_ids=positions).item()
+    refused = []
+    for bad in (positions[:, :8], positions.float()):
+        try:
+            par.evaluate(ids, labels, attention_mask=mask, position_ids=bad)
+        except ValueError as e:
+            refused.append(str(e))
+    hf.save_pretrained(par, out)
+    return evaluated, refused
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "dp2-zero3"])
+def test_position_ids_of_a_left_padded_batch(tmp_path, layout):
+    """helper-39: forward_backward took no position_ids, so a left-padded GPT-2 (learned
+    positions) trained on positions counted from the padding, where the plain model given
+    position_ids counts from each row's first token (1.5e-2 apart in loss over 3 steps). Now
+    passed to the model's forward, at tensor (with sequence) and data parallelism; against plain
+    transformers given the same positions, with the batch's token mean."""
+    _tiny.save_tiny_gpt2(tmp_path / "src")
+    results = run_distributed(_positions_given, 2, args=(str(tmp_path / "src"), str(tmp_path / "out"), layout))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src")
+    opt = _sgd(plain.parameters())
+    for ids, labels, mask, positions in _left_padded(2):
+        plain(ids, labels=labels, attention_mask=mask, position_ids=positions).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ids, labels, mask, positions = _left_padded(3)[2]
+    with torch.no_grad():
+        expected = plain(ids, labels=labels, attention_mask=mask, position_ids=positions).loss.item()
+        unpositioned = plain(ids, labels=labels, attention_mask=mask).loss.item()
+    assert abs(expected - unpositioned) > 1e-3  # the positions matter to this model
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, tensor in plain.state_dict().items():
+        assert torch.allclose(trained[name], tensor, atol=1e-5), (name, (trained[name] - tensor).abs().max())
+    for evaluated, refused in results:  # every replica evaluates the whole batch
+        assert evaluated == pytest.approx(expected, abs=1e-5)
+        assert refused == [f"position_ids must be an integer tensor of the inputs' shape [{BATCH}, {SEQ}] (or [1, "
+                           f"{SEQ}]); got shape [{BATCH}, {width}] and dtype {dtype}"
+                           for width, dtype in ((8, torch.int64), (SEQ, torch.float32))]
+
+
+def _positions_under_a_pipeline(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(pp=2, device="cpu")
+    par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
+                      loss_fn=causal_lm_loss, pipeline_layers="auto")
+    ids, labels, mask, positions = _left_padded(1)[0]
+    try:  # given on pipeline rank 0 only, which reads the inputs: every rank must raise
+        par.forward_backward(ids, labels, attention_mask=mask, position_ids=positions if rank == 0 else None)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_position_ids_under_a_pipeline_are_refused_on_every_rank(tmp_path):
+    _tiny.save_tiny_gpt2(tmp_path / "src")
+    for message in run_distributed(_positions_under_a_pipeline, 2, args=(str(tmp_path / "src"),)):
+        assert message.startswith("position_ids= was given (pipeline rank(s) [0]), but a pipeline's stages compute the "
+                                  "positions themselves, arange(seq)")
