@@ -178,6 +178,11 @@ class Parallelized:
                               ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
                               "tensor-parallel")
 
+    def checkpoint_parts(self) -> tuple[nn.Module, torch.optim.Optimizer, str]:
+        """What `checkpoint.save(root, step, par)` / `load(path, par)` save and load: the module as
+        trained, its optimizer, the prefix of its keys."""
+        return self.module, self.optimizer, self.prefix
+
     def _warn_mean_over_padding(self, attention_mask) -> None:
         """Once: a padded batch, a loss_fn that returns a mean, and several replicas or microbatches
         whose means the step averages (Note [token mean over data parallelism] in _accumulation.py)."""

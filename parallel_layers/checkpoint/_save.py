@@ -227,14 +227,17 @@ def latest_checkpoint(root: str, verify: bool = True) -> str | None:
 
 
 def unwrap(model, optimizer, prefix: str):
-    """(module, optimizer, prefix) of a `Parallelized` (parallelize's result), else as given."""
-    from parallel_layers.parallelize import Parallelized
-    if isinstance(model, Parallelized):
-        if optimizer is not None and optimizer is not model.optimizer:
-            raise ValueError("checkpoint: given a Parallelized, pass no optimizer (its own, par.optimizer, is used) "
-                             "or par.optimizer itself")
-        return model.module, model.optimizer, prefix or model.prefix
-    return model, optimizer, prefix
+    """(module, optimizer, prefix) of what names them - the `Parallelized` of parallelize, by its
+    `checkpoint_parts()` (the checkpoint reads the placement only, not the wrappers: tests/
+    test_structure.py) - else as given."""
+    parts = getattr(type(model), "checkpoint_parts", None)
+    if parts is None:
+        return model, optimizer, prefix
+    module, own, own_prefix = parts(model)
+    if optimizer is not None and optimizer is not own:
+        raise ValueError(f"checkpoint: given a {type(model).__name__}, pass no optimizer (its own is used) or that "
+                         "optimizer itself")
+    return module, own, prefix or own_prefix
 
 
 def wait() -> None:
