@@ -417,3 +417,21 @@ def test_cuda_matches_cpu(device):
                                       None if grad_sum is None else grad_sum.cuda())
             for c, g in zip(cpu_b, gpu_b):
                 torch.testing.assert_close(g.cpu(), c, rtol=4 * torch.finfo(dtype).eps, atol=1e-4)  # sums' order
+
+
+@pytest.mark.parametrize("device", devices())
+def test_cuda_forward_where_its_grid_wraps(device):
+    """The forward launches at most 65535 * 16 blocks, one row each, and loops over the rows
+    beyond (csrc/cuda/rms_norm_kernels.cu): 1,048,577 rows of 8 run that loop; every row's
+    output and rstd against the CPU kernels' (review helper 42: no test reached it)."""
+    if device == "cpu":
+        pytest.skip("compares the CUDA kernels with the CPU ones")
+    rows = 65535 * 16 + 17
+    x, w = _inputs((rows, 8), torch.float32, "cpu")
+    res, _ = _inputs((rows, 8), torch.float32, "cpu", seed=1)
+    cpu = torch.ops.parallel_layers.rms_norm_add(x, res, w, EPS)
+    gpu = torch.ops.parallel_layers.rms_norm_add(x.cuda(), res.cuda(), w.cuda(), EPS)
+    tol = dict(rtol=8 * torch.finfo(torch.float32).eps, atol=torch.finfo(torch.float32).eps)
+    for c, g in zip(cpu, gpu):
+        torch.testing.assert_close(g.cpu(), c, **tol)
+
