@@ -136,7 +136,10 @@ class Parallelized:
         # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan.py)
         del out
         if self.token_count is not None:  # loss_fn returned a sum: the batch's count over dp divides it
-            loss = loss / token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)
+            divisor = token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)
+            # a batch with no labelled token on any replica: loss 0 and no gradient, as the pipeline
+            # gives (0 / 0 was NaN); chosen on the device, without a host sync
+            loss = loss * torch.where(divisor > 0, divisor.reciprocal(), torch.zeros_like(divisor))
         return loss
 
     def _check_batch(self, inputs, targets, attention_mask, position_ids=None) -> None:

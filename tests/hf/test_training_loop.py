@@ -474,3 +474,26 @@ def test_position_ids_under_a_pipeline_are_refused_on_every_rank(tmp_path):
     for message in run_distributed(_positions_under_a_pipeline, 2, args=(str(tmp_path / "src"),)):
         assert message.startswith("position_ids= was given (pipeline rank(s) [0]), but a pipeline's stages compute the "
                                   "positions themselves, arange(seq)")
+
+
+def _nothing_labelled(rank, world, directory, pp):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+
+    ctx = init_parallel(pp=pp, dp=world // pp, device="cpu")
+    par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
+                      loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens,
+                      pipeline_layers="auto" if pp > 1 else None)
+    ids = _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0]
+    loss = par.forward_backward(ids, torch.full_like(ids, -100)).item()
+    grads = [p.grad for p in par.module.parameters() if p.grad is not None]
+    return loss, all(bool(torch.isfinite(g).all()) and not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_batch_with_no_labelled_token_gives_zero_loss_at_every_layout(tmp_path, pp):
+    """helper-39: with the token-mean pair, a batch whose labels are all -100 returned NaN
+    without a pipeline (0 / 0) and 0 with one; now 0 and zero gradients both ways."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    for loss, zero_grads in run_distributed(_nothing_labelled, 2, args=(str(tmp_path / "src"), pp)):
+        assert loss == 0.0 and zero_grads
