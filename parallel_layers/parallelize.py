@@ -100,7 +100,7 @@ class Parallelized:
         count of the dp replicas' batches / dp, whose mean over dp is the whole batch's loss). attention_mask: a padded
         batch's [batch, seq] mask, for a model (or pipeline layers) that takes one. position_ids:
         [batch, seq] (or [1, seq]) positions for the model's forward (left padding under learned
-        positions, packed sequences), without a pipeline (whose stages compute arange(seq))."""
+        positions, packed sequences), at any layout (a pipeline's side input)."""
         self._check_batch(inputs, targets, attention_mask, position_ids)
         if self.pipeline is not None:
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask, position_ids=position_ids)
@@ -130,7 +130,10 @@ class Parallelized:
     def _loss(self, inputs: Tensor, targets: Tensor, attention_mask: Tensor | None,
               position_ids: Tensor | None = None) -> Tensor:
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
-        out = self.module(inputs, **{k: v for k, v in given.items() if v is not None})
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        if hasattr(getattr(_innermost(self.module), "config", None), "use_cache"):
+            kwargs["use_cache"] = False  # Note [no cache in a training step]
+        out = self.module(inputs, **kwargs)
         loss = self.loss_fn(out, targets)
         # the logits ([tokens, vocab], float32 for a Hugging Face model) are not needed by backward:
         # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan.py)
@@ -142,6 +145,13 @@ class Parallelized:
             loss = loss * torch.where(divisor > 0, divisor.reciprocal(), torch.zeros_like(divisor))
         return loss
 
+    # Note [no cache in a training step]: a transformers model called with its config's
+    # use_cache=True builds a DynamicCache of every layer's keys and values, which a training or
+    # evaluation step never reads; and with a cache, transformers' mask code does not look for
+    # packed sequences (position_ids that restart, no attention_mask), so documents of a packed
+    # row attended to each other (0.28 off the per-document logits on a tiny Llama). The pipeline's
+    # decoder layers already ran without one (pipeline/hf.py), so the layouts agreed only on
+    # unpacked batches. The step passes use_cache=False, as transformers' gradient checkpointing does.
     def _check_batch(self, inputs, targets, attention_mask, position_ids=None) -> None:
         if not self._materialized:  # once: the first step of a model built on the meta device
             if meta.has_meta(self.module):  # every rank built it so: every rank raises

@@ -20,8 +20,13 @@ it for that layer). That costs a few elementwise ops per layer, far less than th
 it feeds, and sends nothing. A padded batch's
 attention mask [batch, seq] goes to every decoder layer as a side input (Note [side inputs] in
 stages.py: `par.forward_backward(input_ids, labels, attention_mask=mask)`, sent once per step
-from pipeline rank 0), and the layer builds the model's mask from it; positions stay
-arange(seq), as the model's forward keeps them with a mask and no position ids. For the
+from pipeline rank 0), and the layer builds the model's mask from it; positions are
+arange(seq), as the model's forward makes them without position ids, unless the user gives
+`position_ids=` (left padding under GPT-2's learned positions, packed sequences): they are a
+side input too, read by GPT-2's embedding and by every decoder layer (its rotary cos/sin, and
+its mask: with no attention mask, transformers' mask code reads restarting positions as packed
+documents and keeps attention within each, as the unpipelined step does, Note [no cache in a
+training step] in parallelize.py). For the
 loss of a padded batch, `causal_lm_loss_sum` with `token_count=causal_lm_tokens` gives the
 batch's mean over its labelled tokens however they fall into microbatches (labels -100 at
 the padding, as for `model(input_ids, attention_mask=..., labels=...)`). Inputs that are not
@@ -97,8 +102,11 @@ class _Layer(nn.Module):
         return f"model_type={self.config.model_type!r}"
 
 
-def _positions(hidden: Tensor) -> Tensor:
-    """Position ids of a full sequence, as the model's forward builds them without a cache."""
+def _positions(hidden: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    """The user's position ids (a side input, Note [side inputs] in stages.py), else those of a
+    full sequence, as the model's forward builds them without a cache."""
+    if position_ids is not None:
+        return position_ids.to(hidden.device)
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -120,14 +128,16 @@ class Embedding(_Layer):
         for name in names:
             _mount(self, f"{base}.{name}", model.get_submodule(f"{base}.{name}"))
 
-    def forward(self, ids: Tensor) -> Tensor:
+    pipeline_side_inputs = ("position_ids",)  # GPT-2's learned positions read them
+
+    def forward(self, ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         m = self.get_submodule(self.base)
         if not self.gpt2:
             hidden = m.embed_tokens(ids)
             multiplier = _EMBEDDING_MULTIPLIER.get(self.config.model_type)
             return hidden * getattr(self.config, multiplier) if multiplier else hidden
         hidden = m.wte(ids)
-        return m.drop(hidden + m.wpe(_positions(hidden)).to(hidden.device))
+        return m.drop(hidden + m.wpe(_positions(hidden, position_ids)).to(hidden.device))
 
     def pipeline_input_problem(self, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
         """Why the pipeline's inputs cannot go through this model, or None (every rank asks)."""
@@ -145,7 +155,8 @@ class Embedding(_Layer):
 class DecoderLayer(_Layer):
     """One decoder layer; rebuilds position ids, rotary cos/sin and the mask (Note [hf pipeline layers])."""
 
-    pipeline_side_inputs = ("attention_mask",)  # a padded batch's [batch, seq] mask (Note [side inputs])
+    # a padded batch's [batch, seq] mask, the user's positions (Note [side inputs])
+    pipeline_side_inputs = ("attention_mask", "position_ids")
 
     def __init__(self, model: nn.Module, base: str, layers: str, index: int, mask_kind: str, gpt2: bool):
         super().__init__(model)
@@ -154,9 +165,10 @@ class DecoderLayer(_Layer):
         if not gpt2:  # parameter-free, non-persistent buffers: no state_dict entries
             _mount(self, f"{base}.rotary_emb", model.get_submodule(f"{base}.rotary_emb"))
 
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor:
         layer = self.get_submodule(self.path)
-        position_ids = _positions(hidden)
+        position_ids = _positions(hidden, position_ids)
         mask = _mask(self.config, self.mask_kind, hidden, position_ids, attention_mask)
         if self.gpt2:
             out = layer(hidden, None, mask, None, use_cache=False, position_ids=position_ids)

@@ -90,19 +90,20 @@ class PipelineParallel:
 
     # ---- one step -------------------------------------------------------------------------
     def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None,
-                     tp_refused: ValueError | None = None, positions: bool = False) -> tuple:
-        """Every pipeline rank learns both batch sizes and the attention mask's shape, and raises
-        the same error on a bad one; returns the inputs' signature (Note [stage boundary
-        contract] in _p2p.py) and the mask's (all -1 without one). tp_refused: this rank's TP
-        group was given different batches; every pipeline rank raises it."""
+                     positions: Tensor | None = None, tp_refused: ValueError | None = None) -> tuple:
+        """Every pipeline rank learns both batch sizes and the side inputs' shapes (attention mask,
+        position ids), and raises the same error on a bad one; returns the inputs' signature (Note
+        [stage boundary contract] in _p2p.py) and the side inputs' (all -1 for one not given).
+        tp_refused: this rank's TP group was given different batches; every pipeline rank raises it."""
         # Something other than a tensor (a tokenizer's BatchEncoding, a dict with an attention
         # mask) is sent as size -2, so that every rank refuses it together.
-        not_tensor = [x is not None and not isinstance(x, Tensor) for x in (inputs, targets, mask)]
+        not_tensor = [x is not None and not isinstance(x, Tensor) for x in (inputs, targets, mask, positions)]
         mine = torch.tensor([-2 if not_tensor[0] else inputs.shape[0] if inputs is not None else -1,
                              -2 if not_tensor[1] else targets.shape[0] if targets is not None else -1,
-                             -2 if not_tensor[2] else 0] +
+                             -2 if not_tensor[2] else -2 if not_tensor[3] else 0] +
                             signature(inputs if not not_tensor[0] else None) +
-                            signature(mask if not not_tensor[2] else None) + [int(positions), int(tp_refused is not None)],
+                            signature(mask if not not_tensor[2] else None) +
+                            signature(positions if not not_tensor[3] else None) + [int(tp_refused is not None)],
                             dtype=torch.int64, device=self.device)
         sizes = [mine]
         if self.ranks > 1:
@@ -117,17 +118,10 @@ class PipelineParallel:
             raise ValueError(f"the tensor-parallel group of pipeline rank(s) {refusing} was given different batches "
                              "(its ranks name them): every rank of a tensor-parallel group must be given the same "
                              "batch: shard the data by ctx.coordinate('dp'), not by the global rank")
-        with_positions = [r for r, row in enumerate(sizes) if row[-2]]
-        if with_positions:
-            raise ValueError(f"position_ids= was given (pipeline rank(s) {with_positions}), but a pipeline's stages "
-                             "compute the positions themselves, arange(seq) (Note [hf pipeline layers]): positions of "
-                             "the user's own - left padding under GPT-2's learned positions, packed sequences - are "
-                             "supported without a pipeline (tensor, sequence and data parallelism, ZeRO); for a "
-                             "rotary model under left padding they do not change the logits, so leave them out")
         n_in, n_tgt, mask_flag = sizes[0][0], sizes[self.last_rank][1], sizes[0][2]
         m = self.microbatches
         if -2 in (n_in, n_tgt, mask_flag):
-            what = "inputs" if n_in == -2 else "targets" if n_tgt == -2 else "attention_mask"
+            what = "inputs" if n_in == -2 else "targets" if n_tgt == -2 else "attention_mask or position_ids"
             raise TypeError(f"pipeline step needs its {what} as one tensor; got another object (a tokenizer's output "
                             "or a dict? pass its input_ids as the inputs and its attention_mask as attention_mask=)")
         if n_in < 0 or n_tgt < 0:
@@ -148,7 +142,23 @@ class PipelineParallel:
         mask_sig = tuple(sizes[0][3 + _HEADER:3 + 2 * _HEADER])
         if mask_sig[0] >= 0:
             self._check_mask(sig, mask_sig)
-        return sig, mask_sig
+        pos_sig = tuple(sizes[0][3 + 2 * _HEADER:3 + 3 * _HEADER])
+        if pos_sig[0] >= 0:
+            self._check_positions(sig, pos_sig)
+        return sig, mask_sig, pos_sig
+
+    def _check_positions(self, sig: tuple, pos_sig: tuple) -> None:
+        """The position ids' checks, on every rank (Note [side inputs] in stages.py)."""
+        shape, pos_shape = list(sig[2:2 + sig[0]]), list(pos_sig[2:2 + pos_sig[0]])
+        if "position_ids" not in self.stages.side_inputs:
+            raise ValueError("position_ids= was given, but no layer of this pipeline takes them (a layer declares "
+                             "pipeline_side_inputs = (..., 'position_ids'), as the Hugging Face layers of "
+                             "pipeline_layers='auto' do); leave them out")
+        if (len(pos_shape) != 2 or pos_shape[1:] != shape[1:2] or pos_shape[0] not in (1, shape[0]) or pos_sig[1] < 0
+                or _DTYPES[pos_sig[1]].is_floating_point or _DTYPES[pos_sig[1]] == torch.bool):
+            dtype = _DTYPES[pos_sig[1]] if pos_sig[1] >= 0 else "unsupported"
+            raise ValueError(f"position_ids must be an integer tensor of the inputs' shape {shape} (or [1, "
+                             f"{shape[1] if len(shape) > 1 else '?'}]); got shape {pos_shape} and dtype {dtype}")
 
     def _check_mask(self, sig: tuple, mask_sig: tuple) -> None:
         """The attention mask's checks, on every rank (Note [side inputs] in stages.py)."""
@@ -162,35 +172,43 @@ class PipelineParallel:
             raise ValueError(f"attention_mask must be an integer or bool tensor of the inputs' shape {shape} (1: a token "
                              f"to attend to, 0: padding); got shape {mask_shape} and dtype {dtype}")
 
-    def _side_inputs(self, mask: Tensor | None, mask_sig: tuple) -> list[dict]:
-        """Each microbatch's side inputs: the attention mask, sent from pipeline rank 0 to every
-        pipeline rank (each stage's layers need it, Note [side inputs])."""
+    def _side_inputs(self, given: dict[str, Tensor | None], sigs: dict[str, tuple], batch: int) -> list[dict]:
+        """Each microbatch's side inputs - the attention mask, the position ids - each sent from
+        pipeline rank 0 to every pipeline rank (each stage's layers need them, Note [side
+        inputs]); [1, seq] position ids are expanded to the batch first."""
         m = self.microbatches
-        if mask_sig[0] < 0:
-            return [{}] * m
-        shape = list(mask_sig[2:2 + mask_sig[0]])
-        full = mask.to(self.device, torch.int64) if self.rank == 0 else torch.empty(shape, dtype=torch.int64,
-                                                                                     device=self.device)
-        if self.ranks > 1:
-            with fault.collective("pipeline attention-mask broadcast", self.group):
-                dist.broadcast(full, group=self.group, group_src=0)
-        return [{"attention_mask": part} for part in full.chunk(m)]
+        parts: list[dict] = [{} for _ in range(m)]
+        for name, sig in sigs.items():
+            if sig[0] < 0:
+                continue
+            shape = list(sig[2:2 + sig[0]])
+            full = given[name].to(self.device, torch.int64) if self.rank == 0 else torch.empty(
+                shape, dtype=torch.int64, device=self.device)
+            if self.ranks > 1:
+                with fault.collective(f"pipeline {name} broadcast", self.group):
+                    dist.broadcast(full, group=self.group, group_src=0)
+            for part, rows in zip(parts, full.expand(batch, -1).chunk(m)):
+                part[name] = rows
+        return parts
 
     def step(self, inputs: Tensor | None = None, targets: Tensor | None = None, *,
              attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
         """Forward and backward of one batch by the schedule; returns the batch loss (every
         pipeline rank). attention_mask: [batch, seq] (1 attend, 0 padding), given with the
         inputs on pipeline rank 0, for pipelines whose layers take it (Note [side inputs]).
-        position_ids: refused on every rank (each stage computes arange(seq))."""
+        position_ids: [batch, seq] or [1, seq], given with the inputs on pipeline rank 0, for
+        pipelines whose layers take them (else each stage's arange(seq))."""
         role = (inputs if self.rank == 0 else None, targets if self.rank == self.last_rank else None,
-                attention_mask if self.rank == 0 else None)  # what this rank's stages read
+                attention_mask if self.rank == 0 else None,
+                position_ids if self.rank == 0 else None)  # what this rank's stages read
         try:
             try:  # Note [same batch check] in parallel_layers/_same_batch.py
-                _same_batch.check(role, ("inputs", "targets", "attention_mask"), self.tp_group, "tensor-parallel")
+                _same_batch.check(role, ("inputs", "targets", "attention_mask", "position_ids"), self.tp_group,
+                                  "tensor-parallel")
                 tp_refused = None
             except ValueError as e:
                 tp_refused = e
-            sig, mask_sig = self._check_batch(*role, tp_refused=tp_refused, positions=position_ids is not None)
+            sig, mask_sig, pos_sig = self._check_batch(*role, tp_refused=tp_refused)
             if self.ranks > 1:  # the readers' inputs and targets against what the other ranks were given
                 _same_batch.check((inputs, targets), ("inputs", "targets"), self.group, "pipeline",
                                   readers=(0, self.last_rank))
@@ -198,7 +216,8 @@ class PipelineParallel:
         except (TypeError, ValueError) as e:  # the same on every rank of this pipeline
             refused = e
         self._agree_on_batches(refused)
-        side = self._side_inputs(attention_mask, mask_sig)
+        side = self._side_inputs({"attention_mask": attention_mask, "position_ids": position_ids},
+                                 {"attention_mask": mask_sig, "position_ids": pos_sig}, sig[2])
         m = self.microbatches
         x_mb = list(inputs.chunk(m)) if self.rank == 0 else None
         y_mb = list(targets.chunk(m)) if self.rank == self.last_rank else None

@@ -28,12 +28,13 @@ and last stage) and the sum gives it back once, plus every copy's new part
 (`scale_tied_grads_before_step`).
 
 Note [side inputs]: a layer may need, besides the activations, a per-microbatch tensor that
-does not flow from the previous stage: the attention mask of a padded batch. A layer that
-declares `pipeline_side_inputs = ("attention_mask",)` is called as `layer(x, attention_mask=m)`;
-the runtime sends the mask from pipeline rank 0 to every pipeline rank once per step (one
-broadcast of [batch, seq] integers) and gives each stage its microbatch's rows. It does not
-cross stage boundaries and has no gradient. `side_inputs` is what the whole layer list takes,
-known on every rank, so a mask no layer would read is refused everywhere.
+does not flow from the previous stage: the attention mask of a padded batch, the user's position
+ids. A layer that declares `pipeline_side_inputs = ("attention_mask", "position_ids")` is called
+as `layer(x, attention_mask=m, position_ids=p)` with those given this step; the runtime sends
+each from pipeline rank 0 to every pipeline rank once per step (one broadcast of [batch, seq]
+integers each) and gives each stage its microbatch's rows. They do not cross stage boundaries
+and have no gradient. `side_inputs` is what the whole layer list takes, known on every rank, so
+a side input no layer would read is refused everywhere.
 """
 
 from __future__ import annotations

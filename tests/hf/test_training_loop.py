@@ -400,12 +400,12 @@ def _positions_given(rank, world, directory, out, layout):
     from parallel_layers import hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
 
-    tp = 2 if layout.startswith("tp2") else 1
-    ctx = init_parallel(tp=tp, dp=world // tp, device="cpu")
+    tp, pp = (2 if layout.startswith("tp2") else 1), (2 if layout == "pp2" else 1)
+    ctx = init_parallel(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens,
                       tp_plan="auto" if tp > 1 else None, sequence_parallel=layout == "tp2-sp",
-                      zero_stage=3 if layout == "dp2-zero3" else 0)
+                      zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None)
     dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
     for batch in _left_padded(2):
         ids, labels, mask, positions = (t.chunk(dp)[dp_rank] for t in batch)
@@ -416,20 +416,21 @@ def _positions_given(rank, world, directory, out, layout):
     evaluated = par.evaluate(ids, labels, attention_mask=mask, position_ids=positions).item()
     refused = []
     for bad in (positions[:, :8], positions.float()):
-        try:
-            par.evaluate(ids, labels, attention_mask=mask, position_ids=bad)
+        try:  # under a pipeline given on rank 0 only, which reads the inputs: every rank must raise
+            par.evaluate(ids, labels, attention_mask=mask, position_ids=bad if rank == 0 or pp == 1 else None)
         except ValueError as e:
             refused.append(str(e))
     hf.save_pretrained(par, out)
     return evaluated, refused
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "dp2-zero3"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "dp2-zero3", "pp2"])
 def test_position_ids_of_a_left_padded_batch(tmp_path, layout):
     """helper-39: forward_backward took no position_ids, so a left-padded GPT-2 (learned
     positions) trained on positions counted from the padding, where the plain model given
     position_ids counts from each row's first token (1.5e-2 apart in loss over 3 steps). Now
-    passed to the model's forward, at tensor (with sequence) and data parallelism; against plain
+    passed to the model's forward, at tensor (with sequence) and data parallelism, and under a
+    pipeline as a side input to the embedding and every decoder layer; against plain
     transformers given the same positions, with the batch's token mean."""
     _tiny.save_tiny_gpt2(tmp_path / "src")
     results = run_distributed(_positions_given, 2, args=(str(tmp_path / "src"), str(tmp_path / "out"), layout))
@@ -454,26 +455,56 @@ def test_position_ids_of_a_left_padded_batch(tmp_path, layout):
                            for width, dtype in ((8, torch.int64), (SEQ, torch.float32))]
 
 
-def _positions_under_a_pipeline(rank, world, directory):
+def _packed(rank, world, directory, layout):
     from parallel_layers import init_parallel, parallelize
-    from parallel_layers.pipeline.hf import causal_lm_loss
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
 
-    ctx = init_parallel(pp=2, device="cpu")
+    tp, pp = (2 if layout == "tp2-sp" else 1), (2 if layout == "pp2" else 1)
+    ctx = init_parallel(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")
     par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
-                      loss_fn=causal_lm_loss, pipeline_layers="auto")
-    ids, labels, mask, positions = _left_padded(1)[0]
-    try:  # given on pipeline rank 0 only, which reads the inputs: every rank must raise
-        par.forward_backward(ids, labels, attention_mask=mask, position_ids=positions if rank == 0 else None)
-    except ValueError as e:
-        return str(e)
-    return "trained"
+                      loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, tp_plan="auto" if tp > 1 else None,
+                      sequence_parallel=tp > 1, pipeline_layers="auto" if pp > 1 else None)
+    ids, labels, positions = _packed_batch()
+    return par.evaluate(ids, labels, position_ids=positions).item()
 
 
-def test_position_ids_under_a_pipeline_are_refused_on_every_rank(tmp_path):
-    _tiny.save_tiny_gpt2(tmp_path / "src")
-    for message in run_distributed(_positions_under_a_pipeline, 2, args=(str(tmp_path / "src"),)):
-        assert message.startswith("position_ids= was given (pipeline rank(s) [0]), but a pipeline's stages compute the "
-                                  "positions themselves, arange(seq)")
+def _packed_batch():
+    """Documents packed into rows (TRL's padding-free packing): positions restart at each
+    document, labels -100 on each document's first token, no attention mask."""
+    ids = _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0]
+    positions, labels = torch.empty_like(ids), ids.clone()
+    for row, lengths in enumerate(((6, 10), (3, 8, 5), (16,), (9, 7))):
+        starts = torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)
+        positions[row] = torch.cat([torch.arange(n) for n in lengths])
+        labels[row, starts] = -100
+    return ids, labels, positions
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "dp2", "pp2"])
+def test_packed_sequences_attend_within_each_document(tmp_path, layout):
+    """Note [no cache in a training step]: with its config's use_cache=True a transformers model
+    builds a cache, and its mask code then ignores restarting positions, so a packed row's
+    documents attended to each other; the step now runs without one, as the pipeline's layers
+    did, and every layout gives the loss of each document computed alone."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    results = run_distributed(_packed, 2, args=(str(tmp_path / "src"), layout))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src")
+    ids, labels, positions = _packed_batch()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row, (lengths) in enumerate(((6, 10), (3, 8, 5), (16,), (9, 7))):
+            start = 0
+            for n in lengths:  # each document alone
+                doc = ids[row:row + 1, start:start + n]
+                logits = plain(doc, use_cache=False).logits
+                if n > 1:
+                    total += torch.nn.functional.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum").item()
+                    count += n - 1
+                start += n
+        cached = plain(ids, labels=labels, position_ids=positions).loss.item()  # with a cache: across documents
+    for loss in results:
+        assert loss == pytest.approx(total / count, abs=1e-5)
+    assert abs(cached - total / count) > 1e-3  # what the step computed before
 
 
 def _nothing_labelled(rank, world, directory, pp):
