@@ -117,20 +117,21 @@ R below_autograd(const TypedOp<R(Args...)>& op, std::type_identity_t<Args>... ar
 // Sizes through sym_* throughout: under torch.compile with dynamic shapes they are symbolic.
 bool defined_nonempty(const at::Tensor& t) { return t.defined() && t.sym_numel() != 0; }
 
-// dz [..., n] summed over all leading dims -> [n]. flatten, not reshape({-1, n}): with n = 0 the
-// -1 would be ambiguous (a [3, 0] dz raised "cannot reshape tensor of 0 elements").
-at::Tensor sum_rows(const at::Tensor& dz) {
-  return dz.dim() == 1 ? dz.unsqueeze(0).sum(0) : dz.flatten(0, -2).sum(0);
-}
+// t [..., n] as a matrix [rows, n] (a 1-D t: one row). flatten, not reshape({-1, n}): with an
+// empty last dimension the -1 is ambiguous ("cannot reshape tensor of 0 elements" for [3, 0]).
+at::Tensor as_rows(const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(0) : t.flatten(0, -2); }
+
+// dz [..., n] summed over all leading dims -> [n] (ATen's sum: its order may depend on the
+// thread count, unlike the fused backwards' dbias, docs/kernels.md).
+at::Tensor sum_rows(const at::Tensor& dz) { return as_rows(dz).sum(0); }
 
 // (dx, dweight, dbias) of x @ weight^T + bias from the pre-activation's gradient dz, each only
 // when asked, by the fused ops' GEMM rules (linear_input_grad / linear_weight_grad): the path of
 // a backward whose pre-activation output was itself used downstream.
 Triple linear_grads(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& weight, Mask mask) {
-  const at::Tensor dz2 = dz.reshape_symint({-1, weight.sym_size(0)});
+  const at::Tensor dz2 = as_rows(dz);
   at::Tensor dx = mask[0] ? ops().linear_input_grad.call(dz2, weight).view_symint(x.sym_sizes()) : at::Tensor();
-  at::Tensor dw =
-      mask[1] ? ops().linear_weight_grad.call(dz2, x.reshape_symint({-1, x.sym_size(-1)})) : at::Tensor();
+  at::Tensor dw = mask[1] ? ops().linear_weight_grad.call(dz2, as_rows(x)) : at::Tensor();
   at::Tensor db = mask[2] ? dz2.sum(0) : at::Tensor();
   return {dx, dw, db};
 }

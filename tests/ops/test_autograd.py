@@ -220,3 +220,12 @@ def test_an_empty_feature_dimension_through_both_outputs(device):
         (y.sum() + z.sum()).backward()
         assert w.grad.shape == w.shape and b.grad.shape == (0,)
         assert torch.equal(x.grad, torch.zeros_like(x))
+    # k = 0 input features (helper-43: linear_grads reshaped x to [-1, 0]): dz flows to the bias only
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    for rows, op in ((4, lambda w, b: P.linear_gelu(x, w, b, "tanh", True)), (8, lambda w, b: P.linear_swiglu(x, w, b, True))):
+        w = torch.randn(rows, 0, device=device, requires_grad=True)
+        b = torch.randn(rows, device=device, requires_grad=True)
+        y, z = op(w, b)
+        (y.sum() + z.sum()).backward()
+        assert x.grad.shape == (3, 0) and w.grad.shape == (rows, 0) and b.grad.shape == (rows,)
+        assert bool(b.grad.abs().sum() > 0)
