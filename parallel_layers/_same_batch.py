@@ -10,8 +10,9 @@ pipeline, stage 0's inputs met the last stage's targets of other rows. So `paral
 compares a digest of the batch over the TP group, and the pipeline over its ranks, before the
 forward: a weighted sum of the tensors' words, each position weighted by a hash of it (weights
 linear in the position missed two rows of equal sums swapped: review finding), and their element
-count. A rank given no tensor is left out; under a pipeline only what a rank's role reads is
-the reference - the inputs (and mask) of pipeline rank 0, the targets of the last - and another
+count. Where every rank reads a tensor (a TP group), a rank given none where another was given
+one differs too (review finding: position_ids on one TP rank only trained on); under a pipeline
+a rank given no tensor is left out, and only what a rank's role reads is the reference - the inputs (and mask) of pipeline rank 0, the targets of the last - and another
 rank's tensor is compared with it only when it has as many elements (a placeholder of another
 size, or a mask a rank does not read, is not an error). A TP group under a pipeline is checked
 by the pipeline, whose batch check carries a refusal to its other ranks. On the CPU a mismatch raises on every rank, naming the ranks; on a GPU the
@@ -77,8 +78,8 @@ def check(tensors: Sequence, names: Sequence[str], group, what: str,
     column = torch.arange(len(tensors), device=device)
     ref = table[reader, column]  # [tensor, 2]
     compared = given & given[reader, column][None, :] & (table[:, :, 1] == ref[:, 1])
-    if readers is None:  # every rank reads it: another size is a difference too
-        compared = given
+    if readers is None:  # every rank reads it: another size is a difference too, and so is a tensor
+        compared = torch.ones_like(given)  # given to some ranks only (a mask or positions on one TP rank)
     agree = (~compared | (table == ref[None]).all(-1)).all(0)  # [tensor]
     ranks = dist.get_process_group_ranks(group)
     hint = (f"every rank of a {what} group must be given the same batch (only the data-parallel replicas take "

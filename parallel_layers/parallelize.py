@@ -168,6 +168,12 @@ class Parallelized:
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
+        # the TP group's ranks compare their batches first: then a bad mask or positions given to
+        # every rank raise on every rank, and one given to some ranks only is a difference
+        if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
+            _same_batch.check((inputs, targets, attention_mask, position_ids),
+                              ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
+                              "tensor-parallel")
         if (self.pipeline is None and isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
                 and hasattr(_innermost(self.module), "config")):
@@ -186,10 +192,6 @@ class Parallelized:
             raise ValueError(f"position_ids must be an integer tensor of the inputs' shape {list(inputs.shape)} (or [1, "
                              f"{inputs.shape[-1]}]); got {got}")
         self._warn_mean_over_padding(attention_mask)
-        if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
-            _same_batch.check((inputs, targets, attention_mask, position_ids),
-                              ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
-                              "tensor-parallel")
 
     def checkpoint_parts(self) -> tuple[nn.Module, torch.optim.Optimizer, str]:
         """What `checkpoint.save(root, step, par)` / `load(path, par)` save and load: the module as
@@ -210,12 +212,12 @@ class Parallelized:
             parts = " and ".join(p for p in (f"{dp} data-parallel replicas" if dp > 1 else "",
                                              f"{m} microbatches" if m > 1 else "") if p)
             warnings.warn(
-                f"parallelize: a padded batch (attention_mask=) with a loss_fn that returns a mean and no token_count=: "
+                f"parallelize: a padded batch (attention_mask=) and no token_count= (so loss_fn is taken to return a mean): "
                 f"the step averages the means of its {parts}, each over its own tokens, so a token of a part with "
                 "fewer labelled tokens weighs more than in the plain model's mean over the whole batch (transformers' "
                 "Trainer divides by the batch's count, num_items_in_batch). For that mean pass "
                 "loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens (parallel_layers.pipeline.hf); if every "
-                "part holds as many labelled tokens, ignore this", UserWarning, stacklevel=3)
+                "part holds as many labelled tokens, ignore this", UserWarning, stacklevel=4)
 
     def _dp_group(self):
         """The group the wrapper averages gradients over; None without one."""

@@ -356,13 +356,13 @@ def _mask_checks(rank, world, directory):
         warnings.simplefilter("always")
         par.forward_backward(ids, ids, attention_mask=mask)
         par.forward_backward(ids, ids, attention_mask=mask)  # warned once
-    mean_warnings = [str(w.message) for w in caught if "loss_fn that returns a mean" in str(w.message)]
+    mean_warnings = [str(w.message) for w in caught if "taken to return a mean" in str(w.message)]
     summed = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
                          loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         summed.forward_backward(ids, ids, attention_mask=mask)
-    silent = not [w for w in caught if "loss_fn that returns a mean" in str(w.message)]
+    silent = not [w for w in caught if "taken to return a mean" in str(w.message)]
     return refused, mean_warnings, silent
 
 
@@ -528,3 +528,44 @@ def test_a_batch_with_no_labelled_token_gives_zero_loss_at_every_layout(tmp_path
     _tiny.save_tiny_llama(tmp_path / "src")
     for loss, zero_grads in run_distributed(_nothing_labelled, 2, args=(str(tmp_path / "src"), pp)):
         assert loss == 0.0 and zero_grads
+
+
+def _side_inputs_on_one_rank(rank, world, directory, layout, what):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+
+    pp = 2 if layout == "pp2-tp2" else 1
+    ctx = init_parallel(tp=2, pp=pp, device="cpu")
+    par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
+                      loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, tp_plan="auto",
+                      pipeline_layers="auto" if pp > 1 else None)
+    ids, labels, mask, positions = _left_padded(1)[0]
+    given = {"attention_mask": mask, "position_ids": positions}
+    if what == "bad mask":  # every rank given one, rank 0's of another width
+        given["attention_mask"] = mask[:, :15] if rank == 0 else mask
+    else:  # given to global rank 0 only
+        given[what] = given[what] if rank == 0 else None
+    try:
+        par.forward_backward(ids, labels, **given)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.parametrize("layout, what", [("tp2", "position_ids"), ("tp2", "attention_mask"), ("tp2", "bad mask"),
+                                          ("pp2-tp2", "position_ids")])
+def test_side_inputs_given_to_some_ranks_only_are_refused_on_every_rank(tmp_path, layout, what):
+    """helper-43: position_ids (or a mask) given to one TP rank only trained on, each rank on its
+    own computation (losses 4.5896 and 4.5924); a bad mask on one TP rank raised there only, its
+    peer waiting in the same-batch check (the shape checks ran before it); under pp2 x tp2 the
+    other TP coordinate's pipeline went into the step. The TP group's batch comparison now counts
+    a tensor given to some ranks only as a difference, and runs first."""
+    _tiny.save_tiny_gpt2(tmp_path / "src")
+    world = 4 if layout == "pp2-tp2" else 2
+    messages = run_distributed(_side_inputs_on_one_rank, world, args=(str(tmp_path / "src"), layout, what))
+    name = "attention_mask" if what == "bad mask" else what
+    for rank, message in enumerate(messages):
+        if rank in (0, 1):  # the TP group given them differently names the tensor
+            assert "were given different batches" in message and f"{name}: ranks" in message, (rank, message)
+        else:  # pp2 x tp2: the other pipeline rank's TP group, told by the pipeline's batch check
+            assert "the tensor-parallel group of pipeline rank(s) [0] was given different batches" in message
