@@ -91,6 +91,7 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
     hf_model = _hf_model(model)
     rank, _ = rank_world(group)
     staging = os.path.join(directory, ".parallel_layers-export")
+    written = os.path.join(directory, ".parallel_layers-export-files")  # transformers writes here first
     path = checkpoint.save(staging, 0, model, group=group)
     err = None
     if rank == 0:
@@ -105,13 +106,13 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
             plain.tie_weights()
             if getattr(hf_model, "generation_config", None) is not None:  # the model's own (sampling settings),
                 plain.generation_config = copy.deepcopy(hf_model.generation_config)  # not one made from its config
-            before = _weight_file_stats(directory)
-            plain.save_pretrained(directory, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
-            _remove_stale_weight_files(directory, before)
+            plain.save_pretrained(written, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+            _move_export(written, directory)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = describe_error(e)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(written, ignore_errors=True)
     err = broadcast(err, group)
     if err is not None:
         raise RuntimeError(f"hf.save_pretrained: rank 0 could not write {directory!r}: {err}")
@@ -126,24 +127,19 @@ _WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 # into the same directory but not its index: exporting a model as one model.safetensors over a
 # sharded save left model.safetensors.index.json naming files no longer there, which readers that
 # take the index first (hf.load_pretrained did; vLLM filters weight files by it) then failed on
-# or read wrongly (review finding). A weight file (model*.safetensors, the index) whose inode,
-# size and mtime are what they were before this save was not written by it, and is removed.
-def _weight_file_stats(directory: str) -> dict[str, tuple[int, int, int]]:
-    if not os.path.isdir(directory):
-        return {}
-    stats = {}
+# or read wrongly (review finding). So transformers writes into an empty directory beside the
+# staging checkpoint, and the files it wrote replace their namesakes in `directory`, where a
+# weight file (model*.safetensors, the index) it did not write is removed first - decided by
+# name (a first version compared inode, size and mtime, which a second save of the same model
+# within a file system's mtime granularity can leave unchanged: review finding). Other files
+# there (a tokenizer's) stay.
+def _move_export(written: str, directory: str) -> None:
+    names = set(os.listdir(written))
     for name in os.listdir(directory):
-        if _WEIGHT_FILE.match(name):
-            st = os.stat(os.path.join(directory, name))
-            stats[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
-    return stats
-
-
-def _remove_stale_weight_files(directory: str, before: dict[str, tuple[int, int, int]]) -> None:
-    after = _weight_file_stats(directory)
-    for name, stat in after.items():
-        if before.get(name) == stat:
+        if _WEIGHT_FILE.match(name) and name not in names:
             os.remove(os.path.join(directory, name))
+    for name in sorted(names):
+        os.replace(os.path.join(written, name), os.path.join(directory, name))
 
 
 def _weight_files(directory: str) -> dict[str, str]:

@@ -211,7 +211,8 @@ def check_path(path) -> str:
         return path
     if _COMPLETE.match(os.path.basename(os.path.normpath(path))) and os.path.isfile(os.path.join(path, OURS)):
         raise FileNotFoundError(f"checkpoint {path!r} lacks DCP's {DCP_METADATA} (deleted or never written); its "
-                                f"other files are there. latest_checkpoint(root) skips such a checkpoint")
+                                f"other files are there. latest_checkpoint(root) (verify=True, its default) skips such "
+                                "a checkpoint")
     if os.path.isfile(os.path.join(path, "metadata.json")):
         raise ValueError(f"{path} is a checkpoint in parallel_layers' old format (rank<r>.pt + metadata.json); "
                          f"convert it once with: python -m parallel_layers.checkpoint.convert {path} <new directory>")

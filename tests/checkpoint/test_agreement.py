@@ -5,10 +5,13 @@ asynchronous save, a directory that is not a path is refused on every rank (it w
 rank 0 only, its peer waiting in the next broadcast). Review findings; tp=2 at world 2, where
 each rank holds a different shard, so a load from two steps would have trained on."""
 
+import time
+
 import pytest
 import torch
 
 from parallel_layers import checkpoint
+from parallel_layers.checkpoint import _io
 from tests.checkpoint._model import build, full_params, train
 from tests.dist_harness import run_distributed
 
@@ -39,6 +42,9 @@ def _latest_after_async_save(rank, ws, root):
     checkpoint.save(root, 1, run.model, run.optimizer, extra={"step": 1})
     train(run, 1, 2)
     expected = {k: v.clone() for k, v in full_params(run).items()}
+    if rank == 0:  # the commit (rank 0's) takes 2 s: rank 1's question surely comes while it is in flight
+        commit = _io.commit
+        _io.commit = lambda *a: (time.sleep(2), commit(*a))[1]
     handle = checkpoint.async_save(root, 2, run.model, run.optimizer, extra={"step": 2})
     if rank == 0:
         handle.result()  # rank 0 waits for its handle; rank 1 asks for the latest checkpoint at once
