@@ -531,6 +531,14 @@ def share_random_state(tp_group, device: torch.device | None = None) -> None:
 # for Replicated()). Qwen3 and Gemma 3 publish that ("replicated_with_grad_allreduce"); Phi does
 # not, and its replicas drifted apart silently at tp=2 before this rule. A norm of the region's
 # input has hidden elements, not head_dim (heads > 1), so it is never taken for one.
+# Note [scalars in a TP region]: a module the plan leaves whole beside an un-gathered column layer
+# applies its parameters to that layer's output, this rank's share of the features: Apertus's
+# xIELU activation (also a Llama's with hidden_act="xielu") has learned scalars alpha_p and
+# alpha_n, whose gradient on each rank summed its own half of the MLP's features only; the
+# ranks' copies drifted apart with no error (review finding: rank 0 -1.19e-4, rank 1 -4.03e-4,
+# plain -5.22e-4, the sum). A one-element parameter of such a module is summed over tp as a
+# per-head norm is. (Under sequence parallelism every replicated parameter of a decoder layer
+# already is, for its sequence chunk; the hook is registered once.)
 def _per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_outputs: dict[str, set[int]],
                          tp_group) -> None:
     tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
@@ -548,6 +556,8 @@ def _per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_
                     shard = sharded_parameter(p.detach(), 0, tp, rank)
                     setattr(child, param_name, shard.requires_grad_(p.requires_grad))
                 elif p.dim() == 1 and isinstance(head_dim, int) and p.numel() == head_dim:
+                    reduce_grad_over_tp(p, tp_group)
+                elif p.numel() == 1:  # a learned scalar of the sharded activations (Note [scalars in a TP region])
                     reduce_grad_over_tp(p, tp_group)
 
 

@@ -62,6 +62,9 @@ def _build(kind):
         "glm4": lambda: transformers.Glm4ForCausalLM(transformers.Glm4Config(**small, head_dim=8, **ids)),
         "glm": lambda: transformers.GlmForCausalLM(transformers.GlmConfig(**small, head_dim=8, **ids)),
         "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**small, **ids)),
+        # learned scalars in the MLP's activation (xIELU's alpha_p, alpha_n: Apertus's MLP), applied to
+        # gate_proj's sharded output: their gradients summed (Note [scalars in a TP region])
+        "llama_xielu": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, hidden_act="xielu")),
         "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **small, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.3,
             **ids)),
@@ -191,6 +194,7 @@ BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab"
                         # one input all-reduce all the same (q, k, v's; gate_up_proj's or the fused MLP's)
                         "glm_plan_free": 5, "glm4_plan_free": 5, "olmo2_plan_free": 5,
                         "phi3_plan_free": 5,  # packed qkv_proj and gate_up_proj: one each
+                        "llama_xielu_plan_free": 9,  # Llama's 5, + alpha_p and alpha_n's sums in each layer
                         # without one: each column layer's own (q, k, v; the MLP's one), + the head's
                         "gemma2_plan_free": 10,  # GeGLU: gate and up apart
                         "granite_plan_free": 9, "starcoder2_plan_free": 8,
@@ -227,7 +231,7 @@ def _check_parity(fn, args, all_reduces, min_sharded=1):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma3", "gemma3_untied",
                                   "cohere_qk_norm", "phi_qk_norm", "gemma", "gemma2", "olmo", "olmo2", "glm", "glm4",
                                   "nemotron", "phi3", "smollm3", "exaone4", "granite", "gpt_neox", "starcoder2",
-                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama_xielu"])
 def test_plan_free_from_pretrained_matches_single_process(kind, tmp_path):
     # No plan: Llama, Qwen2 and Mistral publish theirs (q/k/v/gate/up "colwise", o/down
     # "rowwise", the untied lm_head "colwise_gather_output", the embedding "embedding_rowwise":
