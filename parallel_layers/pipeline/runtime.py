@@ -140,37 +140,32 @@ class PipelineParallel:
         if problem:  # the first layer's own check, on every rank (pipeline/hf.py)
             raise ValueError(problem)
         mask_sig = tuple(sizes[0][3 + _HEADER:3 + 2 * _HEADER])
-        if mask_sig[0] >= 0:
-            self._check_mask(sig, mask_sig)
         pos_sig = tuple(sizes[0][3 + 2 * _HEADER:3 + 3 * _HEADER])
-        if pos_sig[0] >= 0:
-            self._check_positions(sig, pos_sig)
+        for name, side_sig in (("attention_mask", mask_sig), ("position_ids", pos_sig)):
+            if side_sig[0] >= 0:
+                self._check_side_input(name, sig, side_sig)
         return sig, mask_sig, pos_sig
 
-    def _check_positions(self, sig: tuple, pos_sig: tuple) -> None:
-        """The position ids' checks, on every rank (Note [side inputs] in stages.py)."""
-        shape, pos_shape = list(sig[2:2 + sig[0]]), list(pos_sig[2:2 + pos_sig[0]])
-        if "position_ids" not in self.stages.side_inputs:
-            raise ValueError("position_ids= was given, but no layer of this pipeline takes them (a layer declares "
-                             "pipeline_side_inputs = (..., 'position_ids'), as the Hugging Face layers of "
-                             "pipeline_layers='auto' do); leave them out")
-        if (len(pos_shape) != 2 or pos_shape[1:] != shape[1:2] or pos_shape[0] not in (1, shape[0]) or pos_sig[1] < 0
-                or _DTYPES[pos_sig[1]].is_floating_point or _DTYPES[pos_sig[1]] == torch.bool):
-            dtype = _DTYPES[pos_sig[1]] if pos_sig[1] >= 0 else "unsupported"
-            raise ValueError(f"position_ids must be an integer tensor of the inputs' shape {shape} (or [1, "
-                             f"{shape[1] if len(shape) > 1 else '?'}]); got shape {pos_shape} and dtype {dtype}")
-
-    def _check_mask(self, sig: tuple, mask_sig: tuple) -> None:
-        """The attention mask's checks, on every rank (Note [side inputs] in stages.py)."""
-        shape, mask_shape = list(sig[2:2 + sig[0]]), list(mask_sig[2:2 + mask_sig[0]])
-        if "attention_mask" not in self.stages.side_inputs:
-            raise ValueError("attention_mask= was given, but no layer of this pipeline takes one (a layer declares "
-                             "pipeline_side_inputs = ('attention_mask',), as the Hugging Face decoder layers of "
-                             "pipeline_layers='auto' do); pass full sequences without a mask")
-        if mask_shape != shape or mask_sig[1] < 0 or _DTYPES[mask_sig[1]].is_floating_point:
-            dtype = _DTYPES[mask_sig[1]] if mask_sig[1] >= 0 else "unsupported"
-            raise ValueError(f"attention_mask must be an integer or bool tensor of the inputs' shape {shape} (1: a token "
-                             f"to attend to, 0: padding); got shape {mask_shape} and dtype {dtype}")
+    def _check_side_input(self, name: str, sig: tuple, side_sig: tuple) -> None:
+        """A side input's checks (the attention mask, the position ids), on every rank (Note [side
+        inputs] in stages.py): a layer of the pipeline takes it; integers of the inputs' shape (the
+        positions may be one row for all)."""
+        shape, got = list(sig[2:2 + sig[0]]), list(side_sig[2:2 + side_sig[0]])
+        dtype = _DTYPES[side_sig[1]] if side_sig[1] >= 0 else None
+        if name not in self.stages.side_inputs:
+            raise ValueError(f"{name}= was given, but no layer of this pipeline takes one (a layer declares "
+                             f"pipeline_side_inputs = (..., {name!r}), as the Hugging Face layers of "
+                             "pipeline_layers='auto' do); leave it out")
+        integer = dtype is not None and not dtype.is_floating_point
+        if name == "attention_mask":
+            ok = got == shape and integer
+            what = f"an integer or bool tensor of the inputs' shape {shape} (1: a token to attend to, 0: padding)"
+        else:
+            ok = (integer and dtype != torch.bool and len(got) == 2 and got[1:] == shape[1:2]
+                  and got[0] in (1, shape[0]))
+            what = f"an integer tensor of the inputs' shape {shape} (or [1, {shape[1] if len(shape) > 1 else '?'}])"
+        if not ok:
+            raise ValueError(f"{name} must be {what}; got shape {got} and dtype {dtype or 'unsupported'}")
 
     def _side_inputs(self, given: dict[str, Tensor | None], sigs: dict[str, tuple], batch: int) -> list[dict]:
         """Each microbatch's side inputs - the attention mask, the position ids - each sent from
