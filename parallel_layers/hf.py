@@ -106,6 +106,7 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
             plain.tie_weights()
             if getattr(hf_model, "generation_config", None) is not None:  # the model's own (sampling settings),
                 plain.generation_config = copy.deepcopy(hf_model.generation_config)  # not one made from its config
+            shutil.rmtree(written, ignore_errors=True)  # a killed export's leftovers would be moved in too
             plain.save_pretrained(written, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
             _move_export(written, directory)
         except Exception as e:  # noqa: BLE001 - raised on every rank below

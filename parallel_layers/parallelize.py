@@ -55,6 +55,7 @@ because the model's own forward returns a ModelOutput, not the logits that `loss
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 import warnings
 from collections.abc import Mapping
@@ -131,7 +132,7 @@ class Parallelized:
               position_ids: Tensor | None = None) -> Tensor:
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
         kwargs = {k: v for k, v in given.items() if v is not None}
-        if hasattr(getattr(_innermost(self.module), "config", None), "use_cache"):
+        if _takes_use_cache(_innermost(self.module)):
             kwargs["use_cache"] = False  # Note [no cache in a training step]
         out = self.module(inputs, **kwargs)
         loss = self.loss_fn(out, targets)
@@ -162,18 +163,19 @@ class Parallelized:
                     "hf.materialize(par) then checkpoint.load(...); or parallel_layers.meta.materialize(par.module, "
                     "device) and your own initialisation")
             self._materialized = True
+        # the TP group's ranks compare their batches first: then a bad mask or positions (or a dict
+        # for inputs) given to every rank raise on every rank, and one given to some ranks only is a
+        # difference
+        if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
+            _same_batch.check((inputs, targets, attention_mask, position_ids),
+                              ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
+                              "tensor-parallel")
         if self.pipeline is None and isinstance(inputs, Mapping) and hasattr(_innermost(self.module), "config"):
             # a tokenizer's output given to a transformers model (which would take it as input_ids); a model
             # of the user's own may take a dict
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
-        # the TP group's ranks compare their batches first: then a bad mask or positions given to
-        # every rank raise on every rank, and one given to some ranks only is a difference
-        if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
-            _same_batch.check((inputs, targets, attention_mask, position_ids),
-                              ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
-                              "tensor-parallel")
         if (self.pipeline is None and isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
                 and hasattr(_innermost(self.module), "config")):
@@ -395,6 +397,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                 tp_group=ctx.tp_group if ctx.dims.tp > 1 else None)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
                         loss_fn=loss_fn, ctx=ctx, token_count=token_count)
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    """A transformers model's forward names `use_cache` (a module of the user's own that merely
+    keeps a config may not take it: review finding)."""
+    if not hasattr(getattr(model, "config", None), "use_cache"):
+        return False
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _innermost(module: nn.Module) -> nn.Module:

@@ -90,11 +90,13 @@ class PipelineParallel:
 
     # ---- one step -------------------------------------------------------------------------
     def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None,
-                     positions: Tensor | None = None, tp_refused: ValueError | None = None) -> tuple:
+                     positions: Tensor | None = None, tp_refused: ValueError | None = None,
+                     unread: tuple[bool, bool] = (False, False)) -> tuple:
         """Every pipeline rank learns both batch sizes and the side inputs' shapes (attention mask,
         position ids), and raises the same error on a bad one; returns the inputs' signature (Note
         [stage boundary contract] in _p2p.py) and the side inputs' (all -1 for one not given).
-        tp_refused: this rank's TP group was given different batches; every pipeline rank raises it."""
+        tp_refused: this rank's TP group was given different batches; every pipeline rank raises it.
+        unread: this rank was given an attention mask / position ids, which only pipeline rank 0 reads."""
         # Something other than a tensor (a tokenizer's BatchEncoding, a dict with an attention
         # mask) is sent as size -2, so that every rank refuses it together.
         not_tensor = [x is not None and not isinstance(x, Tensor) for x in (inputs, targets, mask, positions)]
@@ -103,7 +105,8 @@ class PipelineParallel:
                              -2 if not_tensor[2] else -2 if not_tensor[3] else 0] +
                             signature(inputs if not not_tensor[0] else None) +
                             signature(mask if not not_tensor[2] else None) +
-                            signature(positions if not not_tensor[3] else None) + [int(tp_refused is not None)],
+                            signature(positions if not not_tensor[3] else None) + [int(u) for u in unread] +
+                            [int(tp_refused is not None)],
                             dtype=torch.int64, device=self.device)
         sizes = [mine]
         if self.ranks > 1:
@@ -141,7 +144,11 @@ class PipelineParallel:
             raise ValueError(problem)
         mask_sig = tuple(sizes[0][3 + _HEADER:3 + 2 * _HEADER])
         pos_sig = tuple(sizes[0][3 + 2 * _HEADER:3 + 3 * _HEADER])
-        for name, side_sig in (("attention_mask", mask_sig), ("position_ids", pos_sig)):
+        for k, (name, side_sig) in enumerate((("attention_mask", mask_sig), ("position_ids", pos_sig))):
+            elsewhere = [r for r, row in enumerate(sizes) if row[3 + 3 * _HEADER + k]]
+            if elsewhere and side_sig[0] < 0:  # given where nothing reads it, and not where it is read
+                raise ValueError(f"{name}= was given on pipeline rank(s) {elsewhere} only, which do not read it: "
+                                 "give it with the inputs, on pipeline rank 0 (giving it on every rank is fine)")
             if side_sig[0] >= 0:
                 self._check_side_input(name, sig, side_sig)
         return sig, mask_sig, pos_sig
@@ -203,7 +210,8 @@ class PipelineParallel:
                 tp_refused = None
             except ValueError as e:
                 tp_refused = e
-            sig, mask_sig, pos_sig = self._check_batch(*role, tp_refused=tp_refused)
+            unread = (attention_mask is not None and self.rank != 0, position_ids is not None and self.rank != 0)
+            sig, mask_sig, pos_sig = self._check_batch(*role, tp_refused=tp_refused, unread=unread)
             if self.ranks > 1:  # the readers' inputs and targets against what the other ranks were given
                 _same_batch.check((inputs, targets), ("inputs", "targets"), self.group, "pipeline",
                                   readers=(0, self.last_rank))

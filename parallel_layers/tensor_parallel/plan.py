@@ -538,7 +538,10 @@ def share_random_state(tp_group, device: torch.device | None = None) -> None:
 # ranks' copies drifted apart with no error (review finding: rank 0 -1.19e-4, rank 1 -4.03e-4,
 # plain -5.22e-4, the sum). A one-element parameter of such a module is summed over tp as a
 # per-head norm is. (Under sequence parallelism every replicated parameter of a decoder layer
-# already is, for its sequence chunk; the hook is registered once.)
+# already is, for its sequence chunk; the hook is registered once.) The rule assumes the scalar
+# acts on the column layer's output, as an activation does; one applied to the region's
+# replicated input or to the row layer's reduced output would get tp times its gradient (no
+# transformers model was found with one there).
 def _per_head_parameters(model: nn.Module, modules: dict, targets: dict, column_outputs: dict[str, set[int]],
                          tp_group) -> None:
     tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)

@@ -230,7 +230,15 @@ class ParamGroup:
         if buf.is_cuda:  # Note [ZeRO streams]: the copy-out below reads what the side stream wrote
             index = buf.device.index
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
-        shard_copy.all_gather_copy_out(buf, [sp.refill_full() for sp in self.members])
+        fulls = [sp.refill_full() for sp in self.members]
+        # Note [mixed dtypes in a group]: the copy-out takes outputs of one dtype; a parameter of
+        # another (transformers' xIELU keeps its alpha scalars in bfloat16 in a float32 model)
+        # goes through a temporary of the first one's, then is cast into place
+        odd = [i for i, t in enumerate(fulls) if t.dtype != fulls[0].dtype]
+        outs = [torch.empty_like(t, dtype=fulls[0].dtype) if i in odd else t for i, t in enumerate(fulls)]
+        shard_copy.all_gather_copy_out(buf, outs)
+        for i in odd:
+            fulls[i].copy_(outs[i])
         self._give_back(buf)
         for sp in self.members:
             sp.is_unsharded = True
@@ -257,6 +265,7 @@ class ParamGroup:
         if not members:
             return
         grads = [sp.grad_to_reduce() for sp in members]
+        grads = [g if g.dtype == grads[0].dtype else g.to(grads[0].dtype) for g in grads]  # one dtype a call
         buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world,
                                                 empty=self._empty(grads[0].device))
         del grads

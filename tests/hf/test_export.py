@@ -101,6 +101,12 @@ def test_an_export_over_an_earlier_save_leaves_only_its_own_weight_files(tmp_pat
     hf.load_pretrained(str(out), fresh)
     for name, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
+    leftover = out / ".parallel_layers-export-files"  # what an export killed mid-way leaves (helper-44)
+    leftover.mkdir()
+    (leftover / "model.safetensors.index.json").write_text((out.parent / "src" / "config.json").read_text())
+    hf.save_pretrained(model, str(out))
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("model")) == ["model.safetensors"]
+    assert not leftover.exists()
     hf.save_pretrained(model, str(out), max_shard_size="20KB")  # and back to shards
     names = sorted(p.name for p in out.iterdir() if p.name.startswith("model"))
     assert "model.safetensors" not in names and "model.safetensors.index.json" in names and len(names) > 3

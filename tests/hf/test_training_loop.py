@@ -534,26 +534,32 @@ def _side_inputs_on_one_rank(rank, world, directory, layout, what):
     from parallel_layers import init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
 
-    pp = 2 if layout == "pp2-tp2" else 1
-    ctx = init_parallel(tp=2, pp=pp, device="cpu")
+    pp, tp = (2 if layout.startswith("pp2") else 1), (1 if layout == "pp2" else 2)
+    ctx = init_parallel(tp=tp, pp=pp, device="cpu")
     par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
-                      loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, tp_plan="auto",
+                      loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens, tp_plan="auto" if tp > 1 else None,
                       pipeline_layers="auto" if pp > 1 else None)
     ids, labels, mask, positions = _left_padded(1)[0]
     given = {"attention_mask": mask, "position_ids": positions}
     if what == "bad mask":  # every rank given one, rank 0's of another width
         given["attention_mask"] = mask[:, :15] if rank == 0 else mask
+    elif what == "dict inputs":  # a tokenizer's output on rank 0 only
+        ids = {"input_ids": ids} if rank == 0 else ids
+    elif what.endswith(" on pp1"):  # given on the pipeline rank that does not read it only
+        name = what.removesuffix(" on pp1")
+        given[name] = given[name] if ctx.coordinate("pp") == 1 else None
     else:  # given to global rank 0 only
         given[what] = given[what] if rank == 0 else None
     try:
         par.forward_backward(ids, labels, **given)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         return str(e)
     return "trained"
 
 
 @pytest.mark.parametrize("layout, what", [("tp2", "position_ids"), ("tp2", "attention_mask"), ("tp2", "bad mask"),
-                                          ("pp2-tp2", "position_ids")])
+                                          ("tp2", "dict inputs"), ("pp2-tp2", "position_ids"),
+                                          ("pp2", "position_ids on pp1"), ("pp2", "attention_mask on pp1")])
 def test_side_inputs_given_to_some_ranks_only_are_refused_on_every_rank(tmp_path, layout, what):
     """helper-43: position_ids (or a mask) given to one TP rank only trained on, each rank on its
     own computation (losses 4.5896 and 4.5924); a bad mask on one TP rank raised there only, its
@@ -563,9 +569,104 @@ def test_side_inputs_given_to_some_ranks_only_are_refused_on_every_rank(tmp_path
     _tiny.save_tiny_gpt2(tmp_path / "src")
     world = 4 if layout == "pp2-tp2" else 2
     messages = run_distributed(_side_inputs_on_one_rank, world, args=(str(tmp_path / "src"), layout, what))
-    name = "attention_mask" if what == "bad mask" else what
+    name = "attention_mask" if what == "bad mask" else "inputs" if what == "dict inputs" else what
+    if layout == "pp2":  # helper-44: trained without them (the mask's since before this session)
+        name = what.removesuffix(" on pp1")
+        assert messages == [f"{name}= was given on pipeline rank(s) [1] only, which do not read it: give it with the "
+                            "inputs, on pipeline rank 0 (giving it on every rank is fine)"] * 2
+        return
     for rank, message in enumerate(messages):
         if rank in (0, 1):  # the TP group given them differently names the tensor
             assert "were given different batches" in message and f"{name}: ranks" in message, (rank, message)
         else:  # pp2 x tp2: the other pipeline rank's TP group, told by the pipeline's batch check
             assert "the tensor-parallel group of pipeline rank(s) [0] was given different batches" in message
+
+
+class _OwnModel(torch.nn.Module):
+    """A user's module that keeps a transformers config but whose forward takes no use_cache."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.inner = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        self.config = self.inner.config
+
+    def forward(self, ids, attention_mask=None):
+        return self.inner(ids, attention_mask=attention_mask)
+
+
+def _own_model(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(dp=2, device="cpu")
+    par = parallelize(_OwnModel(directory), ctx, optimizer=_sgd, loss_fn=causal_lm_loss)
+    ids = _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0]
+    return par.forward_backward(ids, ids).item()
+
+
+def test_a_users_module_with_a_config_but_no_use_cache_trains(tmp_path):
+    """helper-44: Note [no cache in a training step] passed use_cache=False to any module whose
+    config has use_cache; a module of the user's own that keeps one raised TypeError."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    for loss in run_distributed(_own_model, 2, args=(str(tmp_path / "src"),)):
+        assert loss > 0
+
+
+
+def _save_xielu_llama(directory):
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=VOCAB, hidden_act="xielu")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def _xielu(rank, world, directory, out, layout):
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    tp = 2 if layout == "tp2" else 1
+    ctx = init_parallel(tp=tp, dp=world // tp, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
+                      zero_stage=3 if layout == "dp2-zero3" else 0)
+    dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
+    grads = None
+    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
+        mine = ids.chunk(dp)[dp_rank]
+        par.forward_backward(mine, mine)
+        if grads is None and tp > 1:  # the first step's, before the optimizer
+            grads = {n: p.grad.float().tolist() for n, p in model.named_parameters() if "act_fn" in n}
+        par.step()
+        par.zero_grad()
+    hf.save_pretrained(par, out)
+    return grads
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero3"])
+def test_learned_activation_scalars_at_tp2_and_zero3(tmp_path, layout):
+    """xIELU's alpha_p / alpha_n (Apertus; here a Llama with hidden_act="xielu"), which
+    transformers keeps in bfloat16 in a float32 model. tp2 (helper-40): each rank's gradient
+    was its half of the features' (rank 0 -1.19e-4, rank 1 -4.03e-4 for plain's -5.22e-4); now
+    summed over tp (Note [scalars in a TP region]), compared directly, since an SGD step of
+    ~1e-5 does not move a bfloat16 value near 0.2. ZeRO-3 (helper-44): a group holding float32
+    and bfloat16 parameters failed its first all-gather ("all outs must have one dtype"; Note
+    [mixed dtypes in a group])."""
+    _save_xielu_llama(tmp_path / "src")
+    results = run_distributed(_xielu, 2, args=(str(tmp_path / "src"), str(tmp_path / "out"), layout))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src")
+    opt = _sgd(plain.parameters())
+    first = None
+    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
+        _tiny.next_token_loss(plain(ids), ids).backward()
+        if first is None:
+            first = {n: p.grad.float() for n, p in plain.named_parameters() if "act_fn" in n}
+        opt.step()
+        opt.zero_grad()
+    if layout == "tp2":
+        for grads in results:
+            assert sorted(grads) == sorted(first)
+            for name, grad in first.items():  # bfloat16 sums of two halves: a few of its ulps
+                assert torch.allclose(torch.tensor(grads[name]), grad, rtol=2 ** -6, atol=1e-7), (name, grads[name], grad)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, tensor in plain.state_dict().items():
+        assert torch.allclose(trained[name].float(), tensor.float(), atol=1e-5), name
