@@ -93,6 +93,7 @@ class Parallelized:
     _materialized: bool = dataclasses.field(default=False, init=False, repr=False)
     _stepped: bool = dataclasses.field(default=False, init=False, repr=False)
     _warned_mean: bool = dataclasses.field(default=False, init=False, repr=False)
+    _use_cache_kw: bool | None = dataclasses.field(default=None, init=False, repr=False)
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
                          position_ids: Tensor | None = None) -> Tensor:
@@ -132,7 +133,9 @@ class Parallelized:
               position_ids: Tensor | None = None) -> Tensor:
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
         kwargs = {k: v for k, v in given.items() if v is not None}
-        if _takes_use_cache(_innermost(self.module)):
+        if self._use_cache_kw is None:  # once: inspecting the forward's signature each step costs ~20 us
+            self._use_cache_kw = _takes_use_cache(_innermost(self.module))
+        if self._use_cache_kw:
             kwargs["use_cache"] = False  # Note [no cache in a training step]
         out = self.module(inputs, **kwargs)
         loss = self.loss_fn(out, targets)
@@ -400,14 +403,19 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
 
 
 def _takes_use_cache(model: nn.Module) -> bool:
-    """A transformers model's forward names `use_cache` (a module of the user's own that merely
-    keeps a config may not take it: review finding)."""
+    """A transformers model's forward takes `use_cache`: by name, or - a transformers
+    PreTrainedModel's (GraniteMoE's) - through **kwargs. A module of the user's own that merely
+    keeps a config may not take it (review finding)."""
     if not hasattr(getattr(model, "config", None), "use_cache"):
         return False
     try:
-        return "use_cache" in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+    transformers_model = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+                             for c in type(model).__mro__)
+    return "use_cache" in params or (transformers_model and any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
 
 
 def _innermost(module: nn.Module) -> nn.Module:

@@ -213,8 +213,9 @@ class PipelineParallel:
             unread = (attention_mask is not None and self.rank != 0, position_ids is not None and self.rank != 0)
             sig, mask_sig, pos_sig = self._check_batch(*role, tp_refused=tp_refused, unread=unread)
             if self.ranks > 1:  # the readers' inputs and targets against what the other ranks were given
-                _same_batch.check((inputs, targets), ("inputs", "targets"), self.group, "pipeline",
-                                  readers=(0, self.last_rank))
+                _same_batch.check((inputs, targets, attention_mask, position_ids),
+                                  ("inputs", "targets", "attention_mask", "position_ids"), self.group, "pipeline",
+                                  readers=(0, self.last_rank, 0, 0))  # side inputs: rank 0's are read
             refused = None
         except (TypeError, ValueError) as e:  # the same on every rank of this pipeline
             refused = e

@@ -186,11 +186,15 @@ class ParamGroup:
             self.pool.give_back(buf)
 
     # ---- parameters ---------------------------------------------------------------------
+    def _widest(self) -> torch.dtype:
+        """The widest dtype of the members' full parameters (Note [mixed dtypes in a group])."""
+        return functools.reduce(torch.promote_types, [sp.full.dtype for sp in self.members])
+
     def start_unshard(self) -> None:
         """Launch the all-gather of this group without waiting (prefetch); no-op if unsharded."""
         if self.is_unsharded or self._inflight is not None:
             return
-        dtype = self.param_dtype or self.members[0].full.dtype
+        dtype = self.param_dtype or self._widest()
         device = self.members[0].full.device
         with _all_gather_stream(device):
             shards = [sp.gather_input(device) for sp in self.members]
@@ -232,10 +236,14 @@ class ParamGroup:
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
         fulls = [sp.refill_full() for sp in self.members]
         # Note [mixed dtypes in a group]: the copy-out takes outputs of one dtype; a parameter of
-        # another (transformers' xIELU keeps its alpha scalars in bfloat16 in a float32 model)
-        # goes through a temporary of the first one's, then is cast into place
-        odd = [i for i, t in enumerate(fulls) if t.dtype != fulls[0].dtype]
-        outs = [torch.empty_like(t, dtype=fulls[0].dtype) if i in odd else t for i, t in enumerate(fulls)]
+        # another (transformers' xIELU keeps its alpha scalars in bfloat16 in a float32 model) goes
+        # through a temporary of the widest member dtype - the buffer's, unless param_dtype - and is
+        # cast into place; gradients are reduced in the widest too. (The first member's dtype, as a
+        # first version took, rounded every float32 weight of a unit whose own bfloat16 scalar came
+        # first to bfloat16: review finding.)
+        widest = self._widest()
+        odd = {i for i, t in enumerate(fulls) if t.dtype != widest}
+        outs = [torch.empty_like(t, dtype=widest) if i in odd else t for i, t in enumerate(fulls)]
         shard_copy.all_gather_copy_out(buf, outs)
         for i in odd:
             fulls[i].copy_(outs[i])
@@ -265,7 +273,8 @@ class ParamGroup:
         if not members:
             return
         grads = [sp.grad_to_reduce() for sp in members]
-        grads = [g if g.dtype == grads[0].dtype else g.to(grads[0].dtype) for g in grads]  # one dtype a call
+        widest = functools.reduce(torch.promote_types, [g.dtype for g in grads])
+        grads = [g if g.dtype == widest else g.to(widest) for g in grads]  # one dtype a call: the widest
         buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world,
                                                 empty=self._empty(grads[0].device))
         del grads

@@ -6,6 +6,7 @@ p.dim() >= 2), and a parameter unfrozen after the model was parallelized. SGD wi
 coupled weight decay: a parameter in the wrong group moves by lr * wd * p per step, far above
 the 1e-5 the comparison allows."""
 
+import inspect
 import os
 
 import pytest
@@ -545,6 +546,8 @@ def _side_inputs_on_one_rank(rank, world, directory, layout, what):
         given["attention_mask"] = mask[:, :15] if rank == 0 else mask
     elif what == "dict inputs":  # a tokenizer's output on rank 0 only
         ids = {"input_ids": ids} if rank == 0 else ids
+    elif what == "another mask on pp1":  # each pipeline rank its own mask: rank 0's is read
+        given["attention_mask"] = mask if ctx.coordinate("pp") == 0 else mask.flip(0)
     elif what.endswith(" on pp1"):  # given on the pipeline rank that does not read it only
         name = what.removesuffix(" on pp1")
         given[name] = given[name] if ctx.coordinate("pp") == 1 else None
@@ -559,7 +562,8 @@ def _side_inputs_on_one_rank(rank, world, directory, layout, what):
 
 @pytest.mark.parametrize("layout, what", [("tp2", "position_ids"), ("tp2", "attention_mask"), ("tp2", "bad mask"),
                                           ("tp2", "dict inputs"), ("pp2-tp2", "position_ids"),
-                                          ("pp2", "position_ids on pp1"), ("pp2", "attention_mask on pp1")])
+                                          ("pp2", "position_ids on pp1"), ("pp2", "attention_mask on pp1"),
+                                          ("pp2", "another mask on pp1")])
 def test_side_inputs_given_to_some_ranks_only_are_refused_on_every_rank(tmp_path, layout, what):
     """helper-43: position_ids (or a mask) given to one TP rank only trained on, each rank on its
     own computation (losses 4.5896 and 4.5924); a bad mask on one TP rank raised there only, its
@@ -570,6 +574,10 @@ def test_side_inputs_given_to_some_ranks_only_are_refused_on_every_rank(tmp_path
     world = 4 if layout == "pp2-tp2" else 2
     messages = run_distributed(_side_inputs_on_one_rank, world, args=(str(tmp_path / "src"), layout, what))
     name = "attention_mask" if what == "bad mask" else "inputs" if what == "dict inputs" else what
+    if what == "another mask on pp1":  # helper-45: rank 1's was ignored without a word
+        for message in messages:
+            assert "the pipeline ranks [0, 1] were given different batches (attention_mask: " in message, message
+        return
     if layout == "pp2":  # helper-44: trained without them (the mask's since before this session)
         name = what.removesuffix(" on pp1")
         assert messages == [f"{name}= was given on pipeline rank(s) [1] only, which do not read it: give it with the "
@@ -602,6 +610,30 @@ def _own_model(rank, world, directory):
     par = parallelize(_OwnModel(directory), ctx, optimizer=_sgd, loss_fn=causal_lm_loss)
     ids = _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0]
     return par.forward_backward(ids, ids).item()
+
+
+def test_use_cache_is_passed_to_what_takes_it():
+    """Note [no cache in a training step]: by name (Llama), through a transformers model's **kwargs
+    (GraniteMoE's forward names no use_cache: helper-45 found its packed documents attending
+    across each other again), never to a user's module that keeps a config but takes none."""
+    from parallel_layers.parallelize import _takes_use_cache
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB)
+    assert _takes_use_cache(transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)))
+    granite_moe = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+        **small, num_local_experts=2, num_experts_per_tok=1))
+    assert "use_cache" not in inspect.signature(granite_moe.forward).parameters and _takes_use_cache(granite_moe)
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.LlamaConfig(**small)
+
+        def forward(self, ids, **kwargs):
+            return ids
+
+    assert not _takes_use_cache(Own())
 
 
 def test_a_users_module_with_a_config_but_no_use_cache_trains(tmp_path):
