@@ -517,3 +517,35 @@ def test_a_unit_of_float32_and_bfloat16_parameters(stage, scalar_first):
     dtype now: the float32 weights as plain's, to float32 rounding."""
     for worst in run_distributed(_mixed_dtypes, 2, args=(stage, scalar_first)):
         assert worst < 1e-6, worst
+
+
+class _WithCounts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8).to(torch.bfloat16)
+        self.counts = nn.Parameter(torch.tensor([257, 3]), requires_grad=False)
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = self.counts.tolist()  # what the forward reads, gathered
+        return self.lin(x)
+
+
+def _integer_member(rank, ws):
+    torch.manual_seed(0)
+    model = nn.Sequential(_WithCounts(), _WithCounts())
+    zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=3, wrap=lambda m: isinstance(m, _WithCounts))
+    try:
+        zero(torch.randn(2, 8, dtype=torch.bfloat16))
+    except RuntimeError as e:
+        return "refused: " + str(e)
+    return model[0].seen
+
+
+def test_an_integer_parameter_is_never_rounded_through_a_16_bit_buffer():
+    """helper-46: with the widest member dtype, an int64 parameter of a bfloat16 unit was gathered
+    through a bfloat16 buffer and came back 256 for 257, silently; such a unit is refused at its
+    first gather, as before mixed floating dtypes were taken (Note [mixed dtypes in a group])."""
+    for got in run_distributed(_integer_member, 2):
+        assert got == [257, 3] or got.startswith("refused: "), got
+
