@@ -188,12 +188,9 @@ class ParamGroup:
     # ---- parameters ---------------------------------------------------------------------
     def _widest(self) -> torch.dtype:
         """The widest dtype of the members' full parameters (Note [mixed dtypes in a group]).
-        With an integer member, the first member's, as before mixed floating dtypes were taken:
-        promoted with bfloat16 an int64 came back rounded (257 -> 256, review finding), where
-        the first member's dtype makes the copy-out refuse the group, as it always did."""
+        Every member is floating: ZeRO refuses an integer parameter when built (an int64
+        promoted with bfloat16 came back rounded, 257 -> 256: review finding)."""
         dtypes = [sp.full.dtype for sp in self.members]
-        if not all(d.is_floating_point for d in dtypes):
-            return dtypes[0]
         return functools.reduce(torch.promote_types, dtypes)
 
     def start_unshard(self) -> None:

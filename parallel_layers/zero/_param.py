@@ -118,6 +118,10 @@ class ShardedParam:
         check_dtypes(param_dtype, reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("ShardedParam needs torch.distributed to be initialised")
+        if not param.is_floating_point():
+            raise TypeError(f"ShardedParam shards floating-point parameters only (a float32 master shard, "
+                            f"floating gather buffers); got a {str(param.dtype).removeprefix('torch.')} parameter "
+                            f"of shape {tuple(param.shape)}: keep it whole (a buffer)")
         if alias_full and not keep_full:
             raise ValueError("alias_full needs keep_full: a shard that is a view of the full parameter would be "
                              "freed with it")

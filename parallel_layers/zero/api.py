@@ -147,6 +147,24 @@ def _storage_shared_within(params: list[nn.Parameter]) -> set[int]:
     return shared
 
 
+def _refuse_non_floating(model: nn.Module) -> None:
+    """ZeRO gathers, reduces and steps parameters through floating buffers and float32 master
+    shards, which would round an integer parameter (2**24 + 1 comes back 2**24) or fail on it
+    deep in a copy-out kernel; such a parameter (frozen: an integer tensor cannot have a
+    gradient) is refused by name when ZeRO is built, the same on every rank. FSDP likewise
+    wants floating storage (QLoRA under FSDP stores its 4-bit weights as bfloat16 for it)."""
+    bad = [(name, p.dtype) for name, p in model.named_parameters() if not p.is_floating_point()]
+    if bad:
+        listed = ", ".join(f"{name} ({str(dtype).removeprefix('torch.')})" for name, dtype in bad[:4])
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise TypeError(
+            f"ZeRO shards floating-point parameters only (gathered, reduced and stepped through floating "
+            f"buffers and float32 master shards); {type(model).__name__} has {len(bad)} of another dtype: "
+            f"{listed}{more}. An integer or boolean tensor cannot train: register it as a buffer "
+            f"(module.register_buffer(name, tensor)), which every rank keeps whole, or use zero_stage=0 "
+            f"(DataParallel)")
+
+
 class ZeRO(LocalAccumulation, nn.Module):
     def __init__(self, model: nn.Module, optimizer_factory: Callable, stage: int = 3, *,
                  group: dist.ProcessGroup | None = None, wrap: Callable[[nn.Module], bool] | None = None,
@@ -163,6 +181,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         check_dtypes(param_dtype, reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
+        _refuse_non_floating(model)
         self.module, self.stage, self.group = model, stage, group
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         release_frozen_hooks(model)  # a DataParallel's built before: ZeRO takes a parameter unfrozen later

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel_layers.zero import ZeRO
+from parallel_layers.zero import ShardedParam, ZeRO
 from tests.dist_harness import run_distributed
 
 BATCH = 24  # divides by every world size (1-4) times 2 micro-batches
@@ -531,21 +531,33 @@ class _WithCounts(nn.Module):
         return self.lin(x)
 
 
-def _integer_member(rank, ws):
+def _integer_member(rank, ws, stage):
     torch.manual_seed(0)
     model = nn.Sequential(_WithCounts(), _WithCounts())
-    zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=3, wrap=lambda m: isinstance(m, _WithCounts))
     try:
+        zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=stage,
+                    wrap=lambda m: isinstance(m, _WithCounts))
+    except TypeError as e:
+        got = "refused: " + str(e)
+    else:
         zero(torch.randn(2, 8, dtype=torch.bfloat16))
-    except RuntimeError as e:
-        return "refused: " + str(e)
-    return model[0].seen
+        return model[0].seen
+    try:
+        ShardedParam(nn.Parameter(torch.tensor([257, 3]), requires_grad=False))
+    except TypeError as e:
+        return got, str(e)
+    return got, "ShardedParam took it"
 
 
-def test_an_integer_parameter_is_never_rounded_through_a_16_bit_buffer():
-    """helper-46: with the widest member dtype, an int64 parameter of a bfloat16 unit was gathered
-    through a bfloat16 buffer and came back 256 for 257, silently; such a unit is refused at its
-    first gather, as before mixed floating dtypes were taken (Note [mixed dtypes in a group])."""
-    for got in run_distributed(_integer_member, 2):
-        assert got == [257, 3] or got.startswith("refused: "), got
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_integer_parameter_is_refused_by_name_when_zero_is_built(stage):
+    """helper-46: with the widest member dtype, an int64 parameter of a bfloat16 ZeRO-3 unit was
+    gathered through a bfloat16 buffer and came back 256 for 257, silently; at every stage its
+    float32 master would round 2**24 + 1, and the first forward failed inside a copy-out kernel
+    ("out must be float32, ..., got Long"). ZeRO refuses it by name when built, on every rank,
+    and says what keeps it whole (a buffer; DataParallel)."""
+    for got, alone in run_distributed(_integer_member, 2, (stage,)):
+        assert got.startswith("refused: ZeRO shards floating-point parameters only"), got
+        assert "0.counts (int64), 1.counts (int64)" in got and "register_buffer" in got, got
+        assert alone.startswith("ShardedParam shards floating-point parameters only") and "int64" in alone, alone
 
