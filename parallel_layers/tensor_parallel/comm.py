@@ -224,20 +224,52 @@ scatter_to_tp = _identity_at_size_one(_ScatterToTP)
 gather_from_tp = _identity_at_size_one(_GatherFromTP)
 
 
+# Note [a forward without the sequence split]: a sequence-parallel model needs a sequence
+# that divides by tp, which generation cannot give (each decoding step feeds one position). A
+# forward without gradients (generate(), evaluate) whose sequence does not divide runs as
+# plain tensor parallelism instead: the Hugging Face split at the first decoder layer
+# (hf_sequence_parallel.py) turns this flag on for the rest of that forward, and the model's
+# forward hook turns it off when the forward ends, normally or not. While it is on, the
+# sequence collectives are their plain-TP counterparts - a gather or a scatter of the sequence
+# is the identity, a reduce-scatter an all-reduce - and so are the layers' own (a row layer
+# all-reduces, a column layer reads a replicated input). Only forwards: the backward of plain
+# TP reduces in other places (a region's entry, not the norms' weights), so a forward with
+# gradients never takes this path. The decision reads the hidden states' shape, which every
+# rank of the TP group shares, so the ranks take it together.
+_whole_sequence = False
+
+
+def whole_sequence() -> bool:
+    """True inside a sequence-parallel forward that runs as plain tensor parallelism (Note [a
+    forward without the sequence split]); never with gradients on, whatever a forward that
+    ended early left behind."""
+    return _whole_sequence and not torch.is_grad_enabled()
+
+
+def set_whole_sequence(on: bool) -> None:
+    global _whole_sequence
+    if on and torch.is_grad_enabled():
+        raise RuntimeError("a sequence-parallel forward runs without its sequence split only without gradients "
+                           "(Note [a forward without the sequence split])")
+    _whole_sequence = on
+
+
 def gather_from_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: int = 0, *,
                    replicated_consumer: bool = False) -> Tensor:
     """All-gather the sequence (`seq_dim`); backward reduce-scatters the gradient, or, with
     replicated_consumer=True, keeps this rank's chunk of it (see the module doc)."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or whole_sequence():
         return x
     return _GatherFromSP.apply(x, group, seq_dim % x.dim(), replicated_consumer)
 
 
 def reduce_scatter_to_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: int = 0) -> Tensor:
     """Sum over the group and keep this rank's chunk of the sequence; backward all-gathers."""
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, seq_dim % x.dim())
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group) if whole_sequence() else _ReduceScatterToSP.apply(x, group, seq_dim % x.dim())
 
 
 def scatter_to_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: int = 0) -> Tensor:
     """This rank's chunk of the sequence of a replicated `x`; backward all-gathers."""
-    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group, seq_dim % x.dim())
+    return x if group_size(group) == 1 or whole_sequence() else _ScatterToSP.apply(x, group, seq_dim % x.dim())

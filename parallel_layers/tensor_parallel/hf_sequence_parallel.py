@@ -301,6 +301,8 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
         embedding.partial_output = True
     first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0], partial)),
                                     with_kwargs=True)
+    # the end of a forward that ran without the split (Note [a forward without the sequence split])
+    model.register_forward_hook(lambda m, args, out: comm.set_whole_sequence(False), always_call=True)
     for region in sorted(_regions(modules, layout)):
         modules[region].register_forward_pre_hook(
             _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)
@@ -507,14 +509,18 @@ def _split(x: Tensor, tp_group, layer_name: str, partial: bool) -> Tensor:
         raise ValueError(f"sequence parallelism splits dim {SEQ_DIM} of the [batch, seq, hidden] hidden states "
                          f"entering {layer_name}, but they have shape {tuple(x.shape)}")
     seq = x.shape[SEQ_DIM]
-    if seq % tp:
+    # a forward without gradients runs any length as plain TP (Note [a forward without the
+    # sequence split] in comm.py); set for every forward, so none inherits a previous one's
+    comm.set_whole_sequence(bool(seq % tp) and not torch.is_grad_enabled())
+    if seq % tp and torch.is_grad_enabled():
         below, above = seq // tp * tp, (seq // tp + 1) * tp
         valid = f"{below} or {above}" if below else f"{above}"
         raise ValueError(f"sequence parallelism splits the sequence over the tensor-parallel group: the hidden states "
                          f"entering {layer_name} have shape {tuple(x.shape)} ([batch, seq, hidden]), and a sequence "
                          f"length of {seq} does not divide by tp={tp}; valid lengths are multiples of {tp} (the "
                          f"nearest: {valid}). Pad the batch (labels -100 on the padding) or parallelize with "
-                         "sequence_parallel=False")
+                         "sequence_parallel=False. (A forward without gradients - evaluate, generate() - takes any "
+                         "length: it runs as plain tensor parallelism.)")
     if partial:
         return comm.reduce_scatter_to_sp(x, tp_group, SEQ_DIM)
     return comm.scatter_to_sp(x, tp_group, SEQ_DIM)

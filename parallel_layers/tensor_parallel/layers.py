@@ -148,7 +148,7 @@ def _input_comm(layer: "ColumnParallelLinear") -> str:
     """The collective a column layer does on its input, _ColumnLinear's input_comm."""
     if layer.shared_input:  # the region's entry does it (Note [one reduction per region])
         return "none"
-    if layer.sequence_parallel and comm.group_size(layer.tp_group) > 1:
+    if layer.sequence_parallel and comm.group_size(layer.tp_group) > 1 and not comm.whole_sequence():
         return "sequence"
     return "all_reduce"
 
@@ -380,8 +380,9 @@ class RowParallelLinear(_LinearConversions, nn.Module):
             _check_input(x, self.in_features, "RowParallelLinear", "in_features")
             x = comm.scatter_to_tp(x, self.tp_group)
         x, weight, bias = linear_autocast_inputs(x, self.weight, self.bias)
-        return _RowLinear.apply(x, weight, bias, self.tp_group, self.sequence_parallel and tp > 1,
-                                self.seq_dim % x.dim())
+        # Note [a forward without the sequence split] in comm.py: an all-reduce then
+        return _RowLinear.apply(x, weight, bias, self.tp_group, self.sequence_parallel and tp > 1
+                                and not comm.whole_sequence(), self.seq_dim % x.dim())
 
     def extra_repr(self) -> str:
         tp = comm.group_size(self.tp_group)

@@ -164,11 +164,20 @@ def _parity(rank, ws, directories):
             out.loss.backward()
         par.zero_grad()
         vocab_parallel = isinstance(par.get_input_embeddings(), VocabParallelEmbedding)
-        try:  # 15 positions at tp=2
+        try:  # 15 positions at tp=2, with gradients
             par(input_ids=torch.randint(0, VOCAB, (BATCH, SEQ - 1), generator=g))
             message = None
         except ValueError as e:
             message = str(e)
+        # without gradients (evaluate, generate()) any length runs, as plain tensor parallelism
+        # (Note [a forward without the sequence split]): the plain model's logits
+        ref.eval()
+        par.eval()
+        with torch.no_grad():
+            for odd in (SEQ - 1, 1):
+                ids = torch.randint(0, VOCAB, (BATCH, odd), generator=g)
+                note(f"no-grad logits of {odd} positions", _rel(par(input_ids=ids).logits, ref(input_ids=ids).logits))
+        par.train()
         results[kind] = (worst, chunks, whole, message, dict(counts), dict(backward), vocab_parallel,
                          len(layout.layers))
     return results
@@ -185,6 +194,7 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
             bad = {k: v for k, v in worst.items() if not v < RTOL}
             assert not bad, f"{kind}, rank {rank}: relative errors above {RTOL}: {bad}"
             assert any(k.startswith("grad ") for k in worst) and any(k.startswith("param ") for k in worst)
+            assert f"no-grad logits of {SEQ - 1} positions" in worst and "no-grad logits of 1 positions" in worst
             # 2 layers x 2 norms (GLM-4: 4) + the final norm, each fed [batch, seq / tp, hidden]: this
             # rank's chunk
             assert len(chunks) == layers * NORMS_PER_LAYER.get(kind, 2) + 1, (kind, sorted(chunks))
@@ -216,7 +226,9 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
                 f"sequence parallelism splits the sequence over the tensor-parallel group: the hidden states entering "
                 f"{layer} have shape ({BATCH}, {SEQ - 1}, 32) ([batch, seq, hidden]), and a sequence length of "
                 f"{SEQ - 1} does not divide by tp={TP}; valid lengths are multiples of {TP} (the nearest: {SEQ - 2} "
-                f"or {SEQ}). Pad the batch (labels -100 on the padding) or parallelize with sequence_parallel=False")
+                f"or {SEQ}). Pad the batch (labels -100 on the padding) or parallelize with sequence_parallel=False. "
+                "(A forward without gradients - evaluate, generate() - takes any length: it runs as plain tensor "
+                "parallelism.)")
 
 
 def _causal_lm_loss(out, ids):
