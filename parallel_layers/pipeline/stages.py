@@ -164,16 +164,42 @@ class PipelineStages(nn.Module):
         number of elements freed. As torchtitan deletes the modules a stage does not own."""
         held = {id(t) for t in itertools.chain(self.parameters(), self.buffers())}
         freed = 0
-        for module in model.modules():
+        for name, module in model.named_modules():
+            unheld = False
             for table in (module._parameters, module._buffers):
-                for name, t in table.items():
-                    if t is None or id(t) in held or t.is_meta:
+                for key, t in table.items():
+                    if t is None or id(t) in held:
+                        continue
+                    unheld = True
+                    if t.is_meta:
                         continue
                     freed += t.numel()
                     empty = t.detach().to("meta")
-                    table[name] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                    table[key] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
                         else empty
+            if unheld:
+                module.register_forward_pre_hook(self._refuse_unheld(name or type(model).__name__))
         return freed
+
+    def _refuse_unheld(self, name: str):
+        """Note [a module another rank holds]: the modules of the other ranks' stages keep meta
+        tensors here, and torch runs some ops on them without complaint (F.linear of a CPU input
+        and a meta weight returns an uninitialised CPU tensor): the user's model called whole on
+        a pipeline rank - generate(), a forward of their own - computed garbage silently. A call
+        into such a module raises instead, on every pipeline rank (each holds a part only)."""
+        held = ", ".join(f"stage {k} (pipeline layers {self.bounds[k][0]}-{self.bounds[k][1] - 1})"
+                         for k in self.stage_ids)
+
+        def hook(module, args):
+            raise RuntimeError(
+                f"{name} ({type(module).__name__}) belongs to another pipeline rank's stage: pipeline rank "
+                f"{self.rank} of {self.ranks} holds {held} of the {self.num_stages} stages over "
+                f"{self.bounds[-1][1]} pipeline layers; the others' tensors are meta placeholders here, so the "
+                f"model cannot run whole on "
+                f"this rank. Train and evaluate through the pipeline (forward_backward, evaluate); for generate() "
+                f"or a forward of the whole model, export it (parallel_layers.hf.save_pretrained(par, directory)) "
+                f"and load it in one process, or parallelize without a pipeline (pp=1)")
+        return hook
 
     # ---- tied parameters (Note [tied parameters]) ----------------------------------------
     def _find_ties(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, dist.ProcessGroup | None, bool]]:
