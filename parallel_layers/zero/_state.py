@@ -131,7 +131,14 @@ def memory_bytes(zero: ZeRO) -> dict[str, int]:
     masters = sum(_bytes(sp.shard) for sp in members if not sp.aliases_full)
     opt = sum(_bytes(t) for st in zero.optimizer.state.values() for t in st.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return {"params": sum(sp.full.untyped_storage().size() for sp in members),
+    # each allocation once: gate and up of a packed SwiGLU MLP share one (parallel_layers/fused.py),
+    # which was counted per member (review finding, helper-48); a freed one holds no bytes
+    storages = {}
+    for sp in members:
+        storage = sp.full.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return {"params": sum(storages.values()),
             "grads": sum(_bytes(sp.full.grad) for sp in members),
             "master_shards": masters,
             "shard_grads": sum(_bytes(sp.shard.grad) for sp in members),
