@@ -43,6 +43,7 @@ the losses agreed to 9e-8, and with eps = 1e-6 the same runs' logits agreed to 3
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import shutil
 import tempfile
@@ -186,6 +187,8 @@ def main():
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp}) * microbatches "
                          f"({args.microbatches}) = {dp * args.microbatches}")
     work = agreed_directory(args.work_dir, rank)
+    if args.work_dir is None and rank == 0:  # removed on a failure too (it was left behind: review finding)
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
     model_dir = args.model_dir or os.path.join(work, "pretrained")
     if args.model_dir is None and rank == 0:
         small_llama(model_dir, args.seed)

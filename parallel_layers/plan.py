@@ -1091,7 +1091,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(prog="python -m parallel_layers.plan", description=__doc__.split("\n\n")[0])
     shape = ap.add_argument_group("model (--hf-config, or the shape by hand)")
     shape.add_argument("--hf-config", help="a Hugging Face config.json or model directory (llama, mistral, qwen2, "
-                       "gpt2); replaces --params --layers --hidden --heads --kv-heads --ffn --vocab")
+                       "qwen3, gpt2, mixtral, qwen3_moe); replaces --params --layers --hidden --heads --kv-heads --ffn --vocab")
     shape.add_argument("--params", help="parameter count, e.g. 7e9 or 7B (default: counted from the shape)")
     shape.add_argument("--layers", type=int)
     shape.add_argument("--hidden", type=int)
