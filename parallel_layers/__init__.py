@@ -10,6 +10,7 @@ _C = _extension.load()
 
 from parallel_layers import ops  # noqa: E402  (needs the ops registered by _C)
 from parallel_layers.data_parallel import DataParallel  # noqa: E402
+from parallel_layers._loss_scale import LossScale  # noqa: E402
 from parallel_layers.grad_norm import clip_grad_norm_  # noqa: E402
 from parallel_layers.parallel_dims import ParallelContext, ParallelDims, init_parallel, shutdown  # noqa: E402
 from parallel_layers.parallelize import Parallelized, parallelize  # noqa: E402
@@ -19,7 +20,7 @@ from parallel_layers.zero import ZeRO  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Column", "ColumnParallelLinear", "DataParallel", "ParallelContext", "ParallelDims", "Parallelized",
+__all__ = ["Column", "ColumnParallelLinear", "DataParallel", "LossScale", "ParallelContext", "ParallelDims", "Parallelized",
            "PipelineParallel", "PipelineStages", "Row", "RowParallelLinear", "ZeRO", "build_info", "clip_grad_norm_",
            "init_parallel", "ops", "parallelize", "shutdown"]
 

@@ -44,7 +44,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from parallel_layers import checkpoint, meta, placement
+from parallel_layers import _peft, checkpoint, meta, placement
 from parallel_layers.checkpoint._dist import all_gather, broadcast, describe_error, raise_if_any, rank_world
 
 
@@ -89,6 +89,7 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
     (Note [stale weight files])."""
     model = _unwrap(model)[0]
     hf_model = _hf_model(model)
+    adapted = _peft.adapted_wrapper(hf_model, "hf.save_pretrained")  # Note [peft models]
     rank, _ = rank_world(group)
     staging = os.path.join(directory, ".parallel_layers-export")
     written = os.path.join(directory, ".parallel_layers-export-files")  # transformers writes here first
@@ -97,18 +98,20 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
     if rank == 0:
         try:
             state = checkpoint.export_state_dict(path)
-            with torch.device("meta"):
-                plain = type(hf_model)(hf_model.config)
-            state = _checked(state, plain)
             if dtype is not None:
                 state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-            plain.load_state_dict(state, strict=True, assign=True)
-            plain.tie_weights()
-            if getattr(hf_model, "generation_config", None) is not None:  # the model's own (sampling settings),
-                plain.generation_config = copy.deepcopy(hf_model.generation_config)  # not one made from its config
             shutil.rmtree(written, ignore_errors=True)  # a killed export's leftovers would be moved in too
-            plain.save_pretrained(written, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
-            _move_export(written, directory)
+            if adapted:  # the adapter, as peft's own save writes it from the whole state (Note [peft models])
+                hf_model.save_pretrained(written, state_dict=state)
+            else:
+                with torch.device("meta"):  # a copy: transformers' save writes config.dtype into the config
+                    plain = type(hf_model)(copy.deepcopy(hf_model.config))  # (the user's, on rank 0 only)
+                plain.load_state_dict(_checked(state, plain), strict=True, assign=True)
+                plain.tie_weights()
+                if getattr(hf_model, "generation_config", None) is not None:  # the model's own (sampling settings),
+                    plain.generation_config = copy.deepcopy(hf_model.generation_config)  # not one from its config
+                plain.save_pretrained(written, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+            _move_export(written, directory, _ADAPTER_FILE if adapted else _WEIGHT_FILE)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = describe_error(e)
         finally:
@@ -122,6 +125,7 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+_ADAPTER_FILE = re.compile(r"^adapter_model\.(safetensors|bin)$")  # what peft writes beside adapter_config.json
 
 
 # Note [stale weight files]: transformers' save_pretrained removes the shards of an earlier save
@@ -134,10 +138,10 @@ _WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 # name (a first version compared inode, size and mtime, which a second save of the same model
 # within a file system's mtime granularity can leave unchanged: review finding). Other files
 # there (a tokenizer's) stay.
-def _move_export(written: str, directory: str) -> None:
+def _move_export(written: str, directory: str, weight_file: re.Pattern = _WEIGHT_FILE) -> None:
     names = set(os.listdir(written))
     for name in os.listdir(directory):
-        if _WEIGHT_FILE.match(name) and name not in names:
+        if weight_file.match(name) and name not in names:
             os.remove(os.path.join(directory, name))
     for name in sorted(names):
         os.replace(os.path.join(written, name), os.path.join(directory, name))
@@ -574,6 +578,7 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
 
     module, ctx_device = _unwrap(model)
     hf_model = _hf_model(module, "hf.load_pretrained")
+    _peft.refuse_loading(module, "hf.load_pretrained")  # Note [peft models]
     rank, _ = rank_world(group)
     mine = described = sources = files = reference = None
     used: set[str] = set()

@@ -69,6 +69,7 @@ from parallel_layers import activation_checkpointing as activation_checkpointing
 from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
+from parallel_layers._loss_scale import LossScale
 from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.parallel_dims import ParallelContext
@@ -90,10 +91,17 @@ class Parallelized:
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     ctx: ParallelContext
     token_count: Callable[[Tensor], Tensor] | None = None
+    loss_scale: LossScale | None = None  # float16's (Note [one loss scale for every rank] in _loss_scale.py)
+    _overflowed: bool | None = dataclasses.field(default=None, init=False, repr=False)  # None: not unscaled yet
     _materialized: bool = dataclasses.field(default=False, init=False, repr=False)
     _stepped: bool = dataclasses.field(default=False, init=False, repr=False)
     _warned_mean: bool = dataclasses.field(default=False, init=False, repr=False)
     _use_cache_kw: bool | None = dataclasses.field(default=None, init=False, repr=False)
+    # the parameters parallelize set up (Note [parameters added after parallelize]); None once checked
+    _built_with: frozenset | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self._built_with = frozenset(id(p) for p in self.module.parameters())
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
                          position_ids: Tensor | None = None) -> Tensor:
@@ -105,9 +113,10 @@ class Parallelized:
         positions, packed sequences), at any layout (a pipeline's side input)."""
         self._check_batch(inputs, targets, attention_mask, position_ids)
         if self.pipeline is not None:
+            self.pipeline.grad_scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask, position_ids=position_ids)
         loss = self._loss(inputs, targets, attention_mask, position_ids)
-        loss.backward()
+        (loss * self.loss_scale.scale if self.loss_scale is not None else loss).backward()
         return loss.detach()
 
     def evaluate(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
@@ -228,8 +237,18 @@ class Parallelized:
         """The group the wrapper averages gradients over; None without one."""
         return self.module.group if isinstance(self.module, (ZeRO, DataParallel)) else None
 
+    def _unscale(self) -> None:
+        """With a loss scale, once a step: the gradients reduced and unscaled, and every rank told
+        whether any overflowed (Note [one loss scale for every rank])."""
+        if self.loss_scale is None or self._overflowed is not None:
+            return
+        if isinstance(self.module, ZeRO):  # stage 1 (and no_sync) reduce at the step: the shards' gradients first
+            self.module.reduce_gradients()
+        self._overflowed = self.loss_scale.unscale_(self.optimizer)
+
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip by the global norm over every axis (tp, pp, the dp shards); call after backward."""
+        self._unscale()
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm_(max_norm, tp_group=self.ctx.tp_group)
         if isinstance(self.module, ZeRO):
@@ -240,10 +259,39 @@ class Parallelized:
 
     def step(self) -> None:
         """The optimizer step (ZeRO: on the shards, then the parameters are all-gathered)."""
+        if self._built_with is not None:
+            self._refuse_parameters_added_later()
+        if self.loss_scale is not None:
+            self._unscale()
+            overflowed, self._overflowed = self._overflowed, None
+            self.loss_scale.update(overflowed)
+            if overflowed:  # every rank skips it (Note [one loss scale for every rank])
+                if isinstance(self.module, ZeRO):
+                    self.module.skip_step()
+                return
         if not isinstance(self.module, ZeRO) and not self._stepped:  # ZeRO.step checks its own
             _optimizer.check_state_has_storage(self.optimizer, "parallelize(...).step")
             self._stepped = True
         (self.module if isinstance(self.module, ZeRO) else self.optimizer).step()
+
+    # Note [parameters added after parallelize]: the optimizer, DataParallel's gradient buckets
+    # and ZeRO's units are built over the parameters the model has when parallelize runs. One
+    # added later - peft's LoRA adapters applied to the parallelized model, a layer replaced -
+    # gets a gradient that nothing averages over dp and nothing steps: it never trained, and the
+    # base its adapters froze did not either, silently (review finding, helper-47). The first
+    # step looks for a parameter with a gradient that parallelize did not see and refuses; every
+    # rank changed its model the same way, so every rank raises. Once: a walk over the
+    # parameters is not for every step.
+    def _refuse_parameters_added_later(self) -> None:
+        built_with, self._built_with = self._built_with, None
+        added = [n for n, p in self.module.named_parameters() if id(p) not in built_with and p.grad is not None]
+        if added:
+            raise RuntimeError(
+                f"parallelize: {len(added)} parameter(s) got a gradient but were not in the model when it was "
+                f"parallelized (e.g. {added[:3]}): no optimizer state, gradient averaging over data-parallel ranks "
+                f"or ZeRO shard holds them, so they would never train. Add them before parallelize - apply "
+                f"peft.get_peft_model(model, config), replace layers, resize embeddings first - and build the "
+                f"optimizer in the factory parallelize calls")
 
     def zero_grad(self) -> None:
         if isinstance(self.module, ZeRO):
@@ -280,8 +328,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                 wrap: Callable[[nn.Module], bool] | None = None, pipeline_layers: str | None = None,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
                 split_points: list[int] | None = None, fused_kernels: bool = True,
-                token_count: Callable[[Tensor], Tensor] | None = None, expert_parallel: bool | int = False
-                ) -> Parallelized:
+                token_count: Callable[[Tensor], Tensor] | None = None, expert_parallel: bool | int = False,
+                loss_scale: str | float | None = None) -> Parallelized:
     """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
 
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
@@ -309,7 +357,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     (parallel_layers/expert_parallel.py); a number ep dividing dp spreads them over groups of ep
     consecutive dp ranks (E / ep each), replicated over the dp / ep groups; False or 1: none.
     With DataParallel or ZeRO, pipelines, and tensor parallelism (each expert split over tp by
-    the plan's Experts()).
+    the plan's Experts()). loss_scale: float16 training's, agreed by every rank (Note [one loss
+    scale for every rank] in _loss_scale.py): "dynamic" (torch.amp.GradScaler's rule) or a static
+    number; forward_backward scales the loss, clip_grad_norm_ / step unscale the gradients, and
+    step skips the optimizer on every rank when any rank's overflowed. None: no scaling.
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -332,6 +383,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if token_count is not None and not callable(token_count):  # else it would raise on the last stage only
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
+    scaler = LossScale.from_argument(loss_scale)
     ep = expert_parallel_module.degree(expert_parallel, ctx.dims.dp)
     user_wrap, wrap = wrap, wrap if wrap is not None else declared_blocks(model)
     activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
@@ -399,7 +451,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                 token_count=token_count, data_parallel=wrapper, device=ctx.device,
                                 tp_group=ctx.tp_group if ctx.dims.tp > 1 else None)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
-                        loss_fn=loss_fn, ctx=ctx, token_count=token_count)
+                        loss_fn=loss_fn, ctx=ctx, token_count=token_count, loss_scale=scaler)
 
 
 def _takes_use_cache(model: nn.Module) -> bool:

@@ -56,6 +56,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from parallel_layers import _peft
+
 # model_type -> how its forward calls the decoder layers: "llama" (rotary position_embeddings,
 # one causal mask or one per config.layer_types entry) or "gpt2" (learned positions added to
 # the embedding); and which mask each layer gets (Note [hf pipeline layers]).
@@ -218,6 +220,8 @@ def _mask_kinds(config, family: str, n: int) -> list[str]:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """[embedding, decoder layers..., norm + head] of a Hugging Face causal LM (see the module doc)."""
+    _peft.refuse_wrapper(model, "pipeline_layers='auto'", "pass its base model, parallelize(peft_model.get_base_model(), "
+                         "ctx, pipeline_layers='auto', ...), which holds the adapted layers (Note [peft models])")
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED or not isinstance(getattr(model, "lm_head", None), nn.Module):

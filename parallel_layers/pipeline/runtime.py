@@ -71,6 +71,9 @@ class PipelineParallel:
                 "; ZeRO stage 1 is the usual choice with a pipeline", stacklevel=2)
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.loss_fn, self.token_count, self.data_parallel = loss_fn, token_count, data_parallel
+        # what the last stage multiplies the loss it backpropagates by, not the loss it reports: a
+        # float16 loss scale (Note [one loss scale for every rank] in parallel_layers/_loss_scale.py)
+        self.grad_scale = 1.0
         self.group, self.rank, self.ranks = stages.group, stages.rank, stages.ranks
         self.num_stages = stages.num_stages
         if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
@@ -412,6 +415,8 @@ class _StepRun:
                         y = pipe.loss_fn(y, self.y_mb[i]) * self.scale
                 if k == pipe.num_stages - 1:
                     self.total += y.detach().double()
+                    if pipe.grad_scale != 1.0 and torch.is_grad_enabled():
+                        y = y * pipe.grad_scale
             except Exception as e:  # raised on every rank at the step's end (Note [a failed stage] in _p2p.py)
                 self._failed(e, f"the forward of stage {k}, microbatch {i}")
                 y = None

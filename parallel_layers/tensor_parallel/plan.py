@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import fault, placement
+from parallel_layers import _peft, fault, placement
 from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
@@ -219,6 +219,15 @@ def published_plan(model: nn.Module) -> dict:
         if any(fnmatch.fnmatchcase(n, pattern) for n in tied) or (tied and style == "embedding_rowwise"):
             continue  # the tie and both its ends stay replicated
         out[pattern] = HF_STYLES[style]
+    names = [n for n in (*modules, *params) if n]
+    if not any(fnmatch.fnmatchcase(n, pattern) for pattern in plan for n in names):
+        # each unmatched entry is skipped above (a variant's); none matching at all means the plan
+        # is not this model's names - a wrapper's (peft's PeftModel before it was refused), where
+        # tp=2 converted nothing and every rank trained the whole model, silently
+        raise ValueError(f"parallelize: {type(model).__name__}'s published plan ({len(plan)} entries, e.g. "
+                         f"{next(iter(plan))!r}) matches none of its modules (e.g. {names[:2]}), so nothing would be "
+                         f"split. Parallelize the transformers model itself, or pass an explicit plan (tp_plan= to "
+                         f"parallel_layers.parallelize, plan= to tensor_parallel.parallelize)")
     return _split_packed_mlps(model, out)
 
 
@@ -341,6 +350,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     for flag, value in (("sequence_parallel", sequence_parallel), ("fused_kernels", fused_kernels)):
         if not isinstance(value, bool):
             raise TypeError(f"parallelize: {flag} must be True or False, got {value!r}")
+    _peft.refuse_tensor_parallel(model)  # Note [peft models]
     sp_layout = hf_sequence_parallel.find_layout(model) if sequence_parallel else None
     if plan is None:
         plan = published_plan(model)

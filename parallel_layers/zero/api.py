@@ -293,6 +293,12 @@ class ZeRO(LocalAccumulation, nn.Module):
                 g.refresh_full()  # the others gather at their next use
         self._hooks.after_step()
 
+    def skip_step(self) -> None:
+        """A step that changes nothing (float16 gradients that overflowed, Note [one loss scale for
+        every rank]): the gradients are reduced and dropped by zero_grad, the parameters stay."""
+        self._hooks.reduce_remaining()
+        self._hooks.after_step()
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for g in self.groups:

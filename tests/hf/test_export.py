@@ -152,3 +152,28 @@ def test_checkpoint_and_export_take_the_parallelized(tmp_path):
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src")
     assert not torch.equal(exported.lm_head.weight, pretrained.lm_head.weight)  # the trained weights
+
+
+def _config_after_export(rank, world, source, out):
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(dp=world, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps), loss_fn=causal_lm_loss, zero_stage=3)
+    before = model.config.to_dict()
+    hf.save_pretrained(par, out, dtype=torch.float16)
+    return before, model.config.to_dict(), str(model.config.dtype)
+
+
+def test_an_export_leaves_the_models_config_alone(tmp_path):
+    """helper-49: transformers' save wrote the export's dtype into the user's config, on rank 0
+    only ('float16' there, torch.bfloat16 on rank 1): a model built from it afterwards (the
+    resume recipe of docs/hf.md) had another dtype on rank 0, and the next collective failed on
+    mismatched sizes."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    results = run_distributed(_config_after_export, 2, args=(str(tmp_path / "src"), str(tmp_path / "out")))
+    for before, after, dtype in results:
+        assert after == before and dtype == "torch.bfloat16", (dtype, {k: (before.get(k), v) for k, v in after.items()
+                                                                       if before.get(k) != v})
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float16"  # the export's own

@@ -318,6 +318,26 @@ def test_a_plan_that_drops_a_published_gradient_sum_is_refused():
     parallelize(model, {k: v for k, v in plan.items() if not k.endswith("_norm")})
 
 
+class _Wrapper(nn.Module):
+    """A wrapper that reaches its model's config and published plan under other module names (as
+    peft's PeftModel does through __getattr__)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self._tp_plan = model, model.config, model._tp_plan
+
+
+def test_a_published_plan_that_matches_no_module_is_refused():
+    """helper-47: the published plan of the model inside a wrapper matched none of the wrapper's
+    names; each entry was skipped as a variant's, and tp=2 converted nothing, silently."""
+    model, _ = _build("llama")
+    assert model._tp_plan  # what the wrapper reaches
+    with pytest.raises(ValueError, match=r"parallelize: _Wrapper's published plan \(\d+ entries, e\.g\. "
+                                         r"'lm_head'\) matches none of its modules "
+                                         r"\(e\.g\. \['inner', 'inner\.model'\]\), so nothing would be split"):
+        parallelize(_Wrapper(model))
+
+
 def _refusals(rank, ws):
     messages = []
     model, _ = _build("llama")  # 4 heads, 2 key/value heads: tp=3 divides neither
