@@ -152,3 +152,28 @@ def next_token_loss(out, ids):
     """Next-token cross-entropy of a causal LM's output on `ids`, as transformers' causal-LM loss
     computes it (float32 logits)."""
     return torch.nn.functional.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def parallel_losses(par, ctx, batches) -> list[float]:
+    """`par.forward_backward`, `step` and `zero_grad` over `batches` of token ids [batch, seq],
+    each split over the data-parallel replicas (this rank's share); each step's returned loss."""
+    dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
+    losses = []
+    for ids in batches:
+        mine = ids.chunk(dp)[dp_rank]
+        losses.append(par.forward_backward(mine, mine).item())
+        par.step()
+        par.zero_grad()
+    return losses
+
+
+def plain_losses(model, optimizer, batches) -> list[float]:
+    """The same steps in one process: the next-token loss of each whole batch, backward, step."""
+    losses = []
+    for ids in batches:
+        loss = next_token_loss(model(ids), ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -42,11 +42,7 @@ def _parallel(rank, world, directory, layout, vocab):
                       tp_plan="auto" if tp > 1 else None, sequence_parallel=layout.endswith("-sp"),
                       zero_stage=int(layout[-1]) if "zero" in layout else 0,
                       pipeline_layers="auto" if pp > 1 else None)
-    dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
-    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, vocab):
-        par.forward_backward(ids.chunk(dp)[dp_rank], ids.chunk(dp)[dp_rank])
-        par.step()
-        par.zero_grad()
+    _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, vocab))
     model.eval()
     if pp > 1:
         refusals = []
@@ -64,10 +60,7 @@ def _parallel(rank, world, directory, layout, vocab):
 def _plain(directory, vocab):
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, vocab):
-        _tiny.next_token_loss(model(ids), ids).backward()
-        opt.step()
-        opt.zero_grad()
+    _tiny.plain_losses(model, opt, _tiny.token_batches(STEPS, BATCH, SEQ, vocab))
     model.eval()
     return [_greedy(model, prompt) for prompt in _prompts(vocab)]
 

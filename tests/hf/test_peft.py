@@ -43,12 +43,7 @@ def _run(rank, world, directory, layout, out):
                           pipeline_layers="auto" if pp > 1 else None)
         if layout.endswith("-later"):
             model = _lora(model)
-        dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
-        losses = []
-        for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
-            losses.append(par.forward_backward(ids.chunk(dp)[dp_rank], ids.chunk(dp)[dp_rank]).item())
-            par.step()
-            par.zero_grad()
+        losses = _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
     except (ValueError, RuntimeError) as e:
         return f"refused: {e}"
     path = checkpoint.save(out + "-ckpt", STEPS, par)
@@ -63,14 +58,7 @@ def _run(rank, world, directory, layout, out):
 def _plain(directory):
     model = _lora(transformers.AutoModelForCausalLM.from_pretrained(directory))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
-        loss = _tiny.next_token_loss(model(ids), ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model
+    return _tiny.plain_losses(model, opt, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)), model
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2-zero3", "pp2-base"])

@@ -278,13 +278,7 @@ def _compiled_layers(rank, world, directory, layout):
                       zero_stage=3 if layout == "dp2-zero3" else 0)
     for layer in model.model.layers:  # torchtitan's habit: compile each block after parallelizing
         layer.compile()
-    dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
-    losses = []
-    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
-        losses.append(par.forward_backward(ids.chunk(dp)[dp_rank], ids.chunk(dp)[dp_rank]).item())
-        par.step()
-        par.zero_grad()
-    return losses
+    return _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
 
 
 @pytest.mark.slow
