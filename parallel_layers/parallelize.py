@@ -77,6 +77,7 @@ from parallel_layers.pipeline import PipelineParallel, PipelineStages
 from parallel_layers.pipeline import hf as hf_pipeline
 from parallel_layers.tensor_parallel import plan as tp_plan_module
 from parallel_layers.zero import ZeRO
+from parallel_layers.zero.api import refuse_non_floating
 
 
 @dataclasses.dataclass
@@ -97,11 +98,16 @@ class Parallelized:
     _stepped: bool = dataclasses.field(default=False, init=False, repr=False)
     _warned_mean: bool = dataclasses.field(default=False, init=False, repr=False)
     _use_cache_kw: bool | None = dataclasses.field(default=None, init=False, repr=False)
-    # the parameters parallelize set up (Note [parameters added after parallelize]); None once checked
-    _built_with: frozenset | None = dataclasses.field(default=None, init=False, repr=False)
+    # the model as the user holds it (every rank: all of it, another pipeline rank's stages as
+    # placeholders), and the parameters it had when parallelized (Note [parameters added after
+    # parallelize])
+    _model: nn.Module | None = dataclasses.field(default=None, repr=False)
+    _built_with: dict = dataclasses.field(default_factory=dict, init=False, repr=False)  # id -> shape
 
     def __post_init__(self):
-        self._built_with = frozenset(id(p) for p in self.module.parameters())
+        if self._model is None:
+            self._model = self.module
+        self._built_with = {id(p): p.shape for p in self._model.parameters()}
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
                          position_ids: Tensor | None = None) -> Tensor:
@@ -112,6 +118,7 @@ class Parallelized:
         [batch, seq] (or [1, seq]) positions for the model's forward (left padding under learned
         positions, packed sequences), at any layout (a pipeline's side input)."""
         self._check_batch(inputs, targets, attention_mask, position_ids)
+        self._refuse_parameters_added_later()
         if self.pipeline is not None:
             self.pipeline.grad_scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
             return self.pipeline.step(inputs, targets, attention_mask=attention_mask, position_ids=position_ids)
@@ -259,8 +266,7 @@ class Parallelized:
 
     def step(self) -> None:
         """The optimizer step (ZeRO: on the shards, then the parameters are all-gathered)."""
-        if self._built_with is not None:
-            self._refuse_parameters_added_later()
+        self._refuse_parameters_added_later()
         if self.loss_scale is not None:
             self._unscale()
             overflowed, self._overflowed = self._overflowed, None
@@ -276,22 +282,26 @@ class Parallelized:
 
     # Note [parameters added after parallelize]: the optimizer, DataParallel's gradient buckets
     # and ZeRO's units are built over the parameters the model has when parallelize runs. One
-    # added later - peft's LoRA adapters applied to the parallelized model, a layer replaced -
-    # gets a gradient that nothing averages over dp and nothing steps: it never trained, and the
-    # base its adapters froze did not either, silently (review finding, helper-47). The first
-    # step looks for a parameter with a gradient that parallelize did not see and refuses; every
-    # rank changed its model the same way, so every rank raises. Once: a walk over the
-    # parameters is not for every step.
+    # added later - peft's LoRA adapters applied to the parallelized model, a layer replaced,
+    # resize_token_embeddings (a new head, and the embedding's own parameter given new data of
+    # another shape) - gets a gradient that nothing averages over dp and nothing steps:
+    # it never trained, and the base its adapters froze did not either, silently (review findings,
+    # helpers 47 and 50). Each forward_backward and step looks for a trainable parameter that
+    # parallelize did not see, or whose shape changed, in the model as the user holds it: every rank holds all of it (a
+    # pipeline rank the other stages' modules as placeholders, where peft adds its adapters too),
+    # so every rank finds the same ones and raises, with no collective. A walk over the
+    # parameters' ids: microseconds against a step.
     def _refuse_parameters_added_later(self) -> None:
-        built_with, self._built_with = self._built_with, None
-        added = [n for n, p in self.module.named_parameters() if id(p) not in built_with and p.grad is not None]
-        if added:
-            raise RuntimeError(
-                f"parallelize: {len(added)} parameter(s) got a gradient but were not in the model when it was "
-                f"parallelized (e.g. {added[:3]}): no optimizer state, gradient averaging over data-parallel ranks "
-                f"or ZeRO shard holds them, so they would never train. Add them before parallelize - apply "
-                f"peft.get_peft_model(model, config), replace layers, resize embeddings first - and build the "
-                f"optimizer in the factory parallelize calls")
+        built = self._built_with
+        if all(built.get(id(p)) == p.shape for p in self._model.parameters() if p.requires_grad):
+            return
+        added = [n for n, p in self._model.named_parameters() if p.requires_grad and built.get(id(p)) != p.shape]
+        raise RuntimeError(
+            f"parallelize: {len(added)} trainable parameter(s) were not in the model, or not of their shape, when "
+            f"it was parallelized (e.g. {added[:3]}): no optimizer state, gradient averaging over data-parallel "
+            f"ranks or ZeRO shard holds them, so they would never train. Add them before parallelize - apply "
+            f"peft.get_peft_model(model, config), replace layers, resize embeddings first - and build the "
+            f"optimizer in the factory parallelize calls")
 
     def zero_grad(self) -> None:
         if isinstance(self.module, ZeRO):
@@ -384,6 +394,15 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
     scaler = LossScale.from_argument(loss_scale)
+    if zero_stage:  # the whole model, before anything is converted: after a pipeline's cut each rank
+        refuse_non_floating(model)  # would see its own stages only (review finding)
+    halves = [n for n, p in model.named_parameters() if p.dtype == torch.float16 and p.requires_grad]
+    if scaler is not None and not zero_stage and halves:
+        raise ValueError(f"parallelize: loss_scale with float16 parameters that the optimizer steps directly (e.g. "
+                         f"{halves[:2]}, {len(halves)} in all): their unscaled gradients and updates round in "
+                         f"float16, which torch.amp.GradScaler refuses too ('Attempting to unscale FP16 gradients'). "
+                         f"Keep the model in float32 and run forward_backward under torch.autocast(device, "
+                         f"torch.float16), or use ZeRO (zero_stage 1-3), which steps float32 master shards")
     ep = expert_parallel_module.degree(expert_parallel, ctx.dims.dp)
     user_wrap, wrap = wrap, wrap if wrap is not None else declared_blocks(model)
     activation_checkpointing_module.check_arguments(activation_checkpointing, wrap)
@@ -451,7 +470,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                 token_count=token_count, data_parallel=wrapper, device=ctx.device,
                                 tp_group=ctx.tp_group if ctx.dims.tp > 1 else None)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
-                        loss_fn=loss_fn, ctx=ctx, token_count=token_count, loss_scale=scaler)
+                        loss_fn=loss_fn, ctx=ctx, token_count=token_count, loss_scale=scaler, _model=model)
 
 
 def _takes_use_cache(model: nn.Module) -> bool:

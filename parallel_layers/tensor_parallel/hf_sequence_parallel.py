@@ -301,8 +301,13 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
         embedding.partial_output = True
     first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0], partial)),
                                     with_kwargs=True)
-    # the end of a forward that ran without the split (Note [a forward without the sequence split])
-    model.register_forward_hook(lambda m, args, out: comm.set_whole_sequence(False), always_call=True)
+    # the end of a forward that ran without the split (Note [a forward without the sequence split]):
+    # at the end of every module around layer 0 a user may call, the decoder (model.model) too,
+    # whose direct call otherwise left the flag on for the process's other sequence-parallel
+    # layers (review finding)
+    names = layout.layers[0].split(".")
+    for outer in {".".join(names[:i]) for i in range(len(names))}:
+        modules[outer].register_forward_hook(lambda m, args, out: comm.set_whole_sequence(False), always_call=True)
     for region in sorted(_regions(modules, layout)):
         modules[region].register_forward_pre_hook(
             _on_hidden_states(lambda x: comm.gather_from_sp(x, tp_group, SEQ_DIM)), with_kwargs=True)

@@ -46,7 +46,12 @@ the shared stream), and from a row layer's input to its output, reduce-scattered
 stream too. Outside the decoder layers nothing changes: the embedding's dropout, before the split,
 draws one mask over the whole sequence from the shared stream. The layer's forward, not a hook,
 enters the stream, so that activation checkpointing's recompute (which runs the forward between
-the hooks: Note [checkpoint inside the hooks]) replays it with the rest.
+the hooks: Note [checkpoint inside the hooks]) replays it with the rest. A forward that runs
+without the split (Note [a forward without the sequence split] in comm.py: no gradients, a
+length tp does not divide) draws as plain tensor parallelism does - the shared stream except
+between the column layers' sharded outputs and the row layers - since its residual stream is
+replicated (with this rank's stream, a train-mode generate() dropped differently on each rank:
+review finding).
 """
 
 from __future__ import annotations
@@ -217,16 +222,23 @@ def install_sequence_parallel(layer: torch.nn.Module, regions: list[torch.nn.Mod
     layer.forward = functools.partial(_in_rank_stream, layer)
     for region in regions:
         region.register_forward_pre_hook(lambda m, args: leave())
-        region.register_forward_hook(lambda m, args, out: _enter_at(out))
+        region.register_forward_hook(lambda m, args, out: _enter_at_split(out))
     for column in columns:
         column.register_forward_hook(lambda m, args, out: _enter_at(out))
     for row in rows:
         row.register_forward_pre_hook(lambda m, args: leave())
-        row.register_forward_hook(lambda m, args, out: _enter_at(out))
+        row.register_forward_hook(lambda m, args, out: _enter_at_split(out))
+
+
+def _enter_at_split(tree) -> None:
+    """This rank's stream where the sequence is split: not in a forward without the split, whose
+    values there are replicated (see the Note)."""
+    if not comm.whole_sequence():
+        _enter_at(tree)
 
 
 def _in_rank_stream(layer: torch.nn.Module, *args, **kwargs):
-    _enter_at((args, kwargs))
+    _enter_at_split((args, kwargs))
     try:
         return layer._pl_stream_forward(*args, **kwargs)
     finally:  # also when the forward raises: the next forward's replicated draws stay shared

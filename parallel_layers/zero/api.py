@@ -147,7 +147,7 @@ def _storage_shared_within(params: list[nn.Parameter]) -> set[int]:
     return shared
 
 
-def _refuse_non_floating(model: nn.Module) -> None:
+def refuse_non_floating(model: nn.Module) -> None:
     """ZeRO gathers, reduces and steps parameters through floating buffers and float32 master
     shards, which would round an integer parameter (2**24 + 1 comes back 2**24) or fail on it
     deep in a copy-out kernel; such a parameter (frozen: an integer tensor cannot have a
@@ -181,7 +181,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         check_dtypes(param_dtype, reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed to be initialised (init_parallel or init_process_group)")
-        _refuse_non_floating(model)
+        refuse_non_floating(model)
         self.module, self.stage, self.group = model, stage, group
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         release_frozen_hooks(model)  # a DataParallel's built before: ZeRO takes a parameter unfrozen later

@@ -18,10 +18,11 @@ peft = pytest.importorskip("peft")
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 128, 1e-2
 
 
-def _lora(model):
+def _lora(model, layers=None):
     torch.manual_seed(0)  # the adapters' initial values, the same in every process
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
-                             init_lora_weights=False)  # B != 0: the adapters change the output from step 1
+                             init_lora_weights=False,  # B != 0: the adapters change the output from step 1
+                             layers_to_transform=layers)
     return peft.get_peft_model(model, config)
 
 
@@ -33,7 +34,8 @@ def _run(rank, world, directory, layout, out):
     tp = 2 if layout.startswith("tp2") else 1
     ctx = init_parallel(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
-    if not layout.endswith("-later"):
+    later = "-later" in layout or layout.endswith("-after-a-step")
+    if not later:
         model = _lora(model)
     target = model.get_base_model() if layout == "pp2-base" else model
     try:
@@ -41,9 +43,12 @@ def _run(rank, world, directory, layout, out):
                           tp_plan="auto" if tp > 1 else None, sequence_parallel=layout.endswith("-sp"),
                           zero_stage=3 if "zero3" in layout else 0,
                           pipeline_layers="auto" if pp > 1 else None)
-        if layout.endswith("-later"):
-            model = _lora(model)
-        losses = _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
+        batches = _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)
+        if layout.endswith("-after-a-step"):
+            _tiny.parallel_losses(par, ctx, batches[:1])
+        if later:  # pp2: layer 1's adapters only, which pipeline rank 1's stage holds
+            model = _lora(model, layers=[1] if pp > 1 else None)
+        losses = _tiny.parallel_losses(par, ctx, batches)
     except (ValueError, RuntimeError) as e:
         return f"refused: {e}"
     path = checkpoint.save(out + "-ckpt", STEPS, par)
@@ -94,7 +99,13 @@ def test_lora_trains_as_one_process_does(tmp_path, layout):
         torch.testing.assert_close(loaded(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "dp2-later", "dp2-zero3-later"])
+def _added(count, first=None):
+    return (f"refused: parallelize: {count} trainable parameter(s) were not in the model, or not of their shape, "
+            f"when it was parallelized" + (f" (e.g. ['{first}'" if first else ""))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "dp2-later", "dp2-zero3-later", "pp2-later",
+                                    "dp2-after-a-step"])
 def test_what_would_train_wrongly_is_refused_on_every_rank(tmp_path, layout):
     _tiny.save_tiny_llama(tmp_path / "src")
     got = run_distributed(_run, 2, args=(str(tmp_path / "src"), layout, str(tmp_path / "out")))
@@ -108,10 +119,12 @@ def test_what_would_train_wrongly_is_refused_on_every_rank(tmp_path, layout):
         "pp2": "refused: pipeline_layers='auto' needs a transformers model's own modules; PeftModel is "
                "peft's wrapper around a LlamaForCausalLM: pass its base model, parallelize(peft_model.get_base_model()",
         # before: the adapters were in no optimizer, bucket or unit, and nothing trained
-        "dp2-later": "refused: parallelize: 12 parameter(s) got a gradient but were not in the model when it was "
-                     "parallelized (e.g. ['module.model.layers.0.self_attn.q_proj.lora_A.default.weight'",
-        "dp2-zero3-later": "refused: parallelize: 12 parameter(s) got a gradient but were not in the model when it "
-                           "was parallelized",
+        "dp2-later": _added(12, "model.layers.0.self_attn.q_proj.lora_A.default.weight"),
+        "dp2-zero3-later": _added(12),
+        # helper-50: raised by pipeline rank 1 alone (its stage holds layer 1), rank 0 then waited
+        "pp2-later": _added(6, "model.layers.1.self_attn.q_proj.lora_A.default.weight"),
+        # helper-50: checked at the first step only, which had passed
+        "dp2-after-a-step": _added(12),
     }[layout]
     for rank, result in enumerate(got):
         assert isinstance(result, str) and result.startswith(expected), (rank, result)

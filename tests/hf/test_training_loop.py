@@ -696,3 +696,31 @@ def test_learned_activation_scalars_at_tp2_and_zero3(tmp_path, layout):
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     for name, tensor in plain.state_dict().items():
         assert torch.allclose(trained[name].float(), tensor.float(), atol=1e-5), name
+
+
+def _resized_after(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(dp=world, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss)
+    model.resize_token_embeddings(VOCAB + 8)  # new embedding and head parameters, after the buckets were built
+    ids = _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0].chunk(world)[rank]
+    try:
+        par.forward_backward(ids, ids)
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
+
+
+def test_embeddings_resized_after_parallelize_are_refused(tmp_path):
+    """helper-50: DataParallel failed in backward with a bucket size mismatch (4117 vs 4352)
+    where the embeddings were resized after parallelize; the step refuses them by name first
+    (Note [parameters added after parallelize])."""
+    _tiny.save_tiny_qwen2(tmp_path)
+    for message in run_distributed(_resized_after, 2, args=(str(tmp_path),)):
+        assert message.startswith("parallelize: 2 trainable parameter(s) were not in the model, or not of their "
+                                  "shape, when it was parallelized (e.g. ['model.embed_tokens.weight', "
+                                  "'lm_head.weight'])"), message
+        assert "resize embeddings first" in message

@@ -349,3 +349,32 @@ def test_sequence_layer_arguments():
         ColumnParallelLinear(4, 4, sequence_parallel=True, seq_dim="1")
     with pytest.raises(TypeError, match=r"RowParallelLinear: seq_dim must be an int .*, got None"):
         RowParallelLinear(4, 4, sequence_parallel=True, seq_dim=None)
+
+
+def _whole_sequence_forwards(rank, ws):
+    from parallel_layers.tensor_parallel import comm
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                     resid_pdrop=0.1, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=True)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ - 1), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model.transformer(ids)  # the decoder called by itself, 15 positions
+        left_on = comm.whole_sequence()
+        model.train()  # dropout on: generate() without eval(), a rollout
+        logits = model(ids).logits
+    return left_on, logits.tolist()
+
+
+def test_a_forward_without_the_split_leaves_nothing_behind_and_drops_alike_on_every_rank():
+    """helper-50: the decoder called directly (model.transformer / model.model) left the flag of
+    Note [a forward without the sequence split] on, for the process's other sequence-parallel
+    layers; and a train-mode forward without the split drew each decoder layer's dropout from
+    each rank's own stream over the replicated residual stream (0.026 apart between the ranks)."""
+    results = run_distributed(_whole_sequence_forwards, TP)
+    assert [left_on for left_on, _ in results] == [False] * TP
+    first = torch.tensor(results[0][1])
+    for _, logits in results[1:]:
+        assert torch.equal(torch.tensor(logits), first)

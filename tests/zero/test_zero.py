@@ -561,3 +561,32 @@ def test_an_integer_parameter_is_refused_by_name_when_zero_is_built(stage):
         assert "0.counts (int64), 1.counts (int64)" in got and "register_buffer" in got, got
         assert alone.startswith("ShardedParam shards floating-point parameters only") and "int64" in alone, alone
 
+
+
+def _integer_under_a_pipeline(rank, ws, directory):
+    import transformers
+
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(pp=2, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    model.model.layers[1].counter = nn.Parameter(torch.tensor([3]), requires_grad=False)  # pipeline rank 1's stage
+    try:
+        parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps), loss_fn=causal_lm_loss, zero_stage=1,
+                    pipeline_layers="auto")
+    except TypeError as e:
+        return str(e)
+    return "built"
+
+
+def test_an_integer_parameter_is_refused_on_every_pipeline_rank(tmp_path):
+    """helper-50: the refusal ran on each rank's stages only, so the rank whose stage holds the
+    parameter raised and the other failed later in a collective, without the cause."""
+    pytest.importorskip("transformers")
+    from tests.hf import _tiny
+
+    _tiny.save_tiny_llama(tmp_path)
+    for message in run_distributed(_integer_under_a_pipeline, 2, args=(str(tmp_path),)):
+        assert message.startswith("ZeRO shards floating-point parameters only") and \
+            "model.layers.1.counter (int64)" in message, message
