@@ -274,3 +274,24 @@ def test_an_embedding_read_outside_its_module_stays_in_the_root():
     for rank, (groups, loss) in enumerate(run_distributed(_reads_its_embedding, 2)):
         assert groups == ["body", "<root>"]
         assert loss == pytest.approx(halves[rank], rel=1e-6)
+
+
+def test_a_parameter_seen_at_parallelize_is_known_by_its_mark_shape_and_dtype():
+    """Note [parameters added after parallelize]: helper-51 replaced a frozen head by a new
+    trainable one at the freed head's address (its id, the first version's key) and it was taken
+    for the old one, untrained; a cast after parallelize went unnoticed too. The mark survives
+    meta.swap_in, which gives a meta-built parameter its storage in place."""
+    from parallel_layers.meta import empty_like, swap_in
+    from parallel_layers.parallelize import _as_built, _mark_built
+
+    p, q = nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(2, 3))
+    _mark_built(p)
+    assert _as_built(p) and not _as_built(q)  # q, wherever it lives
+    on_meta = nn.Parameter(torch.empty(2, 3, device="meta"))
+    _mark_built(on_meta)
+    swap_in(on_meta, empty_like(on_meta, "cpu"))
+    assert _as_built(on_meta) and on_meta.device.type == "cpu"
+    p.data = torch.zeros(3, 2)
+    assert not _as_built(p)  # resized
+    p.data = torch.zeros(2, 3, dtype=torch.float16)
+    assert not _as_built(p)  # cast

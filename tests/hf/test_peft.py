@@ -100,8 +100,8 @@ def test_lora_trains_as_one_process_does(tmp_path, layout):
 
 
 def _added(count, first=None):
-    return (f"refused: parallelize: {count} trainable parameter(s) were not in the model, or not of their shape, "
-            f"when it was parallelized" + (f" (e.g. ['{first}'" if first else ""))
+    return (f"refused: parallelize: {count} trainable parameter(s) were not in the model, or not of their shape "
+            f"and dtype, when it was parallelized" + (f" (e.g. ['{first}'" if first else ""))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "dp2-later", "dp2-zero3-later", "pp2-later",

@@ -721,6 +721,6 @@ def test_embeddings_resized_after_parallelize_are_refused(tmp_path):
     _tiny.save_tiny_qwen2(tmp_path)
     for message in run_distributed(_resized_after, 2, args=(str(tmp_path),)):
         assert message.startswith("parallelize: 2 trainable parameter(s) were not in the model, or not of their "
-                                  "shape, when it was parallelized (e.g. ['model.embed_tokens.weight', "
+                                  "shape and dtype, when it was parallelized (e.g. ['model.embed_tokens.weight', "
                                   "'lm_head.weight'])"), message
-        assert "resize embeddings first" in message
+        assert "resize embeddings, cast the model first" in message
