@@ -293,10 +293,9 @@ class Parallelized:
     # model as the user holds it must carry the mark parallelize left on it, its shape and dtype
     # then (an attribute, which meta.swap_in keeps when it gives a parameter storage in place;
     # a first version kept ids, which a new parameter can reuse, and a weak reference stops
-    # torch.utils.swap_tensors).
-    # Every rank holds all of the model (a pipeline rank the other stages' modules as
-    # placeholders, where peft adds its adapters too), so every rank finds the same ones and
-    # raises, with no collective. Cost: one walk of the module tree a step (~0.5 ms on a 32-layer
+    # torch.utils.swap_tensors). Every rank holds all of the model (a pipeline rank the other
+    # stages' modules as placeholders, where peft adds its adapters too), so every rank finds
+    # the same ones and raises, with no collective. Cost: one walk of the module tree a step (~0.5 ms on a 32-layer
     # Llama's 423 modules on this project's CPU, under load), and nothing in further
     # accumulation microbatches.
     def _refuse_parameters_added_later(self) -> None:
@@ -417,8 +416,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     scaler = LossScale.from_argument(loss_scale)
     if zero_stage:  # the whole model, before anything is converted: after a pipeline's cut each rank
         refuse_non_floating(model)  # would see its own stages only (review finding)
-    halves = [n for n, p in model.named_parameters() if p.dtype == torch.float16 and p.requires_grad]
-    if scaler is not None and not zero_stage and halves:
+    halves = [n for n, p in model.named_parameters() if p.dtype == torch.float16 and p.requires_grad] \
+        if scaler is not None and not zero_stage else []
+    if halves:
         raise ValueError(f"parallelize: loss_scale with float16 parameters that the optimizer steps directly (e.g. "
                          f"{halves[:2]}, {len(halves)} in all): their unscaled gradients and updates round in "
                          f"float16, which torch.amp.GradScaler refuses too ('Attempting to unscale FP16 gradients'). "
