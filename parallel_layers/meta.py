@@ -38,10 +38,16 @@ from torch import Tensor
 
 def has_meta(model: nn.Module) -> bool:
     """Whether any parameter or buffer of `model` (or a tensor its wrapper holds, such as
-    ZeRO's shards, through `placement.describe`) is on the meta device."""
+    ZeRO's shards, through `placement.describe`, or DataParallel's gradient buckets) is on the
+    meta device."""
     from parallel_layers import placement
 
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        return True
+    # DataParallel's gradient buckets, built on the meta device with the model: still there when
+    # the model alone was materialized, not the wrapper that rebuilds them (review finding: the
+    # first step failed "Cannot copy out of meta tensor")
+    if any(b.buffer.is_meta for b in getattr(model, "buckets", ())):
         return True
     if not callable(getattr(model, "state_placement", None)):
         return False
