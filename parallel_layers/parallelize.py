@@ -157,7 +157,7 @@ class Parallelized:
         out = self.module(inputs, **kwargs)
         loss = self.loss_fn(out, targets)
         # the logits ([tokens, vocab], float32 for a Hugging Face model) are not needed by backward:
-        # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan.py)
+        # holding them through it kept one more such copy at the step's peak (Note [peak memory] in plan/cost.py)
         del out
         if self.token_count is not None:  # loss_fn returned a sum: the batch's count over dp divides it
             divisor = token_divisor(self.token_count(targets), self._dp_group(), loss.device).to(loss.dtype)

@@ -1,4 +1,4 @@
-"""The layout planner (parallel_layers/plan.py): its memory model against the ZeRO paper's
+"""The layout planner (parallel_layers/plan/): its memory model against the ZeRO paper's
 formulas and against memory measured in real gloo runs of parallel_layers.models.GPT (the
 model of examples/train_gpt.py), and its recommendations against the rules in docs/parallelism.md."""
 

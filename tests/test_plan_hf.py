@@ -171,7 +171,7 @@ def test_verify_plans_for_the_cpus_dropout_and_attention():
     """--verify on a CPU: float32 dropout masks, and SDPA with dropout keeping the scores (its math
     path: the CPU's flash kernel has no dropout) - a GPT-2 layer under SDPA with dropout saves
     what the eager one does (test above), 1.4x the flash estimate (review finding); on a GPU neither."""
-    from parallel_layers import _verify
+    from parallel_layers.plan import verify as _verify
 
     gpt2 = ModelSpec.from_hf_config(transformers.GPT2Config(n_embd=128, n_layer=1, n_head=4).to_dict(), seq=128)
     no_dropout = ModelSpec.from_hf_config(transformers.GPT2Config(
@@ -305,7 +305,7 @@ def test_experts_over_dp_hold_their_share_and_add_the_all_to_alls():
         ep = plan.estimate(moe, cluster, train, plan.Layout(4, 1, 1, zero, 1, ep=4))
         # without ep: every expert (ZeRO-3: a quarter, and two gathered layers' worth, the larger of
         # a layer and the embedding); with: a quarter
-        gathered = plan._stage_params(moe, 1, 1)[1] - plan._stage_params(moe, 1, 1, held_apart=expert / moe.layers)[1]
+        gathered = plan.cost._stage_params(moe, 1, 1)[1] - plan.cost._stage_params(moe, 1, 1, held_apart=expert / moe.layers)[1]
         saved = 2 * 2 * gathered if zero == 3 else 2 * expert - 2 * expert / 4
         assert plain.params - ep.params == pytest.approx(saved, rel=1e-9)
         assert plain.optimizer - ep.optimizer == pytest.approx(12 * expert / (1 if zero == 0 else 4) - 12 * expert / 4,

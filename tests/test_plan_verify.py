@@ -1,4 +1,4 @@
-"""`python -m parallel_layers.plan ... --verify` (parallel_layers/_verify.py): the planner's top
+"""`python -m parallel_layers.plan ... --verify` (parallel_layers/plan/verify.py): the planner's top
 layouts for 2 local processes run under torchrun (gloo, the composing parallelize) on a tiny
 Hugging Face Llama, and each rank's measured peak memory is within 15% of the prediction
 (issue 18's acceptance). The memory terms are made large enough to measure above the resident
@@ -7,7 +7,8 @@ eager attention's [heads, seq, seq] probabilities at seq 128."""
 
 import pytest
 
-from parallel_layers import _verify, plan
+from parallel_layers import plan
+from parallel_layers.plan import verify as _verify
 
 WORLD = 2
 

@@ -171,7 +171,7 @@ def verify(model, train, config: str, gpus: int, *, top: int = 3, steps: int = 3
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // gpus)),
                "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD)}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-               "-m", "parallel_layers._verify", "--job", job, "--out", out]
+               "-m", "parallel_layers.plan.verify", "--job", job, "--out", out]
         # A session of its own, so that a timeout kills the launcher and every worker it started.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -405,7 +405,7 @@ def _run_worker(argv: list[str] | None) -> None:
 
     from parallel_layers import init_parallel
 
-    ap = argparse.ArgumentParser(prog="python -m parallel_layers._verify")
+    ap = argparse.ArgumentParser(prog="python -m parallel_layers.plan.verify")
     ap.add_argument("--job", required=True, help="what to plan and run (JSON, written by verify())")
     ap.add_argument("--out", required=True, help="rank 0 writes the plan and every rank's measurements here (JSON)")
     args = ap.parse_args(argv)
