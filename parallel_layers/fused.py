@@ -69,12 +69,14 @@ functools.partial over the layer, so deepcopy and pickle rebind it to the copy; 
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
 import io
 import os
 import sys
+import textwrap
 import tokenize
 import warnings
 
@@ -82,17 +84,23 @@ import torch.nn as nn
 
 from parallel_layers.ops.rms_norm import FusedRMSNorm
 from parallel_layers.tensor_parallel.layers import (ColumnParallelLinear, PackedSwiGLUMLP, RowParallelLinear,
-                                                   SwiGLUMLP)
+                                                   SwiGLUMLP, has_hooks)
 
-_SWIGLU_FORWARD = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
-# Phi3MLP.forward's body (GlmMLP's and Glm4MLP's are the same): gate and up packed in one layer
-_PACKED_GATED_FORWARD = ("up_states=self.gate_up_proj(hidden_states)gate,up_states=up_states.chunk(2,dim=-1)"
-                         "up_states=up_states*self.activation_fn(gate)returnself.down_proj(up_states)")
-# LlamaRMSNorm.forward's body, whitespace removed (Qwen2's, Qwen3's and Mistral's are the same)
-_RMS_NORM_FORWARD = ("input_dtype=hidden_states.dtypehidden_states=hidden_states.to(torch.float32)"
-                     "variance=hidden_states.pow(2).mean(-1,keepdim=True)"
-                     "hidden_states=hidden_states*torch.rsqrt(variance+self.variance_epsilon)"
-                     "returnself.weight*hidden_states.to(input_dtype)")
+# The forward bodies fuse() recognises, statement by statement as `_forward_body` writes them (a
+# docstring dropped; the whole body must be one of these: Note [fused modules]).
+# LlamaMLP.forward's (and that of every SwiGLU MLP in transformers 5.23 but Seed-OSS's, which
+# applies a dropout after down_proj), and Idefics' one-statement form:
+_SWIGLU_BODIES = frozenset([
+    "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)); return down_proj",
+    "return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"])
+# Phi3MLP.forward's (GlmMLP's and Glm4MLP's are the same): gate and up packed in one layer
+_PACKED_GATED_BODY = ("up_states = self.gate_up_proj(hidden_states); gate, up_states = up_states.chunk(2, dim=-1); "
+                      "up_states = up_states * self.activation_fn(gate); return self.down_proj(up_states)")
+# LlamaRMSNorm.forward's (Qwen2's, Qwen3's and Mistral's are the same)
+_RMS_NORM_BODY = ("input_dtype = hidden_states.dtype; hidden_states = hidden_states.to(torch.float32); "
+                  "variance = hidden_states.pow(2).mean(-1, keepdim=True); "
+                  "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon); "
+                  "return self.weight * hidden_states.to(input_dtype)")
 
 
 # sha256 of `_forward_tokens` of LlamaDecoderLayer.forward in transformers 5.23 (Note [fused
@@ -125,11 +133,21 @@ def _readable_forward(cls: type):
     return forward
 
 
-def _forward_source(module: nn.Module) -> str:
-    try:
-        return "".join(inspect.getsource(_readable_forward(type(module))).split())
-    except (OSError, TypeError):  # built without source (e.g. a C extension or a REPL class), or wrapped
+def _forward_body(module: nn.Module) -> str:
+    """The statements of the forward that `module` runs, each as `ast.unparse` writes it (layout,
+    comments and a docstring dropped), joined by "; "; "" where that is not its class's forward
+    read from source (an instance forward, a C extension or a REPL class, another wrapper)."""
+    if "forward" in vars(module):  # an instance forward: not the class's source
         return ""
+    try:
+        function = ast.parse(textwrap.dedent(inspect.getsource(_readable_forward(type(module))))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return ""
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return "; ".join(ast.unparse(statement) for statement in body)
 
 
 def _forward_tokens(cls: type) -> str:
@@ -163,9 +181,10 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
                                       position_ids=position_ids, past_key_values=past_key_values,
                                       use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-    if hidden_states.dtype == residual.dtype:
+    if hidden_states.dtype == residual.dtype and not has_hooks(self.post_attention_layernorm):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-    else:  # autocast: a 16-bit attention output onto a float32 stream, which the add promotes
+    else:  # autocast: a 16-bit attention output onto a float32 stream, which the add promotes; or
+        # hooks on the norm, which expect its one input and output (Note [hooks on fused parts])
         residual = residual + hidden_states
         hidden_states = self.post_attention_layernorm(residual)
     hidden_states = self.mlp(hidden_states)
@@ -180,14 +199,14 @@ def _is_llama_rms_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (isinstance(weight, nn.Parameter) and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), float)
-            and _forward_source(module).endswith(_RMS_NORM_FORWARD))
+            and _forward_body(module) == _RMS_NORM_BODY)
 
 
 def _swiglu_parts(module: nn.Module):
     """(gate_proj, up_proj, down_proj) if `module` is a SwiGLU MLP that SwiGLUMLP computes alike."""
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     gate, up, down = parts
-    if not _is_silu(getattr(module, "act_fn", None)) or _SWIGLU_FORWARD not in _forward_source(module):
+    if not _is_silu(getattr(module, "act_fn", None)) or _forward_body(module) not in _SWIGLU_BODIES:
         return None
     if (type(gate), type(up)) == (ColumnParallelLinear, ColumnParallelLinear):
         if not isinstance(down, RowParallelLinear) or gate.gather_output or gate.activation or gate.fused_sizes:
@@ -202,7 +221,7 @@ def is_packed_gated_mlp(module: nn.Module) -> bool:
     gate_up_proj(x).chunk(2, -1)` (Phi-3, GLM, GLM-4), whatever its activation? Then splitting
     gate_up_proj's two halves block by block over tp leaves each rank's chunk its own gate and
     up features (tensor_parallel/plan.py, Note [packed MLPs split block by block])."""
-    return _PACKED_GATED_FORWARD in _forward_source(module) and all(
+    return _forward_body(module) == _PACKED_GATED_BODY and all(
         isinstance(getattr(module, name, None), nn.Module) for name in ("gate_up_proj", "down_proj"))
 
 
@@ -226,10 +245,14 @@ def fuse(model: nn.Module) -> list[str]:
     """Swap every recognised module of `model` for its fused counterpart, in place (Note [fused
     modules]), and give the recognised decoder layers the fused residual add (Note [fused
     residual add]); returns the names of the modules swapped and of the layers changed."""
-    swapped = []
+    swapped, hooked = [], []
     for name, module in list(model.named_modules()):
         if not name:
             continue
+        if _is_llama_rms_norm(module) or _packed_swiglu_parts(module) is not None or _swiglu_parts(module) is not None:
+            if has_hooks(module):  # its replacement would not carry them (Note [hooks on fused parts])
+                hooked.append(name)
+                continue
         if _is_llama_rms_norm(module):
             fused = FusedRMSNorm.from_hf(module)
         elif (packed := _packed_swiglu_parts(module)) is not None:
@@ -248,7 +271,13 @@ def fuse(model: nn.Module) -> list[str]:
             # by its function's name on the module, which has none of that name
             module.forward = functools.partial(_decoder_layer_forward, module)
             swapped.append(name)
-    _warn_left_alone(model, swapped)
+    if hooked:
+        warnings.warn(f"fuse: {len(hooked)} module(s) that it would swap have hooks, which the fused module would "
+                      f"not carry, and keep their own forward, unfused: {hooked[:4]}. Register hooks after "
+                      "parallelize (hooks on a fused MLP's gate_proj / up_proj run, unfused: Note [hooks on fused "
+                      "parts] in parallel_layers/tensor_parallel/layers.py), or pass fused_kernels=False",
+                      stacklevel=3)
+    _warn_left_alone(model, swapped + hooked)
     return swapped
 
 

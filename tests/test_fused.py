@@ -286,6 +286,59 @@ def test_only_what_computes_a_swiglu_is_fused(tmp_path):
     assert isinstance(tp_parallelize(transformers.LlamaForCausalLM(config)).model.layers[0].mlp, SwiGLUMLP)
 
 
+def test_an_mlp_that_does_more_than_the_swiglu_is_left_alone():
+    # Seed-OSS's MLP is Llama's plus a dropout on its output (residual_dropout): the swap matched
+    # the expression inside its forward and trained without that dropout (review finding)
+    config = transformers.SeedOssConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        residual_dropout=0.5)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    mlp = model.model.layers[0].mlp
+    names = fused.fuse(model)
+    assert "model.layers.0.mlp" not in names and model.model.layers[0].mlp is mlp
+    mlp.train()
+    zeros = (mlp(torch.randn(4, 8, 32)) == 0).float().mean().item()
+    assert 0.3 < zeros < 0.7  # its dropout of 0.5 still runs
+
+
+def test_hooks_on_a_fused_mlps_projections_run(tmp_path):
+    # the fused MLP reads gate_proj's and up_proj's weights: their hooks never fired, silently
+    # (review finding); with hooks it calls them as modules (Note [hooks on fused parts])
+    save_tiny_llama(tmp_path)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    calls = {"gate": 0, "up": 0, "norm": []}
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(  # before the swap
+        lambda m, args, out: calls.update(gate=calls["gate"] + 1))
+    fused.fuse(model)
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, SwiGLUMLP)
+    mlp.up_proj.register_forward_hook(lambda m, args, out: calls.update(up=calls["up"] + 1))  # after it
+    model.model.layers[1].post_attention_layernorm.register_forward_hook(
+        lambda m, args, out: calls["norm"].append(type(out).__name__))
+    ids = torch.randint(0, 128, (2, 8))
+    logits = model(ids).logits
+    torch.testing.assert_close(logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    assert calls == {"gate": 1, "up": 1, "norm": ["Tensor"]}  # the norm's hook sees its one output, not a pair
+    logits.sum().backward()  # backward through the modules
+    plain(ids).logits.sum().backward()
+    torch.testing.assert_close(mlp.gate_proj.weight.grad, plain.model.layers[0].mlp.gate_proj.weight.grad,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_with_hooks_of_its_own_is_not_swapped(tmp_path):
+    save_tiny_llama(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    mlp, norm = model.model.layers[0].mlp, model.model.layers[0].post_attention_layernorm
+    mlp.register_forward_pre_hook(lambda m, args: None)  # the swap would drop them
+    norm.register_forward_hook(lambda m, args, out: None)
+    with pytest.warns(UserWarning, match=r"fuse: 2 module\(s\) that it would swap have hooks, which the fused "
+                                         r"module would not carry.*'model.layers.0.mlp'"):
+        names = fused.fuse(model)
+    assert model.model.layers[0].mlp is mlp and model.model.layers[0].post_attention_layernorm is norm
+    assert "model.layers.0" not in names and "model.layers.1.mlp" in names  # layer 0 keeps its own add
+
+
 def test_swiglu_mlp_refuses_unmatched_projections():
     with pytest.raises(TypeError, match="gate_proj and up_proj must both be ColumnParallelLinear or both nn.Linear, "
                                         "got Linear and ColumnParallelLinear"):

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
+from torch.nn.modules import module as torch_module  # its global hooks' registries (has_hooks)
 
 from parallel_layers import fault
 from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_forward, linear_gelu_forward,
@@ -392,6 +393,25 @@ class RowParallelLinear(_LinearConversions, nn.Module):
                 + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else ""))
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Would calling `module` run hooks - its own (forward, backward, pre) or torch's global module
+    hooks? The fused MLPs then call their projections as modules (Note [hooks on fused parts])."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
+                or torch_module._global_backward_pre_hooks)
+
+
+# Note [hooks on fused parts]: the fused MLPs read their gate and up projections' weights and
+# run one GEMM, so the projections' own forward never runs, nor any hook on them: a hook the user
+# put on mlp.gate_proj (to record activations, say) silently never fired, and ZeRO-3 wrapping
+# each nn.Linear as a unit (its gather is a pre-hook) failed at the first forward (review
+# finding). So a fused MLP whose projections carry hooks when it is called - registered before
+# or after the swap, by the user or a wrapper - runs them as modules,
+# `down_proj(silu(gate_proj(x)) * up_proj(x))`: the same values, unfused, with their hooks. A
+# few dict reads a call, for the fused path in the common case. (fuse() leaves a module that has
+# hooks of its own unswapped, and the fused decoder layer adds the residual apart from a
+# post-attention norm with hooks, whose hook would otherwise see a tuple: parallel_layers/fused.py.)
 class SwiGLUMLP(nn.Module):
     """A SwiGLU MLP, `down_proj(silu(gate_proj(x)) * up_proj(x))` (Llama, Qwen2, Mistral), whose
     gate and up projections run as one GEMM with the activation fused (linear_swiglu).
@@ -439,6 +459,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj, self.up_proj
+        if has_hooks(gate) or has_hooks(up):  # Note [hooks on fused parts]
+            return self.down_proj(nn.functional.silu(gate(x)) * up(x))
         group, input_comm, seq_dim = _column_comm(gate, x, "SwiGLUMLP gate_proj/up_proj")
         xc, w_gate, b_gate = linear_autocast_inputs(x, gate.weight, gate.bias)
         _, w_up, b_up = linear_autocast_inputs(x, up.weight, up.bias)
@@ -484,6 +506,9 @@ class PackedSwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         layer = self.gate_up_proj
+        if has_hooks(layer):  # Note [hooks on fused parts]
+            gate, up = layer(x).chunk(2, dim=-1)
+            return self.down_proj(up * nn.functional.silu(gate))
         group, input_comm, seq_dim = _column_comm(layer, x, "PackedSwiGLUMLP gate_up_proj")
         xc, w, b = linear_autocast_inputs(x, layer.weight, layer.bias)
         return self.down_proj(_ColumnSwiGLU.apply(xc, w, None, b, None, group, input_comm, seq_dim))

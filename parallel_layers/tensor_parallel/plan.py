@@ -93,7 +93,8 @@ from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import experts as moe
 from parallel_layers.tensor_parallel import hf_sequence_parallel, region_random
 from parallel_layers.tensor_parallel.experts import Experts
-from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reduce_grad_over_tp
+from parallel_layers.tensor_parallel.layers import (ColumnParallelLinear, PackedSwiGLUMLP, RowParallelLinear, SwiGLUMLP,
+                                                   reduce_grad_over_tp)
 from parallel_layers.tensor_parallel.sharding import keep_requires_grad, sharded_parameter
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding, subclass_problem
 
@@ -465,9 +466,15 @@ def _install_region_streams(model: nn.Module, sp_layout) -> None:
                 continue
             inside = [modules[r] for r in regions if r.startswith(name + ".")]
             children = [c for region in inside for c in region.children()]
+            # a fused MLP's columns run inside its one GEMM, with nothing drawn before its row
+            # layer: hooks on them would only turn it back into separate calls (Note [hooks on
+            # fused parts] in layers.py)
+            fused_columns = {id(c) for region in inside if isinstance(region, (SwiGLUMLP, PackedSwiGLUMLP))
+                             for c in region.children()}
             region_random.install_sequence_parallel(
                 layer, inside,
-                [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output],
+                [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output
+                 and id(c) not in fused_columns],
                 [c for c in children if isinstance(c, RowParallelLinear)])
             for m in (layer, *inside):
                 m._pl_region_streams = True

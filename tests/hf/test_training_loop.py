@@ -302,6 +302,30 @@ def test_decoder_layers_compiled_after_parallelize(tmp_path, layout):
     assert mean == pytest.approx(expected, abs=1e-5)
 
 
+def _zero3_per_linear(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(dp=world, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).train()
+    par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss, zero_stage=3,
+                      wrap=lambda m: isinstance(m, torch.nn.Linear))  # FSDP's habit of one unit per linear
+    return _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
+
+
+def test_zero3_units_of_the_fused_mlps_projections_train_as_plain(tmp_path):
+    """Review finding (helper-53): ZeRO-3 with each nn.Linear a unit failed at the first forward
+    with the default fused kernels - the fused MLP read gate_proj's and up_proj's weights without
+    calling them, so their gathers (pre-hooks) never ran. With hooks it calls them (Note [hooks on
+    fused parts] in tensor_parallel/layers.py)."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    results = run_distributed(_zero3_per_linear, 2, args=(str(tmp_path / "src"),))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").train()
+    expected = _tiny.plain_losses(plain, _sgd(plain.parameters()), _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
+    mean = [sum(r[i] for r in results) / len(results) for i in range(STEPS)]
+    assert mean == pytest.approx(expected, abs=1e-5)
+
+
 def _frozen_tied(rank, world, directory, out):
     from parallel_layers import hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
