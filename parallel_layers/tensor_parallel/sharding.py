@@ -47,6 +47,9 @@ class TPShard:
             go[self.dim], lo[self.dim], sz[self.dim] = start + self.index * size, local_along, size
             if logical_rows is not None:  # crop the padding rows (dim 0)
                 sz[0] = max(0, min(go[0] + sz[0], logical_rows) - go[0])
+                # a rank whose rows are all padding (a vocabulary of 5 at tp=4: rows 6-7 of 8)
+                # holds an empty box at the logical tensor's end, not one past it
+                go[0] = min(go[0], logical_rows)
             boxes.append(Box(tuple(lo), tuple(go), tuple(sz)))
             local_along, start = local_along + size, start + block
         return LocalLayout(tuple(glob), tuple(boxes), replicated=self.parts == 1)

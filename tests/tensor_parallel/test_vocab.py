@@ -201,3 +201,16 @@ def test_embedding_subclass_refusals():
     own = VocabParallelEmbedding.from_embedding(_OwnLookup(VOCAB, DIM))
     with pytest.raises(RuntimeError, match=r"_OwnLookup.forward does not call nn.Embedding.forward"):
         own(torch.tensor([0, 1]))
+
+
+def test_a_rank_whose_rows_are_all_padding_holds_an_empty_piece():
+    # a vocabulary of 5 at tp=4: rows of 2, rank 3's (6-7) all padding. Its piece started past
+    # the logical tensor's end and parallelize failed on that rank only (review finding)
+    from parallel_layers.placement import box_pieces
+    from parallel_layers.tensor_parallel.sharding import sharded_parameter
+
+    held = []
+    for rank in range(4):
+        p = sharded_parameter(torch.arange(24.0).view(8, 3), 0, 4, rank, logical_rows=5)
+        held += [(piece.global_offsets, piece.sizes) for piece in box_pieces(p.tp_shard.layout(5))]
+    assert held == [((0, 0), (2, 3)), ((2, 0), (2, 3)), ((4, 0), (1, 3))]  # rank 3: nothing
