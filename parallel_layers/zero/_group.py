@@ -275,6 +275,8 @@ class ParamGroup:
         members = [sp for sp in self.members if sp.full.requires_grad]
         if not members:
             return
+        for sp in members:  # Note [a parameter no rank used] in api.py
+            sp.used = sp.used or sp.full.grad is not None
         grads = [sp.grad_to_reduce() for sp in members]
         widest = functools.reduce(torch.promote_types, [g.dtype for g in grads])
         grads = [g if g.dtype == widest else g.to(widest) for g in grads]  # one dtype a call: the widest

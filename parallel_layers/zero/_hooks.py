@@ -27,7 +27,8 @@ SyncBatchNorm on the same group, say) may still fall between these reductions di
 on each rank when parameters go unused: give them a group of their own.
 
 Note [ZeRO unused parameters]: a parameter with no gradient on this rank (data-dependent
-control flow; a sub-module skipped) contributes zeros to the average over all ranks. A whole
+control flow; a sub-module skipped) contributes zeros to the average over all ranks; one that
+no rank used since the last step keeps no shard gradient (Note [a parameter no rank used]). A whole
 wrapped module skipped in forward on one rank only is not supported at stage 3: its
 all-gathers would not match across ranks. With PARALLEL_LAYERS_DEBUG=1 that is an error on
 every rank (the agreement check before each all-gather); without, a hang or a CollectiveError.
@@ -86,9 +87,11 @@ import dataclasses
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree
 
+from parallel_layers import fault
 from parallel_layers.zero._group import ParamGroup
 
 
@@ -150,6 +153,11 @@ class ZeROHooks:
         self.handles = []
         if stage == 2:
             self._install_grad_hooks(self.order)
+        # stage 2 reduces at the end of backward, which a parameter's hook queues: with no
+        # trainable parameter at build (a model unfrozen after it), none does, and the step
+        # reduces, as at stage 1 (review finding: it never trained)
+        self.unhooked = stage == 2 and not self.handles
+        self.unreduced = self.unreduced or self.unhooked
         if stage >= 2:
             self._install_grad_hooks(self.alone + self.replicated)  # the latter: to queue the end of backward
         if stage == 3:
@@ -170,7 +178,53 @@ class ZeROHooks:
             self.unreduced = False
 
     def after_step(self) -> None:
-        self.unreduced = self.stage == 1
+        self.unreduced = self.stage == 1 or self.unhooked
+        self.forget_uses()
+
+    def forget_uses(self) -> None:
+        """A new step: no gradient reduced, no shard gradient made yet (Note [a parameter no rank used])."""
+        for g in self.order + self.experts:
+            for sp in g.members:
+                sp.used = sp.grad_made = False
+
+    # Note [a parameter no rank used]: the reduce-scatter gives a parameter that got no gradient
+    # on any rank since the last step (a layer the data skipped everywhere, a step with no
+    # backward at all) a zero shard gradient, which AdamW's weight decay and momentum then step:
+    # the plain model keeps its .grad None and the optimizer skips it (review finding: 7.7e-2 off
+    # after 5 AdamW steps at ZeRO-3; at stage 1 a step() with no backward moved every parameter).
+    # So before the optimizer steps, one all-reduce per process group of the reducing groups
+    # (the data-parallel group; the experts' replica groups) sums one flag per trainable
+    # parameter - whether this rank reduced a gradient of it since the last step - and a shard
+    # gradient the step's reductions made for a parameter no rank used is dropped. DataParallel
+    # does the same inside its buckets (Note [unused parameters] in data_parallel.py); ZeRO's
+    # flat reduce-scatter has no room for counts, so it costs one collective of a few hundred
+    # numbers a step. The counts are read (a host sync on a GPU) only on a rank that left a
+    # parameter unused: one it used has a count of at least 1. A shard gradient left from before
+    # this step (no zero_grad between steps) stays, as a plain .grad does.
+    def drop_gradients_no_rank_made(self) -> None:
+        by_group: dict = {}  # process group -> its trainable members, in the agreed order
+        for g in self.order + self.experts:
+            if g.world > 1:
+                by_group.setdefault(g.group, []).extend(sp for sp in g.members if sp.full.requires_grad)
+        for group, members in by_group.items():
+            if not members:
+                continue
+            mine = all(sp.used for sp in members)
+            device = members[0].full.device  # the collectives' (an offloaded shard is on the CPU)
+            flags = (torch.ones(len(members), device=device) if mine
+                     else torch.tensor([float(sp.used) for sp in members]).to(device))
+            with fault.collective("ZeRO used-parameter counts all_reduce", group):
+                dist.all_reduce(flags, group=group)
+            if mine:
+                continue
+            for sp, users in zip(members, flags.tolist()):
+                if users == 0 and sp.grad_made:
+                    sp.shard.grad = None
+        for g in self.order + self.experts:  # this rank alone: its own uses decide
+            if g.world == 1:
+                for sp in g.members:
+                    if sp.full.requires_grad and not sp.used and sp.grad_made:
+                        sp.shard.grad = None
 
     def _backward_done(self, g: ParamGroup) -> None:
         """Reduce, in the agreed order, the groups whose backward is done (Note [expert groups]:

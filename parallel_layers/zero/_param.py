@@ -127,6 +127,9 @@ class ShardedParam:
                              "freed with it")
         self.full, self.group = param, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # since the last step: a gradient of this rank was reduced; the shard gradient was made by
+        # those reductions (Note [a parameter no rank used] in api.py)
+        self.used, self.grad_made = False, False
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.keep_full, self.offload = keep_full, offload
         self.shard_numel = shard_copy.shard_numel(param.numel(), self.world)
@@ -250,6 +253,7 @@ class ShardedParam:
         """The shard's gradient, which the reduce-scatter's copy-out accumulates into."""
         if self.shard.grad is None:
             self.shard.grad = torch.zeros_like(self.shard)
+            self.grad_made = True
         return self.shard.grad
 
     # ---- on its own: a group of one --------------------------------------------------------

@@ -5,7 +5,10 @@
 
 Stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (ZeRO
 paper). The optimizer steps only this rank's float32 shards (see _param.py, Note [ZeRO
-sharded parameter]), so any torch.optim optimizer works and its state is sharded in every stage.
+sharded parameter]), so any optimizer whose update is elementwise works (AdamW, SGD, Adagrad, ...;
+ones that need each parameter's shape - Adafactor, Muon, LBFGS - are refused: _optimizer.py) and
+its state is sharded in every stage. A parameter no rank used in a step gets no shard gradient,
+so the optimizer skips it as it skips a .grad of None (Note [a parameter no rank used] in _hooks.py).
 The factory is called with the model's parameters, so groups by name or by shape work as on
 the plain model; each is then replaced by its shard (Note [an optimizer over shards] in
 parallel_layers/_optimizer.py).
@@ -283,6 +286,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             _optimizer.check_state_has_storage(self.optimizer, "ZeRO.step")
             self._stepped = True
         self._hooks.reduce_remaining()
+        self._hooks.drop_gradients_no_rank_made()  # Note [a parameter no rank used] in _hooks.py
         for g in self.groups:
             g.drop_prefetch()
             if not g.keep_full:  # Note [last group stays gathered] in _hooks.py: nothing stale survives the step
@@ -299,11 +303,17 @@ class ZeRO(LocalAccumulation, nn.Module):
         self._hooks.reduce_remaining()
         self._hooks.after_step()
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The shard gradients (which the next step's reductions accumulate into) and the full
+        ones; zero them in place with set_to_none=False, as nn.Module.zero_grad does."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
         for g in self.groups:
             for p in g.params:
-                p.grad = None
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self._hooks.forget_uses()
 
     # ---- state (_state.py) -----------------------------------------------------------------
     def state_placement(self, prefix: str = "") -> placement.ModelPlacement:

@@ -590,3 +590,86 @@ def test_an_integer_parameter_is_refused_on_every_pipeline_rank(tmp_path):
     for message in run_distributed(_integer_under_a_pipeline, 2, args=(str(tmp_path),)):
         assert message.startswith("ZeRO shards floating-point parameters only") and \
             "model.layers.1.counter (int64)" in message, message
+
+
+class _Skippable(nn.Module):
+    """`mid` runs only when asked: a layer that data-dependent control flow skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.mid, self.c = nn.Linear(7, 15), nn.Linear(15, 15), nn.Linear(15, 1)
+
+    def forward(self, x, use_mid=True):
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.mid(h)) if use_mid else h)
+
+
+def _unused_everywhere(rank, ws, stage):
+    torch.manual_seed(0)
+    ref = _Skippable()
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731 - decay moves a zero grad
+    zero = ZeRO(copy.deepcopy(ref), adamw, stage=stage, wrap=lambda m: isinstance(m, nn.Linear))
+    opt_ref = adamw(ref.parameters())
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x, y = torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 1, generator=g)
+        if step == 3:  # a step with no backward at all (a batch skipped on every rank)
+            opt_ref.step()
+            zero.step()
+        else:  # mid is used by the first step only
+            F.mse_loss(ref(x, use_mid=step == 0), y).backward()
+            opt_ref.step()
+            F.mse_loss(zero(x.chunk(ws)[rank], use_mid=step == 0), y.chunk(ws)[rank]).backward()
+            zero.step()
+        opt_ref.zero_grad()
+        zero.zero_grad()
+    return max(_rel(v, ref.state_dict()[k]) for k, v in zero.full_state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_no_rank_used_is_not_stepped(stage):
+    """Review finding (helper-52): a layer skipped on every rank got zero shard gradients, which
+    AdamW's weight decay and moments stepped (7.7e-2 off the plain model, whose .grad stays
+    None, after 5 steps); at stage 1 a step() with no backward moved every parameter (2-3e-2).
+    Note [a parameter no rank used] in zero/_hooks.py."""
+    assert max(run_distributed(_unused_everywhere, 2, args=(stage,))) < RTOL
+
+
+def _unfrozen_after_build(rank, ws, stage):
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref).requires_grad_(False)
+    zero = ZeRO(model, OPTIMIZERS["sgd"], stage=stage, wrap=lambda m: isinstance(m, nn.Linear))
+    model.requires_grad_(True)  # "a parameter unfrozen later trains under ZeRO"
+    opt_ref = OPTIMIZERS["sgd"](ref.parameters())
+    x, y = torch.randn(BATCH, 7, generator=torch.Generator().manual_seed(1)), torch.randn(BATCH, 1)
+    F.mse_loss(ref(x), y).backward()
+    opt_ref.step()
+    F.mse_loss(zero(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+    zero.step()
+    return max(_rel(v, ref.state_dict()[k]) for k, v in zero.full_state_dict().items())
+
+
+def test_a_model_frozen_when_built_and_unfrozen_after_trains_at_stage_2():
+    """Review finding (helper-52): stage 2 reduces at the end of backward, which a trainable
+    parameter's hook queues; with none at build, nothing was ever reduced or stepped."""
+    assert max(run_distributed(_unfrozen_after_build, 2, args=(2,))) < RTOL
+
+
+def _shape_dependent(rank, ws, name):
+    factory = {"adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+               "lbfgs": lambda ps: torch.optim.LBFGS(ps)}[name]
+    try:
+        ZeRO(Net(), factory, stage=1)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lbfgs"])
+def test_an_optimizer_that_needs_whole_parameters_is_refused(name):
+    """Review finding (helper-52): Adafactor on ZeRO's flat shards kept a full second moment and
+    trained 1.35e-2 off the plain model, silently; Muon failed on '2-D' parameters it was never
+    given. Refused when ZeRO is built, on every rank."""
+    for message in run_distributed(_shape_dependent, 2, args=(name,)):
+        assert "computes its update from each parameter's shape" in message and "zero_stage=0" in message, message
