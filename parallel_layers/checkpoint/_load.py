@@ -130,9 +130,14 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
     gathered = all_gather((describe_error(mine) if mine else None,
-                           list(described.tensors) if described else [], signature, identity), group)
+                           list(described.tensors) if described else [], signature, identity,
+                           optimizer is not None), group)
     raise_if_any([g[0] for g in gathered], mine, "checkpoint load")
     _check_same_checkpoint([g[3] for g in gathered])
+    with_opt = [g[4] for g in gathered]
+    if any(with_opt) and not all(with_opt):  # as save refuses it (the others' shards would keep no state)
+        raise ValueError(f"checkpoint load: an optimizer was passed on ranks {[r for r, o in enumerate(with_opt) if o]} "
+                         "only; pass this rank's optimizer on every rank, or none")
     if strict:
         held = {k for g in gathered for k in g[1]}
         unexpected = [k for k in saved if k not in held]

@@ -69,8 +69,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer, described: ModelPlacement,
                 raise TypeError(f"optimizer state {key!r} of {tp.name} is a {type(value).__name__}; only tensors "
                                 "and numbers can be checkpointed")
         for key, value in optimizer.param_groups[gi].items():
-            if key != "params":
-                out[f"param_groups.{tp.name}.{key}"] = value
+            if key != "params":  # a tensor setting (a Tensor lr) is copied: a scheduler updates it in place
+                out[f"param_groups.{tp.name}.{key}"] = value.detach().cpu().clone() if isinstance(value, Tensor) \
+                    else value
     return out
 
 
@@ -122,8 +123,10 @@ class OptimizerLoad:
                 else:
                     self.template[tkey] = None  # a pickled Python value, replaced by dcp.load
                     state_keys[key] = (tkey, None)
-            for setting in keys["param_groups"]:
-                self.template[f"param_groups.{name}.{setting}"] = None
+            for setting, md in keys["param_groups"].items():  # a tensor (a Tensor lr) is read as one
+                self.template[f"param_groups.{name}.{setting}"] = (
+                    torch.zeros(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata)
+                    else None)
             self._entries.append((gi, name, state_keys, list(keys["param_groups"])))
 
     def apply(self, loaded: dict) -> None:
@@ -145,10 +148,30 @@ class OptimizerLoad:
             hyper = dict(cur)
             for k, v in settings.get(gi, (None, {}))[1].items():
                 if k != "params":
-                    hyper[k] = tuple(v) if isinstance(cur.get(k), tuple) and isinstance(v, list) else v
+                    hyper[k] = _as_current(cur.get(k), v)
             hyper["params"] = cur["params"]
             groups.append(hyper)
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        try:
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            # another optimizer's state (SGD's momentum_buffer into AdamW failed "KeyError: 'step'")
+            held = sorted({key for entry in state.values() for key in entry})
+            raise ValueError(f"checkpoint load: {type(self.optimizer).__name__} could not take the checkpoint's "
+                             f"optimizer state (per parameter: {held}): {type(e).__name__}: {e}. Was it saved with "
+                             "another optimizer? Build the one it was saved with, or load the model alone "
+                             "(optimizer=None) and start the optimizer afresh") from e
+
+
+def _as_current(current, saved):
+    """A saved optimizer setting in the form the optimizer holds it now: a tuple (betas), a
+    tensor on its device (a Tensor lr, as compiled optimizers take), a number."""
+    if isinstance(current, tuple) and isinstance(saved, list):
+        return tuple(saved)
+    if isinstance(current, Tensor):
+        return torch.as_tensor(saved, dtype=current.dtype).to(current.device)
+    if isinstance(saved, Tensor) and saved.dim() == 0 and isinstance(current, (int, float)):
+        return saved.item()
+    return saved
 
 
 def rng_state(rank: int) -> dict[str, dict[str, Tensor]]:

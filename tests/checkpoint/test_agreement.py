@@ -84,3 +84,21 @@ def test_a_step_directory_without_dcp_metadata_is_named(tmp_path):
     (tmp_path / "step_1" / ".metadata").unlink()
     with pytest.raises(FileNotFoundError, match=r"step_1' lacks DCP's \.metadata \(deleted or never written\)"):
         checkpoint.load(path, model)
+
+
+def _optimizer_on_one_rank(rank, ws, root):
+    run = build(2, 1, "none", seed=0)
+    train(run, 0, 1)
+    path = checkpoint.save(root, 1, run.model, run.optimizer)
+    try:
+        checkpoint.load(path, run.model, run.optimizer if rank == 0 else None)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_an_optimizer_given_to_some_ranks_only_is_refused_at_load(tmp_path):
+    """Review finding (helper-55): save refused it, load took the optimizer state on rank 0 and
+    left rank 1's shard without its moments, silently."""
+    for message in run_distributed(_optimizer_on_one_rank, 2, (str(tmp_path),)):
+        assert "an optimizer was passed on ranks [0] only" in message, message

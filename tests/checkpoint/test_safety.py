@@ -155,3 +155,62 @@ def test_an_untied_checkpoint_into_a_tied_model_is_refused(tmp_path):
     checkpoint.load(tied, model)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     checkpoint.load(tied, llama(True))
+
+
+def _adamw_steps(model, opt, sched, steps):
+    for _ in range(steps):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def test_a_tensor_learning_rate_is_saved_at_the_call_and_loads_back(tmp_path):
+    """Review finding (helper-55): a Tensor lr (torch's advice for compiled optimizers) went into
+    the checkpoint by reference, so async_save wrote the value a scheduler set later, and load
+    failed in DCP's planning ("expected BytesStorageMetadata but found TensorStorageMetadata")."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    _adamw_steps(model, opt, sched, 2)
+    at_save = opt.param_groups[0]["lr"].item()
+    handle = checkpoint.async_save(str(tmp_path), 2, model, opt)
+    _adamw_steps(model, opt, sched, 2)  # the scheduler fills the same tensor meanwhile
+    path = handle.result()
+    resumed = nn.Linear(4, 4)
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=torch.tensor(0.5))
+    checkpoint.load(path, resumed, opt2)
+    lr = opt2.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == at_save == pytest.approx(0.0025)  # a float32 tensor
+
+
+def test_a_failed_async_save_is_raised_once(tmp_path, monkeypatch):
+    """Review finding (helper-55): after handle.result() raised a failed commit, the next save
+    (or a recovery load) raised that same error again."""
+    from parallel_layers.checkpoint import _io
+
+    commit, calls = _io.commit, []
+
+    def fails_once(partial, ours):
+        calls.append(partial)
+        if len(calls) == 1:
+            raise OSError("No space left on device")
+        return commit(partial, ours)
+
+    monkeypatch.setattr(_io, "commit", fails_once)
+    model = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        checkpoint.async_save(str(tmp_path), 1, model).result()
+    assert checkpoint.save(str(tmp_path), 2, model) == str(tmp_path / "step_2")
+
+
+def test_another_optimizers_state_names_the_mismatch(tmp_path):
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    path = checkpoint.save(str(tmp_path), 1, model, opt)
+    with pytest.raises(ValueError, match=r"AdamW could not take the checkpoint's optimizer state \(per parameter: "
+                                         r"\['momentum_buffer'\]\): KeyError: 'step'. Was it saved with another"):
+        checkpoint.load(path, model, torch.optim.AdamW(model.parameters()))
