@@ -268,6 +268,16 @@ def _names_by_tensor(reference: nn.Module) -> list[list[str]]:
     return list(names_of.values())
 
 
+def _candidates(name: str, base: str) -> list[str]:
+    """The keys under which the files may hold the model's `name`: itself; without the base
+    model's prefix (a base model's files, "embed_tokens.weight", into a model with a head); with
+    it (a model with a head's files, "model.embed_tokens.weight", into the base model), as
+    transformers' from_pretrained reads both."""
+    if not base:
+        return [name]
+    return [name, name[len(base) + 1:] if name.startswith(base + ".") else f"{base}.{name}"]
+
+
 def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, reference: nn.Module,
                   shapes: dict[str, tuple[int, ...]], files: dict[str, str]) -> dict[str, _Source]:
     """For every tensor this rank holds, where it comes from; raises naming every missing key
@@ -283,9 +293,9 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
 
     renamed, stacked, converted, unstacked = _checkpoint_renamings(reference, shapes)
 
-    def in_files(name):  # transformers also reads a base model's file into a model with a head
+    def in_files(name):  # transformers also reads a base model's files into a model with a head, and the reverse
         for alias in aliases.get(name, [name]):
-            for candidate in (alias, alias[len(base) + 1:] if base and alias.startswith(base + ".") else None):
+            for candidate in _candidates(alias, base):
                 if candidate in shapes or candidate in stacked:
                     return candidate
                 if candidate in renamed:
@@ -474,8 +484,7 @@ def _tied_copies(reference: nn.Module, hf_model: nn.Module, shapes: dict[str, tu
     for names in _names_by_tensor(reference):
         keys = []
         for name in names:
-            stripped = name[len(base) + 1:] if base and name.startswith(base + ".") else None
-            key = next((c for c in (name, stripped) if c is not None and c in shapes), None)
+            key = next((c for c in _candidates(name, base) if c in shapes), None)
             if key is not None and key not in keys:
                 keys.append(key)
         pairs.extend((keys[0], other) for other in keys[1:])

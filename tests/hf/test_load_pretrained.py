@@ -217,6 +217,23 @@ def test_every_family_loads_unparallelized_from_meta(tmp_path, family):
         assert model.lm_head.weight is model.transformer.wte.weight  # still tied
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_with_a_heads_files_load_into_its_base_model(tmp_path, family):
+    """transformers' from_pretrained reads a LlamaForCausalLM's files ("model.embed_tokens.weight")
+    into a LlamaModel (prefix "model", no head) and GPT-2's ("transformer.wte.weight") into
+    GPT2Model; hf.load_pretrained named every tensor missing (review finding, helper-55)."""
+    from parallel_layers import hf
+
+    _save(family, tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    reference = transformers.AutoModel.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(config)
+    hf.load_pretrained(tmp_path, model, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(_probe()).last_hidden_state, reference(_probe()).last_hidden_state)
+
+
 def test_errors_name_the_values(tmp_path):
     from safetensors.torch import load_file, save_file
 
