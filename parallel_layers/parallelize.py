@@ -62,6 +62,7 @@ from collections.abc import Mapping
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
@@ -70,6 +71,7 @@ from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
 from parallel_layers._loss_scale import LossScale
+from parallel_layers.checkpoint import _dist
 from parallel_layers.data_parallel import DataParallel
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.parallel_dims import ParallelContext
@@ -474,14 +476,21 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if not meta.has_meta(net):  # a meta-built model gets its storage later (parallel_layers/meta.py)
         net.to(ctx.device)
         fused.pack(net)  # the move gave every tensor storage of its own
-    # 4. data parallelism over the dp axis
-    if zero_stage:
-        wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=zero_units)
-        opt = wrapper.optimizer  # ZeRO checked it against net's parameters; these were the model's before TP
-        _optimizer.check(opt, [s for g in wrapper.groups for s in g.shards], "parallelize", replaced=originals)
-    else:
-        wrapper = DataParallel(net, group=ctx.dp_group) if ctx.dims.dp > 1 else None
-        opt = _optimizer.build(optimizer, list(net.parameters()), "parallelize", replaced=originals)
+    # 4. data parallelism over the dp axis, and the optimizer: the factory sees this rank's
+    #    stages only, so it may fail on some ranks alone (a stage all frozen: "empty parameter
+    #    list"): every rank raises it, no collective having run in between
+    failed = None
+    try:
+        if zero_stage:
+            wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=zero_units)
+            opt = wrapper.optimizer  # ZeRO checked it against net's parameters; these were the model's before TP
+            _optimizer.check(opt, [s for g in wrapper.groups for s in g.shards], "parallelize", replaced=originals)
+        else:
+            wrapper = DataParallel(net, group=ctx.dp_group) if ctx.dims.dp > 1 else None
+            opt = _optimizer.build(optimizer, list(net.parameters()), "parallelize", replaced=originals)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        failed = e
+    _raise_everywhere(failed, pipelined)
     model._pl_parallelized = (f"tp={ctx.dims.tp} pp={ctx.dims.pp} dp={ctx.dims.dp}, zero_stage={zero_stage}"
                               + (f", tp_plan={'auto' if tp_plan == 'auto' else 'a plan'}" if tp_plan is not None else ""))
     # 5. the pipeline schedule
@@ -492,6 +501,22 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                                 tp_group=ctx.tp_group if ctx.dims.tp > 1 else None)
     return Parallelized(module=wrapper if wrapper is not None else net, optimizer=opt, prefix=prefix, pipeline=pipe,
                         loss_fn=loss_fn, ctx=ctx, token_count=token_count, loss_scale=scaler, _model=model)
+
+
+def _raise_everywhere(failed: Exception | None, pipelined: bool) -> None:
+    """`failed` (this rank's error building the data-parallel wrapper and the optimizer), or
+    another rank's, raised on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failed is not None:
+            raise failed
+        return
+    errors = _dist.all_gather(_dist.describe_error(failed) if failed else None, None)
+    if pipelined and any(e and "empty parameter list" in e for e in errors):
+        raise ValueError("parallelize: a pipeline rank whose stages hold no trainable parameter (all frozen) gave the "
+                         "optimizer factory nothing to step: build the optimizer over every parameter it is given "
+                         "(frozen ones get no gradient and are not stepped), or freeze fewer layers. "
+                         + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+    _dist.raise_if_any(errors, failed, "parallelize")
 
 
 def _takes_use_cache(model: nn.Module) -> bool:

@@ -222,7 +222,14 @@ class PipelineParallel:
             refused = None
         except (TypeError, ValueError) as e:  # the same on every rank of this pipeline
             refused = e
-        self._agree_on_batches(refused)
+        # Note [evaluation on one replica]: under no_grad (Parallelized.evaluate) no gradient is
+        # reduced and no optimizer steps, so nothing needs the other data-parallel replicas to
+        # agree: a step then exchanges nothing over dp (except token_count's divisor, the batch's
+        # count over the replicas), and one replica may evaluate while the others train - as
+        # evaluate runs without a pipeline. Its flag all-reduces over dp met the training
+        # replicas' gradient buckets (gloo aborted; review finding).
+        grads = torch.is_grad_enabled()
+        self._agree_on_batches(refused, replicas=self._replicas() if grads else 1)
         side = self._side_inputs({"attention_mask": attention_mask, "position_ids": position_ids},
                                  {"attention_mask": mask_sig, "position_ids": pos_sig}, sig[2])
         m = self.microbatches
@@ -242,8 +249,7 @@ class PipelineParallel:
                     count = 0
                 divisor = float(token_divisor(count, self._dp_group(), self.device))
                 scale = 1.0 / divisor if divisor > 0 else 0.0
-        # under no_grad (Parallelized.evaluate, on every rank) no gradient comes: nothing to reduce
-        grads = torch.is_grad_enabled()
+        # under no_grad (Parallelized.evaluate) no gradient comes: nothing to reduce
         dp = self.data_parallel if grads else None
         sync = dp.no_sync() if dp is not None else contextlib.nullcontext()
         start = time.perf_counter()
@@ -268,7 +274,7 @@ class PipelineParallel:
         failed = bool(summary[1] > 0)
         # Another data-parallel replica's pipeline may have failed on its own data: then every
         # replica raises, so that none takes the optimizer step the others skip.
-        dp_group, replicas = self._dp_group(), self._replicas()
+        dp_group, replicas = self._dp_group(), self._replicas() if grads else 1  # Note [evaluation on one replica]
         anywhere = failed
         if replicas > 1:
             flag = torch.tensor([float(failed)], device=self.device)
@@ -286,11 +292,10 @@ class PipelineParallel:
     def _replicas(self) -> int:
         return dist.get_world_size(self._dp_group()) if self.data_parallel is not None and dist.is_initialized() else 1
 
-    def _agree_on_batches(self, refused: Exception | None) -> None:
+    def _agree_on_batches(self, refused: Exception | None, replicas: int) -> None:
         """Raise `refused` (this pipeline's batch check), or another data-parallel replica's, on
         every rank: a replica refusing its batch alone would leave the others in the step's
         collectives (one flag all-reduce over dp a step; the messages only on a refusal)."""
-        replicas = self._replicas()
         if replicas > 1:
             flag = torch.tensor([float(refused is not None)], device=self.device)
             with fault.collective("pipeline batch check all_reduce over data parallelism", self._dp_group()):

@@ -177,18 +177,20 @@ def _evaluate_between_steps(rank, world, directory, out, layout):
     from parallel_layers import hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
 
-    tp, pp = (2 if layout == "tp2" else 1), (2 if layout == "pp2" else 1)
+    tp, pp = (2 if layout == "tp2" else 1), (2 if layout.startswith("pp2") else 1)
     ctx = init_parallel(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).train()  # from_pretrained: eval mode
     par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None,
-                      zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None)
+                      zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None,
+                      **({"microbatches": 2} if layout == "pp2-dp2-first-replica" else {}))  # 2 rows a replica
     dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
     first, second = (ids.chunk(dp)[dp_rank] for ids in _tiny.token_batches(2, BATCH, SEQ, VOCAB))
     probe = _probe()
     losses = [par.forward_backward(first, first).item()]
     par.step()
     par.zero_grad()
-    evaluated = par.evaluate(probe, probe).item()
+    # the first replica alone validates (Note [evaluation on one replica] in pipeline/runtime.py)
+    evaluated = par.evaluate(probe, probe).item() if layout != "pp2-dp2-first-replica" or dp_rank == 0 else None
     training = par.module.training
     losses.append(par.forward_backward(second, second).item())
     par.step()
@@ -196,14 +198,17 @@ def _evaluate_between_steps(rank, world, directory, out, layout):
     return losses, evaluated, training
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2-zero3", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero3", "pp2", "pp2-dp2-first-replica"])
 def test_evaluate_between_steps(tmp_path, layout):
     """Review finding: at pp=2 there was no way to evaluate but forward_backward under no_grad
     (`module(ids)` gave rank 0 a stage's activations and rank 1 a dtype error). `evaluate` is the
     validation loss at every layout (the plain model's in eval mode under no_grad), and training
-    goes on as if it had not run."""
+    goes on as if it had not run. At pp2 x dp2 the first replica alone evaluates, as it may
+    without a pipeline: the pipeline's flag all-reduces over dp met the other replica's gradient
+    buckets and gloo aborted (review finding, helper-54)."""
     _tiny.save_tiny_qwen2(tmp_path / "src")
-    results = run_distributed(_evaluate_between_steps, 2,
+    world = 4 if layout == "pp2-dp2-first-replica" else 2
+    results = run_distributed(_evaluate_between_steps, world,
                               args=(str(tmp_path / "src"), str(tmp_path / "out"), layout))
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").train()
     opt = _sgd(plain.parameters())
@@ -221,8 +226,8 @@ def test_evaluate_between_steps(tmp_path, layout):
     losses[1].backward()
     opt.step()
     for rank_losses, evaluated, training in results:
-        assert evaluated == pytest.approx(expected, abs=1e-5) and training
-        if layout != "dp2-zero3":  # each dp replica's own half otherwise
+        assert (evaluated is None or evaluated == pytest.approx(expected, abs=1e-5)) and training
+        if layout in ("tp2", "pp2"):  # each dp replica's own half otherwise
             assert rank_losses == pytest.approx([loss.item() for loss in losses], abs=1e-5)
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     for name, tensor in plain.state_dict().items():
@@ -324,6 +329,32 @@ def test_zero3_units_of_the_fused_mlps_projections_train_as_plain(tmp_path):
     expected = _tiny.plain_losses(plain, _sgd(plain.parameters()), _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
     mean = [sum(r[i] for r in results) / len(results) for i in range(STEPS)]
     assert mean == pytest.approx(expected, abs=1e-5)
+
+
+def _frozen_first_stage(rank, world, directory):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(pp=2, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)  # all of pipeline rank 0's stage
+    try:
+        parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad]),
+                    loss_fn=causal_lm_loss, pipeline_layers="auto")
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_a_factory_that_fails_on_one_pipeline_rank_fails_on_every_rank(tmp_path):
+    """Review finding (helper-54): the usual filter(requires_grad) factory over a stage whose
+    layers are all frozen raised torch's "optimizer got an empty parameter list" on pipeline rank 0
+    only; rank 1 went on to the first step and waited for it."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    for message in run_distributed(_frozen_first_stage, 2, args=(str(tmp_path / "src"),)):
+        assert message.startswith("parallelize: a pipeline rank whose stages hold no trainable parameter") \
+            and "rank 0: ValueError: optimizer got an empty parameter list" in message, message
 
 
 def _frozen_tied(rank, world, directory, out):
