@@ -10,7 +10,9 @@ while backward still computes the rest (Note [agreed bucket order]). The end of 
 waits for them and writes the averages back. `no_sync()` accumulates locally; the next
 backward outside it (or `reduce_gradients()`) reduces the sum. A parameter may go unused on
 some ranks (Note [unused parameters]).
-Parameters are broadcast from rank 0 at construction, so every replica starts equal. One
+Parameters and buffers (a BatchNorm's running statistics, a random projection) are broadcast
+from rank 0 at construction, so every replica starts equal; afterwards each replica updates
+its buffers itself (torch DDP's broadcast_buffers=False; SyncBatchNorm shares statistics). One
 rank's experts under expert parallelism are replicas over their replica group only: broadcast
 and averaged over it, in buckets of their own (Note [expert replicas] in expert_parallel.py).
 
@@ -158,6 +160,17 @@ class _Reducer:
             self.buckets[self.launched].launch(self.group, self.world, self.seen)
             self.launched += 1
 
+    def forget_backward(self) -> None:
+        """A backward that raised never reached its end (Note [a backward that raised]): wait for
+        the buckets it launched and start the next reduction afresh."""
+        for b in self.buckets:
+            if b.work is not None:
+                fault.wait(b.work, _ALL_REDUCE, self.group)
+                b.work = None
+            b.arrived.clear()
+        self.launched = 0
+        self.seen.clear()
+
     def reduce(self) -> None:
         for b in self.buckets[self.launched:]:  # incomplete buckets, or all after no_sync()
             b.launch(self.group, self.world, self.seen)
@@ -196,12 +209,15 @@ def _refuse_unfrozen(name: str, p: nn.Parameter) -> None:
 
 
 def release_frozen_hooks(module: nn.Module) -> None:
-    """Remove the refusals an earlier DataParallel left on `module`'s frozen parameters: a new
+    """Remove the hooks an earlier DataParallel left on `module`'s parameters - its refusals on
+    the frozen ones, its reduction on the others (two wrappers each all-reduced every gradient,
+    and an old one over another group averaged over the wrong ranks: review finding): a new
     wrapper (DataParallel again, or ZeRO, which takes a parameter unfrozen later) decides."""
     for p in module.parameters():
-        hook = p.__dict__.pop("_pl_frozen_hook", None)
-        if hook is not None:
-            hook.remove()
+        for name in ("_pl_frozen_hook", "_pl_dp_hook"):
+            hook = p.__dict__.pop(name, None)
+            if hook is not None:
+                hook.remove()
 
 
 class DataParallel(LocalAccumulation, nn.Module):
@@ -214,6 +230,11 @@ class DataParallel(LocalAccumulation, nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed to be initialised (init_parallel or "
                                "init_process_group)")
+        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True
+                  and any(p.requires_grad for p in m.parameters(recurse=False))]
+        if sparse:  # the buckets are dense: it failed in backward, "reshape is not implemented for sparse tensors"
+            raise ValueError(f"DataParallel averages dense gradients; {sparse[:3]} make sparse ones (sparse=True): "
+                             "build them with sparse=False (the default), or use ZeRO")
         self.module, self.group = module, group
         self.world = dist.get_world_size(group)
         sizes = int(bucket_mb * 2**20), int(first_bucket_mb * 2**20)
@@ -237,12 +258,16 @@ class DataParallel(LocalAccumulation, nn.Module):
             reducer = _Reducer([p for p in params if p.requires_grad], reduce_over, *sizes, overlap=key is None)
             reducer.broadcast(params)
             self._reducers.append(reducer)
+        # the buffers of modules without experts (an expert module's differ by expert-parallel rank)
+        self._reducers[0].broadcast([b for m in module.modules() if not any(
+            placement.expert_group(p) is not None for p in m.parameters(recurse=False))
+            for b in m.buffers(recurse=False) if b.is_floating_point() or b.is_complex()])
         self._reducer_of = {id(p): r for r in self._reducers for p in r.params}
         self._callback_queued = False
+        release_frozen_hooks(module)  # an earlier DataParallel's (built again after unfreezing): this one decides
         for r in self._reducers:
             for p in r.params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
-        release_frozen_hooks(module)  # an earlier DataParallel's (built again after unfreezing): this one decides
+                p._pl_dp_hook = p.register_post_accumulate_grad_hook(self._on_grad)
         for name, p in module.named_parameters():
             if not p.requires_grad and (p.is_floating_point() or p.is_complex()):  # others cannot require grad
                 # registered while it requires grad, the hook stays for when it is unfrozen
@@ -270,8 +295,19 @@ class DataParallel(LocalAccumulation, nn.Module):
         return placement.describe(self.module, prefix)
 
     def forward(self, *args, **kwargs):
+        if self._callback_queued:  # Note [a backward that raised]
+            self._callback_queued = False
+            for r in self._reducers:
+                r.forget_backward()
         return self.module(*args, **kwargs)
 
+    # Note [a backward that raised]: the first gradient of a backward queues the reduction at its
+    # end; a backward that raises (out of memory, a refusal such as row 78d) never gets there,
+    # and autograd drops the callback. The flag saying one was queued stayed set, so no later
+    # backward queued another: every following step trained on each replica's own gradient,
+    # silently (review finding: 0.5-0.9 relative from the average). The next forward sees the
+    # flag, waits for the buckets the failed backward launched (every rank launched them alike
+    # when every rank raised) and starts afresh; the gradients it left are the caller's to zero.
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._callback_queued:
             self._callback_queued = True

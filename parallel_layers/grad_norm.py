@@ -65,7 +65,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, data_parallel=None, tp
     if not positive:
         raise ValueError(f"max_norm must be positive (a number; float('inf') never clips), got {max_norm!r}")
     counted, experts, all_grads, shard_group, expert_group = grads_to_count(model, data_parallel, tp_group)
-    device = all_grads[0].device if all_grads else torch.device("cpu")
+    # the compute device (a pipeline rank whose stages are all frozen has no gradient, and NCCL
+    # takes no CPU tensor; an offloaded optimizer's shard gradients are on the CPU)
+    device = next((p.device for p in model.parameters() if not p.is_meta),
+                  all_grads[0].device if all_grads else torch.device("cpu"))
     sq = _sum_of_squares(counted, device)
     if expert_group is not None:
         sq += _all_reduced(_sum_of_squares(experts, device), expert_group)

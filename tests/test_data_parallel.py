@@ -211,3 +211,42 @@ def test_zero_after_a_data_parallel_takes_a_parameter_unfrozen_between():
     torch.manual_seed(0)
     start = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))[0].weight
     assert not torch.equal(torch.tensor(weights[0]), start)  # it trained
+
+
+def _buffers_sparse_and_rebuilt(rank, ws):
+    torch.manual_seed(rank)  # each replica initialised on its own, as DDP allows
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.register_buffer("projection", torch.randn(4))
+    DataParallel(model)
+    buffers = [model.projection.tolist(), model[1].running_mean.tolist()]
+    try:
+        DataParallel(nn.Embedding(8, 4, sparse=True))
+        sparse = "built"
+    except ValueError as e:
+        sparse = str(e)
+    issued = []  # the all-reduces of one backward after building the wrapper a second time
+    DataParallel(model)
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        issued.append(args[0].numel())
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+    finally:
+        dist.all_reduce = real
+    return buffers, sparse, len(issued)
+
+
+def test_buffers_start_equal_sparse_gradients_are_refused_and_a_rebuilt_wrapper_reduces_once():
+    """Review findings (helper-57): buffers were not broadcast (a random buffer, BatchNorm's
+    statistics kept each rank's own, unlike DDP); nn.Embedding(sparse=True) failed in backward
+    with "reshape is not implemented for sparse tensors"; a DataParallel built again on the same
+    module left the first one's hooks, and every backward all-reduced each bucket twice."""
+    results = run_distributed(_buffers_sparse_and_rebuilt, 2)
+    assert results[0][0] == results[1][0]  # rank 0's values everywhere
+    for _, sparse, all_reduces in results:
+        assert sparse.startswith("DataParallel averages dense gradients; [''] make sparse ones"), sparse
+        assert all_reduces == 1  # one bucket, reduced by the new wrapper only

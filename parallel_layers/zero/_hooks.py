@@ -247,6 +247,26 @@ class ZeROHooks:
             self.reducing.finish_reduce()
         self.reducing = g
 
+    def forget_failed_backward(self) -> None:
+        """Before a forward: a backward that raised never reached `_finalize_backward`, whose
+        callback autograd dropped, and the flag saying it was queued stayed set - no later
+        backward reduced its groups at its end (review finding: 1.1 off the plain model after
+        two steps at stages 2 and 3). Wait for the reduction it left in flight and start afresh
+        (Note [a backward that raised] in data_parallel.py)."""
+        if not self.callback_queued:
+            return
+        self.callback_queued = False
+        if self.reducing is not None:
+            self.reducing.finish_reduce()
+            self.reducing = None
+        for g in self.replicated:
+            g.finish_reduce()
+        self.reduced = 0
+        self.backward = {g: _BackwardState() for g in self.groups}
+        for g in self.groups:
+            if not g.keep_full:
+                g.reshard()
+
     def _queue_finalize(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True

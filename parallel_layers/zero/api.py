@@ -256,6 +256,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             model.register_state_dict_pre_hook(_refuse_freed_parameters)
 
     def forward(self, *args, **kwargs):
+        self._hooks.forget_failed_backward()  # Note [a backward that raised] in data_parallel.py
         if self.stage == 3 and self.root_group is not None:
             self.root_group.unshard()
         return self.module(*args, **kwargs)
@@ -306,6 +307,7 @@ class ZeRO(LocalAccumulation, nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The shard gradients (which the next step's reductions accumulate into) and the full
         ones; zero them in place with set_to_none=False, as nn.Module.zero_grad does."""
+        self._hooks.forget_failed_backward()  # what a backward that raised left in flight lands first
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for g in self.groups:
             for p in g.params:
