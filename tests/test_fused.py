@@ -326,6 +326,20 @@ def test_hooks_on_a_fused_mlps_projections_run(tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_torchs_global_module_hooks_leave_the_fusion_on(tmp_path):
+    # FlopCounterMode (and CommDebugMode) register global module hooks: counted as hooks, they
+    # left a model parallelized under one unfused for good, with warnings that blamed its modules
+    from torch.utils.flop_counter import FlopCounterMode
+
+    save_tiny_llama(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FlopCounterMode(display=False):
+            names = fused.fuse(model)
+    assert isinstance(model.model.layers[0].mlp, SwiGLUMLP) and len(names) == 9  # 2 MLPs, 5 norms, 2 layers
+
+
 def test_a_module_with_hooks_of_its_own_is_not_swapped(tmp_path):
     save_tiny_llama(tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

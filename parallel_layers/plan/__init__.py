@@ -25,11 +25,11 @@ its table), `verify.py` (`--verify`).
 
 from parallel_layers.plan.cost import activation_bytes, estimate, loss_temporaries, stage_layers, step_flops
 from parallel_layers.plan.model import GB, HF_FAMILIES, MLP_KINDS, ModelSpec, hf_config_spec, parse_size
-from parallel_layers.plan.search import candidates, launch_args, reason_kind, recommend
+from parallel_layers.plan.search import DP_ONLY_SLACK, TIE, candidates, launch_args, reason_kind, recommend
 from parallel_layers.plan.specs import GPU_PRESETS, RECOMPUTE, ClusterSpec, Estimate, Layout, TrainSpec
 from parallel_layers.plan.cli import format_plan, main
 
-__all__ = ["GB", "GPU_PRESETS", "HF_FAMILIES", "MLP_KINDS", "RECOMPUTE", "ClusterSpec", "Estimate", "Layout",
+__all__ = ["DP_ONLY_SLACK", "GB", "GPU_PRESETS", "HF_FAMILIES", "MLP_KINDS", "RECOMPUTE", "ClusterSpec", "Estimate", "Layout",
            "ModelSpec", "TrainSpec", "activation_bytes", "candidates", "estimate", "format_plan", "hf_config_spec",
            "launch_args", "loss_temporaries", "main", "parse_size", "reason_kind", "recommend", "stage_layers",
-           "step_flops"]
+           "step_flops", "TIE"]

@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
-from torch.nn.modules import module as torch_module  # its global hooks' registries (has_hooks)
 
 from parallel_layers import fault
 from parallel_layers.ops import (bias_gelu_backward, linear_autocast_inputs, linear_forward, linear_gelu_forward,
@@ -394,12 +393,13 @@ class RowParallelLinear(_LinearConversions, nn.Module):
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Would calling `module` run hooks - its own (forward, backward, pre) or torch's global module
-    hooks? The fused MLPs then call their projections as modules (Note [hooks on fused parts])."""
+    """Does `module` carry hooks of its own (forward, backward, pre)? The fused MLPs then call
+    their projections as modules (Note [hooks on fused parts]). torch's global module hooks
+    are not counted: the observers that register them (FlopCounterMode's and CommDebugMode's
+    ModuleTracker) see every module called, and counting them turned fusion off for good when a
+    model was parallelized under one (review finding)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or torch_module._global_forward_hooks
-                or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
-                or torch_module._global_backward_pre_hooks)
+                or module._backward_pre_hooks)
 
 
 # Note [hooks on fused parts]: the fused MLPs read their gate and up projections' weights and

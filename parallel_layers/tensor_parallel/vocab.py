@@ -219,7 +219,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = target - vocab_start
         mine = (local_t >= 0) & (local_t < rows)
         local_t = local_t.clamp(0, rows - 1)
-        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine
+        # where, not a product: on a rank whose rows are all padding every shifted logit is -inf,
+        # and -inf * 0 was NaN in every rank's loss (review finding: a vocabulary of 5 at tp=4)
+        target_logit = torch.where(mine, shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1), 0.0)
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
         if comm.group_size(group) > 1:
             comm.all_reduce(sums, group)
