@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import datetime
 import os
 import shutil
 import tempfile
@@ -155,7 +156,7 @@ def main():
     ap.add_argument("--model-dir", default=None, help="a save_pretrained directory (default: make a small Llama)")
     ap.add_argument("--work-dir", default=None, help="where the made model, checkpoints and export go "
                     "(default: a temporary directory, removed at the end)")
-    ap.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / tp)")
+    ap.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / (tp * pp))")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
@@ -182,12 +183,15 @@ def main():
     args.zero = args.zero if args.zero is not None else (1 if args.pp > 1 else 0)
     args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
     ctx = init_parallel(tp=args.tp, pp=args.pp, dp=args.dp, device="cpu")
+    # rank 0's one-process replay may outlast a collective's timeout: the others wait for its
+    # verdict on a group of their own
+    verdict_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank, world, dp = dist.get_rank(), dist.get_world_size(), ctx.dims.dp
     if args.batch_size % (dp * args.microbatches):
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp}) * microbatches "
                          f"({args.microbatches}) = {dp * args.microbatches}")
     work = agreed_directory(args.work_dir, rank)
-    if args.work_dir is None and rank == 0:  # removed on a failure too (it was left behind: review finding)
+    if args.work_dir is None:  # removed on a failure too, by whichever rank exits (one node: one directory)
         atexit.register(shutil.rmtree, work, ignore_errors=True)
     model_dir = args.model_dir or os.path.join(work, "pretrained")
     if args.model_dir is None and rank == 0:
@@ -195,6 +199,7 @@ def main():
     dist.barrier()
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dist.barrier()  # every rank has read the directory before any can fail and remove it
     vocab = model.config.vocab_size
     pipelined = args.pp > 1 or args.microbatches > 1
     par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=loss_fn, tp_plan="auto" if args.tp > 1 else None,
@@ -254,7 +259,7 @@ def main():
               "see the module doc)")
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    dist.broadcast(verdict, src=0)
+    dist.broadcast(verdict, src=0, group=verdict_group)
     ctx.shutdown()
     if verdict.item() != 1.0:
         raise SystemExit(1)

@@ -24,6 +24,7 @@ timer for this script: parallel_layers/_debug.py.
 from __future__ import annotations
 
 import argparse
+import datetime
 import random
 import resource
 import time
@@ -171,6 +172,9 @@ def main():
     pipelined = args.pp > 1 or args.microbatches > 1
 
     ctx = init_parallel(tp=args.tp, pp=args.pp, dp=args.dp, device=args.device)
+    # rank 0's one-process replay of the run may outlast a collective's timeout: the others wait
+    # for its verdict on a group of their own (they failed a passing run after 10 minutes)
+    verdict_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank, world, dp = dist.get_rank(), dist.get_world_size(), ctx.dims.dp
     if args.batch_size % (dp * args.microbatches):
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by dp ({dp}) * microbatches "
@@ -213,7 +217,7 @@ def main():
     peaks = [torch.zeros(1, device=ctx.device) for _ in range(world)]
     dist.all_gather(peaks, peak)
 
-    verdict = torch.zeros(1, device=ctx.device)
+    verdict = torch.zeros(1)
     if rank == 0:
         ref_losses = reference_losses(dataset, args, dp, ctx.device)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -233,7 +237,7 @@ def main():
         print(f"{'peak memory per rank (MiB)':28s} " + ", ".join(f"{p.item():.0f}" for p in peaks))
         print(f"parity vs single process: final loss {losses[-1]:.6f} vs {ref_losses[-1]:.6f}, max relative "
               f"difference over {args.steps} steps {diff:.2e} (tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}")
-    dist.broadcast(verdict, src=0)
+    dist.broadcast(verdict, src=0, group=verdict_group)
     ctx.shutdown()
     if verdict.item() != 1.0:
         raise SystemExit(1)

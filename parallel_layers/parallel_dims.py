@@ -111,6 +111,17 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device a rank computes on: `device`, with "cuda" given no index taken as this rank's
+    local GPU (torch.cuda.set_device refused the README's `--device cuda` with "Expected a
+    torch.device with a specified index": review finding); None: `default_device()`."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local % torch.cuda.device_count() if torch.cuda.is_available() else local)
+    return device
+
+
 def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: torch.device | str | None = None,
                   timeout_s: float = 600.0) -> ParallelContext:
     """Build the (pp, dp, tp) mesh and its groups; initialise torch.distributed if needed.
@@ -121,7 +132,8 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
     parallel_layers/fault.py). Works under torchrun (reads the usual env vars) and after an
     existing `init_process_group` (tests). End the job with `shutdown()`.
     """
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -129,15 +141,36 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
             os.environ.update(fault.nccl_env_defaults(os.environ))  # read when the process group is created
             with contextlib.suppress(OSError):  # torch creates only its default dump directory
                 os.makedirs(os.path.dirname(fault.flight_recorder_prefix(os.environ)), exist_ok=True)
-        timeout = datetime.timedelta(seconds=timeout_s)
         if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
             store, rank, world = _attempt_store(timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
     dims = ParallelDims.infer(dist.get_world_size(), tp=tp, pp=pp, dp=dp)
-    mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_AXES)
+    mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_AXES,
+                            backend_override=_axis_timeouts(dims, timeout))
     return ParallelContext(dims=dims, mesh=mesh, device=device)
+
+
+# Note [axis groups time out too]: init_device_mesh creates a process group for every axis
+# smaller than the world, and gives it the backend's default timeout (30 min on gloo, 10 on
+# NCCL), not the world group's, unless it is handed backend options that carry one. A rank
+# hung outside any collective at tp2 x dp2 held its peers for the default (the job ran past a
+# 300 s limit with timeout_s=10; at world 2 the axes are the world group, so the tests saw the
+# right timeout: review finding). Axes as large as the world keep the world group itself.
+def _axis_timeouts(dims: ParallelDims, timeout: datetime.timedelta) -> dict:
+    backend = dist.get_backend()
+    options = {"gloo": getattr(dist.ProcessGroupGloo, "_Options", None),
+               "nccl": getattr(dist, "ProcessGroupNCCL", None) and dist.ProcessGroupNCCL.Options}.get(backend)
+    if options is None:  # another backend (the fake one of the tests): its own defaults
+        return {}
+    override = {}
+    for axis, size in zip(MESH_AXES, dims.mesh_shape):
+        if 1 < size < dist.get_world_size():
+            opts = options()
+            opts._timeout = timeout
+            override[axis] = (backend, opts)
+    return override
 
 
 def _attempt_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:

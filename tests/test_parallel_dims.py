@@ -46,3 +46,45 @@ def test_tp_is_innermost_and_pp_outermost():
         assert r["dp"] == [pp * 4 + tp, pp * 4 + 2 + tp]
         assert r["pp"] == [dp * 2 + tp, 4 + dp * 2 + tp]
         assert r["tp_sum"] == 2
+
+
+def _axis_timeouts(rank, world):
+    import time
+
+    ctx = init_parallel(tp=2, device="cpu", timeout_s=2.0)
+    # the world group is the harness's (its own timeout); the axes of 2 of 4 ranks are new groups
+    seconds = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+               for g in (ctx.tp_group, ctx.dp_group)]
+    if rank == 1:
+        time.sleep(6)  # hung outside any collective, past the timeout
+        return seconds, None
+    if rank != 0:
+        return seconds, None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=ctx.tp_group)
+    except RuntimeError:
+        return seconds, time.monotonic() - start
+    return seconds, "returned"
+
+
+def test_every_axis_group_times_out_after_timeout_s():
+    """Review finding (helper-59): the mesh's axis groups smaller than the world got torch's
+    default timeout (30 min on gloo), not timeout_s, so at tp2 x dp2 a hung rank held its tp
+    peer for half an hour (Note [axis groups time out too] in parallel_dims.py)."""
+    results = run_distributed(_axis_timeouts, 4, timeout_s=60)
+    for seconds, _ in results:
+        assert seconds == [2.0, 2.0]
+    waited = results[0][1]
+    assert isinstance(waited, float) and waited < 5.0, waited
+
+
+def test_an_index_less_cuda_device_is_this_ranks_gpu(monkeypatch):
+    # the README's --device cuda: torch.cuda.set_device refused "cuda" without an index
+    from parallel_layers.parallel_dims import resolve_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("cpu") == torch.device("cpu")
