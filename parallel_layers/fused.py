@@ -139,8 +139,15 @@ def _forward_body(module: nn.Module) -> str:
     read from source (an instance forward, a C extension or a REPL class, another wrapper)."""
     if "forward" in vars(module):  # an instance forward: not the class's source
         return ""
+    return _class_forward_body(type(module), type(module).forward)
+
+
+@functools.lru_cache(maxsize=None)
+def _class_forward_body(cls: type, forward) -> str:
+    """`_forward_body` of the class's `forward`, read once a class and forward (fuse looks at
+    every module; a forward patched onto the class is another key)."""
     try:
-        function = ast.parse(textwrap.dedent(inspect.getsource(_readable_forward(type(module))))).body[0]
+        function = ast.parse(textwrap.dedent(inspect.getsource(_readable_forward(cls)))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return ""
     body = function.body
