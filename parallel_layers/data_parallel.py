@@ -295,7 +295,7 @@ class DataParallel(LocalAccumulation, nn.Module):
         return placement.describe(self.module, prefix)
 
     def forward(self, *args, **kwargs):
-        if self._callback_queued:  # Note [a backward that raised]
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:  # Note [a backward that raised]
             self._callback_queued = False
             for r in self._reducers:
                 r.forget_backward()
@@ -308,6 +308,9 @@ class DataParallel(LocalAccumulation, nn.Module):
     # silently (review finding: 0.5-0.9 relative from the average). The next forward sees the
     # flag, waits for the buckets the failed backward launched (every rank launched them alike
     # when every rank raised) and starts afresh; the gradients it left are the caller's to zero.
+    # Not inside a running backward (the flag is set there too): a checkpointed wrapper's
+    # recompute calls this forward mid-backward, and resetting then left the gradients that had
+    # arrived unaveraged (review finding).
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._callback_queued:
             self._callback_queued = True

@@ -253,7 +253,7 @@ class ZeROHooks:
         backward reduced its groups at its end (review finding: 1.1 off the plain model after
         two steps at stages 2 and 3). Wait for the reduction it left in flight and start afresh
         (Note [a backward that raised] in data_parallel.py)."""
-        if not self.callback_queued:
+        if not self.callback_queued or torch._C._current_graph_task_id() != -1:  # none, or one running
             return
         self.callback_queued = False
         if self.reducing is not None:
