@@ -116,6 +116,9 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     local GPU (torch.cuda.set_device refused the README's `--device cuda` with "Expected a
     torch.device with a specified index": review finding); None: `default_device()`."""
     device = torch.device(device) if device is not None else default_device()
+    if device.type not in ("cpu", "cuda"):  # "mps" failed in torch.mps, "meta" was taken
+        raise ValueError(f"init_parallel: device must be 'cpu' (gloo) or 'cuda' / 'cuda:<index>' (NCCL), got "
+                         f"{str(device)!r}")
     if device.type == "cuda" and device.index is None:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local % torch.cuda.device_count() if torch.cuda.is_available() else local)

@@ -510,7 +510,7 @@ def _raise_everywhere(failed: Exception | None, pipelined: bool) -> None:
         if failed is not None:
             raise failed
         return
-    errors = _dist.all_gather(_dist.describe_error(failed) if failed else None, None)
+    errors = _dist.all_gather(_dist.describe_error(failed) if failed else None, None, "parallelize")
     if pipelined and any(e and "empty parameter list" in e for e in errors):
         raise ValueError("parallelize: a pipeline rank whose stages hold no trainable parameter (all frozen) gave the "
                          "optimizer factory nothing to step: build the optimizer over every parameter it is given "

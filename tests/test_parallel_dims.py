@@ -88,3 +88,7 @@ def test_an_index_less_cuda_device_is_this_ranks_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda") == torch.device("cuda", 1)
     assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("cpu") == torch.device("cpu")
+    for other in ("mps", "meta"):  # mps failed in torch.mps with an AttributeError; meta was taken
+        with pytest.raises(ValueError, match=f"device must be 'cpu' \\(gloo\\) or 'cuda' / 'cuda:<index>' "
+                                             f"\\(NCCL\\), got '{other}'"):
+            resolve_device(other)

@@ -23,13 +23,14 @@ def rank_world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def all_gather(obj, group) -> list:
-    """Every rank's `obj` (picklable; small metadata only), by rank."""
+def all_gather(obj, group, what: str = "checkpoint") -> list:
+    """Every rank's `obj` (picklable; small metadata only), by rank; `what` names the caller in
+    the watchdog's messages."""
     _, world = rank_world(group)
     if world == 1:
         return [obj]
     out = [None] * world
-    with fault.collective("checkpoint all_gather_object", group):
+    with fault.collective(f"{what} all_gather_object", group):
         dist.all_gather_object(out, obj, group=group)
     return out
 
