@@ -14,9 +14,11 @@ trained in one process (review finding, helper-47). What does not hold for them:
   - pipeline_layers="auto" cuts a transformers model's own modules; the PeftModel wrapper is
     not one (its base model, with the LoRA layers inside, is: parallelize(peft_model
     .get_base_model(), ...)).
-  - hf.save_pretrained / load_pretrained write and read the transformers model's names; a
-    LoRA layer's `base_layer.weight` is not one of them (merge_and_unload() first, or export
-    the adapter with peft).
+  - hf.save_pretrained writes the transformers model's names or, for the PeftModel wrapper, the
+    adapter as peft's own save does; the base model with LoRA layers inside is neither
+    (merge_and_unload() first, or pass the wrapper). hf.load_pretrained reads a LoRA layer's
+    `base_layer.weight` under the transformers model's name and gives meta-built adapters
+    peft's initialization (Note [adapters built on the meta device]).
   - adapters added after parallelize: no optimizer, gradient bucket or ZeRO unit holds them, so
     they never trained (Parallelized.step refuses: `new_trainable`).
 
@@ -25,6 +27,11 @@ Detected by the classes' module (peft is not a dependency: nothing here imports 
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import zlib
+
+import torch
 import torch.nn as nn
 
 
@@ -81,11 +88,148 @@ def adapted_wrapper(model: nn.Module, what: str) -> bool:
     return False
 
 
-def refuse_loading(model: nn.Module, what: str) -> None:
-    """hf.load_pretrained fills a transformers model's own tensors from its files."""
-    found = peft_modules(model)
-    if found:
-        raise ValueError(f"{what} fills a transformers model's tensors from its weight files; {type(model).__name__} "
-                         f"holds {describe(found)}, whose adapters the files do not hold. Load the model first "
-                         f"(hf.load_pretrained into the model built without adapters, or from_pretrained), then "
-                         f"apply get_peft_model before parallelize")
+# Note [adapters built on the meta device]: a model too large for one device is built on the meta
+# device, adapted there (get_peft_model puts the adapters beside their base layers: meta too),
+# parallelized, then filled from its files (hf.load_pretrained). The files hold the transformers
+# model's tensors: a LoRA layer's `base_layer.weight` is read under the layer's own name
+# (`q_proj.weight`), a `modules_to_save` copy and its original both under the wrapped module's.
+# The adapters are in no file: where they are on the meta device they get what get_peft_model
+# gives them on a real device - each layer's lora_A / lora_B built as peft's update_layer builds
+# them (nn.Linear's default initialization; an embedding's from torch.randn), then peft's own
+# `reset_lora_parameters` for the config's init_lora_weights (True: kaiming-uniform A, zero B;
+# "gaussian"; False leaves the defaults) - on a full-size CPU twin of the adapter (r x features:
+# small), of which each rank copies the boxes it holds. The random generator is seeded per layer
+# from one seed (rank 0's, or the caller's) and the layer's name in the transformers model, so
+# every rank and every layout draws the same adapters, and an unparallelized model loaded the
+# same way is the reference a parallel one is checked against. Initializations that read the
+# base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA, ...) and DoRA's magnitude (the base weight's
+# norms) cannot be computed before the weights are read: refused, naming the way that works
+# (load first, then get_peft_model).
+_INITS = (True, False, "gaussian")  # what reset_lora_parameters computes without the base weights
+_KINDS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")  # the tensors a twin holds
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    return _from_peft(module) and any(c.__name__ == "LoraLayer" for c in type(module).__mro__)
+
+
+def _is_saved_copy(module: nn.Module) -> bool:  # peft's ModulesToSaveWrapper: a trainable copy of a module
+    return _from_peft(module) and isinstance(getattr(module, "original_module", None), nn.Module) and \
+        isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
+
+
+@dataclasses.dataclass
+class Adapted:
+    """A transformers model, possibly adapted by peft, as hf.load_pretrained reads it: `model` is
+    the transformers model (inside peft's wrapper, if any), `prefix` its path in the names held
+    ("base_model.model." under the wrapper), `layers` the peft modules that hold a file's tensor
+    under another name, by path. For a model peft did not touch: the model itself, no layers."""
+    model: nn.Module
+    prefix: str
+    layers: dict[str, nn.Module]
+    configs: dict
+
+    def file_name(self, name: str) -> str | None:
+        """The transformers model's name of the held tensor `name`: a LoRA layer's base weight
+        under the layer's name; None for an adapter's tensor (in no file)."""
+        done = set()  # each layer once: its own name starts with its path too
+        while True:
+            path = max((p for p in self.layers if p not in done and name.startswith(p + ".")), key=len, default=None)
+            if path is None:
+                break
+            done.add(path)
+            layer, rest = self.layers[path], name[len(path) + 1:]
+            if _is_lora_layer(layer):
+                if not rest.startswith("base_layer."):
+                    return None
+                name = f"{path}.{rest[len('base_layer.'):]}"
+            else:  # modules_to_save: the original and each adapter's trainable copy start as the module
+                head, _, tail = rest.partition(".")
+                if head == "modules_to_save":
+                    tail = tail.partition(".")[2]
+                name = f"{path}.{tail}"
+        return name[len(self.prefix):] if name.startswith(self.prefix) else name
+
+    def check_initializable(self, names: list[str], what: str) -> None:
+        """Refuse adapters on the meta device that peft initializes from the base weights, or of
+        a kind built here from no recipe (Note [adapters built on the meta device])."""
+        for name in names:
+            layer, adapter, path = self._owner(name)
+            kind = name[len(path) + 1:].partition(".")[0]
+            if not _is_lora_layer(layer) or kind not in _KINDS:
+                raise ValueError(f"{what}: {name} belongs to {type(layer).__qualname__} made by peft, and is on the meta "
+                                 f"device; hf.load_pretrained initializes LoRA's {', '.join(_KINDS)} only. {_LOAD_FIRST}")
+            config = self.configs.get(adapter)
+            init = getattr(config, "init_lora_weights", True)
+            if getattr(config, "use_dora", False):
+                raise ValueError(f"{what}: adapter {adapter!r} uses DoRA (use_dora=True), whose magnitude is the base "
+                                 f"weights' norms, and {name} is on the meta device: it cannot be computed before the "
+                                 f"weights are read. {_LOAD_FIRST}")
+            if not any(init is ok or (isinstance(init, str) and isinstance(ok, str) and init.lower() == ok)
+                       for ok in _INITS):
+                raise ValueError(f"{what}: adapter {adapter!r} has init_lora_weights={init!r}, which peft computes from "
+                                 f"the base layer's weights, and {name} is on the meta device; hf.load_pretrained "
+                                 f"initializes meta adapters as init_lora_weights=True, False or 'gaussian' do. "
+                                 f"{_LOAD_FIRST}")
+
+    def initial_values(self, shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+        """The initial value of each adapter tensor in `shapes` (name -> full shape), on the CPU
+        (Note [adapters built on the meta device])."""
+        wanted: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
+        for name, shape in shapes.items():
+            _, adapter, path = self._owner(name)
+            wanted.setdefault((path, adapter), {})[name[len(path) + 1:]] = tuple(shape)
+        values = {}
+        for (path, adapter), held in sorted(wanted.items()):
+            layer = self.layers[path]
+            init = getattr(self.configs.get(adapter), "init_lora_weights", True)
+            plain = path[len(self.prefix):] if path.startswith(self.prefix) else path
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((seed + zlib.crc32(f"{plain}/{adapter}".encode())) % 2**63)
+                twin = _twin(layer, adapter, held)
+                if init is not False:
+                    type(layer).reset_lora_parameters(twin, adapter, init)
+            for rest in held:
+                kind, _, field = rest.partition(f".{adapter}")
+                table = getattr(twin, kind)[adapter]
+                values[f"{path}.{rest}"] = (getattr(table, field[1:]) if field else table).detach()
+        return values
+
+    def _owner(self, name: str) -> tuple[nn.Module, str, str]:
+        path = max((p for p in self.layers if name.startswith(p + ".")), key=len)
+        parts = name[len(path) + 1:].split(".")
+        return self.layers[path], parts[1] if len(parts) > 1 else "", path
+
+
+_LOAD_FIRST = ("Build the model on a real device and load it first (hf.load_pretrained into the model built without "
+               "adapters, or from_pretrained), then apply get_peft_model before parallelize")
+
+
+def _twin(layer: nn.Module, adapter: str, held: dict[str, tuple[int, ...]]) -> types.SimpleNamespace:
+    """The adapter tensors of `layer` as peft's update_layer builds them, full size on the CPU,
+    under the attributes its reset_lora_parameters reads. `held` has the shape of each of the
+    layer's tensors of `adapter` (a rank describes every tensor of a layer it holds: ZeRO's
+    with no piece too)."""
+    twin = types.SimpleNamespace(lora_A={}, lora_B={}, lora_embedding_A={}, lora_embedding_B={},
+                                 r=layer.r, lora_bias=layer.lora_bias, get_base_layer=lambda: None)
+    if adapter in layer.lora_A:
+        r, fan_in = held[f"lora_A.{adapter}.weight"]
+        out, _ = held[f"lora_B.{adapter}.weight"]
+        twin.lora_A[adapter] = nn.Linear(fan_in, r, bias=False)
+        twin.lora_B[adapter] = nn.Linear(r, out, bias=getattr(layer.lora_B[adapter], "bias", None) is not None)
+    if adapter in layer.lora_embedding_A:
+        twin.lora_embedding_A[adapter] = nn.Parameter(torch.randn(held[f"lora_embedding_A.{adapter}"]))
+        twin.lora_embedding_B[adapter] = nn.Parameter(torch.randn(held[f"lora_embedding_B.{adapter}"]))
+    return twin
+
+
+def adapted(hf_model: nn.Module) -> Adapted:
+    """hf_model (what _hf_model found: a transformers model, or peft's wrapper around one) as
+    hf.load_pretrained reads it."""
+    model, prefix = hf_model, ""
+    if _from_peft(hf_model) and callable(getattr(type(hf_model), "get_base_model", None)):
+        model = hf_model.get_base_model()
+        prefix = next(name for name, m in hf_model.named_modules() if m is model) + "."
+    layers = {name: m for name, m in hf_model.named_modules() if _is_lora_layer(m) or _is_saved_copy(m)}
+    configs = getattr(hf_model, "peft_config", None) or getattr(model, "peft_config", None) or {}
+    return Adapted(model, prefix, layers, dict(configs))

@@ -247,11 +247,12 @@ class _Stacked:
 class _Source:
     """Where one logical tensor comes from: a name in the files (read as boxes); per-expert
     tensors of the files, stacked;
-    nowhere, for a tied entry written through the other name of its tensor; or the reference
-    model, for a buffer the files lack."""
+    nowhere, for a tied entry written through the other name of its tensor; the reference
+    model, for a buffer the files lack; or peft's initialization, for an adapter."""
     key: str | None
     from_reference: bool = False
     stacked: _Stacked | None = None
+    adapter: bool = False  # a peft adapter's tensor (Note [adapters built on the meta device] in _peft.py)
 
     def file_keys(self) -> set[str]:
         if self.stacked is not None:
@@ -278,12 +279,13 @@ def _candidates(name: str, base: str) -> list[str]:
     return [name, name[len(base) + 1:] if name.startswith(base + ".") else f"{base}.{name}"]
 
 
-def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, reference: nn.Module,
+def _plan_sources(described: placement.ModelPlacement, adapted: _peft.Adapted, reference: nn.Module,
                   shapes: dict[str, tuple[int, ...]], files: dict[str, str]) -> dict[str, _Source]:
     """For every tensor this rank holds, where it comes from; raises naming every missing key
-    and every shape that does not match."""
+    and every shape that does not match. Held names are the transformers model's, through peft's
+    layers (`adapted.file_name`; Note [adapters built on the meta device] in _peft.py)."""
     ref_buffers = dict(reference.named_buffers())
-    base = getattr(hf_model, "base_model_prefix", "")
+    base = getattr(adapted.model, "base_model_prefix", "")
     by_local: dict[int, list[str]] = {}
     for name, tp in described.tensors.items():
         by_local.setdefault(id(tp.local), []).append(name)
@@ -294,6 +296,7 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
     renamed, stacked, converted, unstacked = _checkpoint_renamings(reference, shapes)
 
     def in_files(name):  # transformers also reads a base model's files into a model with a head, and the reverse
+        name = adapted.file_name(name)
         for alias in aliases.get(name, [name]):
             for candidate in _candidates(alias, base):
                 if candidate in shapes or candidate in stacked:
@@ -304,11 +307,14 @@ def _plan_sources(described: placement.ModelPlacement, hf_model: nn.Module, refe
 
     sources, missing, wrong = {}, [], []
     for names in by_local.values():
+        if all(adapted.file_name(n) is None for n in names):  # an adapter's tensor: in no file
+            sources.update({n: _Source(None, adapter=True) for n in names})
+            continue
         # Tied entries (GPT-2's lm_head.weight is transformer.wte.weight) share one local
         # tensor; the files hold the tie once, under whichever name transformers kept.
         found = next(((n, k) for n in names for k in [in_files(n)] if k is not None), None)
         if found is None:
-            if all(n in ref_buffers for n in names):  # a persistent buffer the files lack
+            if all(adapted.file_name(n) in ref_buffers for n in names):  # a persistent buffer the files lack
                 sources.update({n: _Source(None, from_reference=True) for n in names})
             else:
                 missing.extend(names)
@@ -552,23 +558,26 @@ def _read_pieces(described: placement.ModelPlacement, sources: dict[str, _Source
         del f, tensor, data  # the mapping goes with the last reference
 
 
-def _buffers_from_reference(hf_model: nn.Module, held: nn.Module, reference: nn.Module, loaded: set[str]) -> None:
+def _buffers_from_reference(hf_model: nn.Module, held: nn.Module, reference: nn.Module, loaded: set[str],
+                            adapted: _peft.Adapted | None = None) -> None:
     """Every buffer this rank holds (in `held`: a pipeline rank holds its stages' only) and
     did not read from the files (`loaded`) gets the value the constructor computes (Note
-    [buffers not in the files])."""
+    [buffers not in the files]); names through peft's layers as in _plan_sources."""
     ref_buffers = dict(reference.named_buffers())
     mine = {id(b) for b in held.buffers()}
     with torch.no_grad():
         for name, buf in hf_model.named_buffers():
             if name in loaded or id(buf) not in mine:
                 continue
-            if name not in ref_buffers:
+            plain = adapted.file_name(name) if adapted is not None else name
+            if plain not in ref_buffers:
                 raise KeyError(f"hf.load_pretrained: buffer {name} is neither in the files nor built by "
-                               f"{type(hf_model).__name__}'s constructor")
-            buf.copy_(ref_buffers[name])
+                               f"{type(reference).__name__}'s constructor")
+            buf.copy_(ref_buffers[plain])
 
 
-def load_pretrained(directory: str, model, *, device: torch.device | str | None = None, group=None):
+def load_pretrained(directory: str, model, *, device: torch.device | str | None = None, group=None,
+                    adapter_seed: int | None = None):
     """Fill `model` - this rank's part of a transformers model at any layout (tensor parallel,
     ZeRO 1-3, DataParallel, or the `Parallelized` of `parallelize`, pipelined by
     `pipeline_layers="auto"` or not), possibly built on the meta
@@ -582,35 +591,45 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
     (rotary `inv_freq`) are computed by the model's constructor (Note [buffers not in the
     files]). A missing tensor, a shape mismatch or a directory without safetensors raises on
     every rank, naming them; tensors the files hold and the model does not are warned about.
+
+    A model adapted by peft (the PeftModel, or its base model with LoRA layers inside) gets its
+    base layers from the files; its adapters keep their values, or, where they are on the meta
+    device, get peft's initialization for their config, drawn from `adapter_seed` (default: rank
+    0's torch.initial_seed()) and each layer's name, the same at every layout (Note [adapters
+    built on the meta device] in _peft.py).
     """
     from parallel_layers.parallel_dims import default_device
 
     module, ctx_device = _unwrap(model)
     hf_model = _hf_model(module, "hf.load_pretrained")
-    _peft.refuse_loading(module, "hf.load_pretrained")  # Note [peft models]
+    adapted = _peft.adapted(hf_model)  # Note [adapters built on the meta device] in _peft.py
     rank, _ = rank_world(group)
     mine = described = sources = files = reference = None
     used: set[str] = set()
     differ: list[tuple[str, str]] = []
+    adapters: list[str] = []  # the adapter tensors on the meta device: peft's initialization
     try:
         files = _weight_files(os.fspath(directory))
         shapes = _file_shapes(files)
-        reference = _reference(hf_model)
+        reference = _reference(adapted.model)
         described = placement.describe(module)
         described.check_storage()
-        sources = _plan_sources(described, hf_model, reference, shapes, files)
-        copies = _tied_copies(reference, hf_model, shapes)  # Note [both copies of a tie in the files]
+        sources = _plan_sources(described, adapted, reference, shapes, files)
+        adapters = [n for n, s in sources.items() if s.adapter and described.tensors[n].local.is_meta]
+        adapted.check_initializable(adapters, "hf.load_pretrained")
+        copies = _tied_copies(reference, adapted.model, shapes)  # Note [both copies of a tie in the files]
         differ = _differing_copies(copies, files, shapes, group)
         used = set().union(*(s.file_keys() for s in sources.values()), (other for _, other in copies))
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = e
-    reports = all_gather((describe_error(mine) if mine else None, used, differ), group)
-    raise_if_any([error for error, _, _ in reports], mine, "hf.load_pretrained")
+    reports = all_gather((describe_error(mine) if mine else None, used, differ, torch.initial_seed()), group)
+    raise_if_any([report[0] for report in reports], mine, "hf.load_pretrained")
     # each rank compared a share of the rows: every rank refuses what any rank found
-    _refuse_differing_copies(sorted(set().union(*(pairs for _, _, pairs in reports))), shapes, hf_model,
+    _refuse_differing_copies(sorted(set().union(*(report[2] for report in reports))), shapes, adapted.model,
                              os.fspath(directory))
+    seed = reports[0][3] if adapter_seed is None else adapter_seed  # one seed: every rank draws the same adapters
 
-    used = set().union(*(keys for _, keys, _ in reports))  # pipeline ranks read different tensors
+    used = set().union(*(report[1] for report in reports))  # pipeline ranks read different tensors
     unexpected = [k for k in files if k not in used]
     if unexpected and rank == 0:
         warnings.warn(f"hf.load_pretrained: {directory} holds {len(unexpected)} tensor(s) the model does not have, "
@@ -623,13 +642,29 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
                              warn_unfilled_buffers=False)  # _buffers_from_reference fills them below
             described = placement.describe(module)  # the same tensors, now with storage
         _read_pieces(described, sources, files)
-        _buffers_from_reference(hf_model, module, reference, {n for n, s in sources.items() if not s.from_reference})
+        _initialize_adapters(described, adapted, adapters, seed)
+        _buffers_from_reference(hf_model, module, reference, {n for n, s in sources.items() if not s.from_reference},
+                                adapted)
     except Exception as e:  # noqa: BLE001
         mine = e
     raise_if_any(all_gather(describe_error(mine) if mine else None, group), mine, "hf.load_pretrained")
     for hook in described.after_load:  # the wrappers' collectives (ZeRO's all-gathers): every rank
         hook()
     return model
+
+
+def _initialize_adapters(described: placement.ModelPlacement, adapted: _peft.Adapted, names: list[str],
+                         seed: int) -> None:
+    """Write peft's initial values of the adapter tensors `names` into the pieces this rank
+    holds (Note [adapters built on the meta device] in _peft.py)."""
+    if not names:
+        return
+    values = adapted.initial_values({n: tuple(described.tensors[n].shape) for n in names}, seed)
+    with torch.no_grad():
+        for name in names:
+            tp = described.tensors[name]
+            for piece in tp.pieces:
+                piece.view(tp.local).copy_(values[name][_box(piece.global_offsets, piece.sizes)])
 
 
 def materialize(model, *, device: torch.device | str | None = None):
@@ -643,9 +678,10 @@ def materialize(model, *, device: torch.device | str | None = None):
 
     module, ctx_device = _unwrap(model)
     hf_model = _hf_model(module, "hf.materialize")
+    adapted = _peft.adapted(hf_model)
     meta.materialize(module, device if device is not None else ctx_device or default_device(),
                      warn_unfilled_buffers=False)
-    _buffers_from_reference(hf_model, module, _reference(hf_model), set())
+    _buffers_from_reference(hf_model, module, _reference(adapted.model), set(), adapted)
     return model
 
 

@@ -130,15 +130,99 @@ def test_what_would_train_wrongly_is_refused_on_every_rank(tmp_path, layout):
         assert isinstance(result, str) and result.startswith(expected), (rank, result)
 
 
-def _load_into_adapted(rank, world, directory):
+def _on_meta(directory, **lora):
+    with torch.device("meta"):  # the model and its adapters: nothing allocated
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+        return _lora(model) if not lora else peft.get_peft_model(model, peft.LoraConfig(
+            r=4, **{"target_modules": ["q_proj", "v_proj"], **lora}))
+
+
+def _meta_load_and_train(rank, world, directory, layout, out):
+    from parallel_layers import checkpoint, hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    pp = 2 if layout.startswith("pp2") else 1
+    ctx = init_parallel(pp=pp, dp=world // pp, device="cpu")
+    torch.manual_seed(rank)  # the ranks' own seeds differ: the adapters must not
+    model = _on_meta(directory)
+    target = model.get_base_model() if pp > 1 else model
+    par = parallelize(target, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
+                      zero_stage={"dp2": 0, "dp2-zero1": 1, "dp2-zero3": 3, "pp2-base": 0}[layout],
+                      pipeline_layers="auto" if pp > 1 else None)
+    assert all(p.is_meta for p in par.module.parameters())  # the premise: nothing allocated yet
+    hf.load_pretrained(directory, par, adapter_seed=SEED)
+    losses = _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
+    return losses, checkpoint.save(out, STEPS, par)
+
+
+SEED = 5
+
+
+def _loaded_on_one_process(directory, **lora):
+    from parallel_layers import hf
+
+    return hf.load_pretrained(directory, _on_meta(directory, **lora), device="cpu", adapter_seed=SEED)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2-zero1", "dp2-zero3", "pp2-base"])
+def test_adapters_built_on_meta_load_and_train_as_one_process_does(tmp_path, layout):
+    """Note [adapters built on the meta device]: a model built on the meta device, adapted,
+    parallelized and filled from its files trains as the unparallelized one loaded the same way,
+    whose base is from_pretrained's (the reference for the adapters' values is that process:
+    the same seed draws the same adapters at every layout, whatever each rank's own seed)."""
+    from parallel_layers import checkpoint
+
+    _tiny.save_tiny_llama(tmp_path / "src")
+    out = str(tmp_path / "ckpt")
+    got = run_distributed(_meta_load_and_train, 2, args=(str(tmp_path / "src"), layout, out))
+    plain = _loaded_on_one_process(tmp_path / "src")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").state_dict()
+    for key, value in plain.state_dict().items():  # the base from the files, adapters drawn
+        if "lora_" not in key:
+            assert torch.equal(value, base[key.replace("base_model.model.", "").replace(".base_layer", "")]), key
+    want_losses = _tiny.plain_losses(plain, torch.optim.AdamW(plain.parameters(), lr=LR),
+                                     _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
+    losses = [sum(pair) / 2 for pair in zip(got[0][0], got[1][0])] if layout.startswith("dp2") else got[1][0]
+    assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
+    trained = checkpoint.export_state_dict(got[0][1])
+    want = plain.state_dict() if layout != "pp2-base" else plain.get_base_model().state_dict()
+    assert sorted(trained) == sorted(want) and any("lora_B" in k for k in trained)
+    for key, value in want.items():
+        assert torch.allclose(trained[key], value, atol=1e-5), (key, (trained[key] - value).abs().max())
+
+
+def test_adapters_drawn_on_meta_are_peft_initializations(tmp_path):
+    _tiny.save_tiny_llama(tmp_path)
+    hidden, r = transformers.AutoConfig.from_pretrained(tmp_path).hidden_size, 4
+    name = "base_model.model.model.layers.1.self_attn.q_proj.lora_{}.default.weight"
+    for init in (True, "gaussian"):
+        state = _loaded_on_one_process(tmp_path, init_lora_weights=init).state_dict()
+        a, b = state[name.format("A")], state[name.format("B")]
+        assert a.shape == (r, hidden) and torch.count_nonzero(b) == 0  # B = 0: the adapted model is the base model
+        if init is True:  # kaiming-uniform(a=sqrt(5)) over the fan-in, as nn.Linear: U(-1/sqrt(hidden), ...)
+            assert a.abs().max() <= hidden ** -0.5 and a.abs().max() > 0.8 * hidden ** -0.5
+        else:  # N(0, 1/r)
+            assert 0.7 / r < a.std() < 1.3 / r
+    # an embedding's adapter (A = 0, B ~ N(0, 1)), and a trainable copy of the head: both from the files
+    state = _loaded_on_one_process(tmp_path, target_modules=["embed_tokens"], modules_to_save=["lm_head"]).state_dict()
+    files = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    for copy in ("original_module", "modules_to_save.default"):
+        assert torch.equal(state[f"base_model.model.lm_head.{copy}.weight"], files["lm_head.weight"]), copy
+    embedding = "base_model.model.model.embed_tokens.lora_embedding_{}.default"
+    assert torch.count_nonzero(state[embedding.format("A")]) == 0 and 0.7 < state[embedding.format("B")].std() < 1.3
+    first, again = (_loaded_on_one_process(tmp_path, init_lora_weights=True).state_dict() for _ in range(2))
+    assert torch.equal(again[name.format("A")], first[name.format("A")])  # one seed, one draw
+    other = name.format("A").replace("layers.1", "layers.0")
+    assert not torch.equal(first[other], first[name.format("A")])  # each layer its own
+
+
+def _load_refused(rank, world, directory, lora):
     from parallel_layers import hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
 
     ctx = init_parallel(dp=world, device="cpu")
-    with torch.device("meta"):
-        model = _lora(transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory)))
-    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
-                      zero_stage=3)
+    par = parallelize(_on_meta(directory, **lora), ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+                      loss_fn=causal_lm_loss, zero_stage=3)
     try:
         hf.load_pretrained(directory, par)
     except ValueError as e:
@@ -146,9 +230,14 @@ def _load_into_adapted(rank, world, directory):
     return "loaded"
 
 
-def test_loading_weight_files_into_an_adapted_model_is_refused(tmp_path):
+@pytest.mark.parametrize("lora", [{"init_lora_weights": "pissa"}, {"use_dora": True}], ids=["pissa", "dora"])
+def test_adapters_computed_from_the_weights_are_refused_on_meta(tmp_path, lora):
+    # before: every meta-built adapted model was refused; now what needs the base weights is
     _tiny.save_tiny_llama(tmp_path)
-    for message in run_distributed(_load_into_adapted, 2, args=(str(tmp_path),)):
-        assert message.startswith("hf.load_pretrained fills a transformers model's tensors from its weight files; "
-                                  "ZeRO holds 6 layer(s) adapted by peft"), message
-        assert "apply get_peft_model before parallelize" in message
+    expected = ("hf.load_pretrained: adapter 'default' has init_lora_weights='pissa', which peft computes from the "
+                "base layer's weights" if "init_lora_weights" in lora else
+                "hf.load_pretrained: adapter 'default' uses DoRA (use_dora=True), whose magnitude is the base weights' "
+                "norms")
+    for message in run_distributed(_load_refused, 2, args=(str(tmp_path), lora)):
+        assert message.startswith(expected), message
+        assert "then apply get_peft_model before parallelize" in message
