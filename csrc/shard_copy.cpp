@@ -37,15 +37,19 @@ void for_each_row_piece(int64_t total, int64_t begin, int64_t end, Visit&& visit
   }
 }
 
-// dst = scale * src, the product taken in the wider of the two dtypes and rounded once into
-// dst's; a piece is small enough that the second pass over dst hits the cache.
+// dst = scale * src, the product taken in float32 (float64 if either side is) and rounded once
+// into dst's dtype, as the CUDA kernels' float accumulator does. Between float16 and bfloat16
+// neither dtype holds the other (their promotion is float32): the product in the source's 16-bit
+// dtype overflowed (a float16 60000 * 2 = inf where bfloat16 holds 119808) or went subnormal
+// (review finding, helper-61). A piece is small enough that the second pass over dst hits the cache.
 void scaled_copy(const at::Tensor& dst, const at::Tensor& src, double scale) {
+  const auto wide = c10::promoteTypes(c10::promoteTypes(src.scalar_type(), dst.scalar_type()), at::kFloat);
   if (scale == 1.0) {
     dst.copy_(src);
-  } else if (c10::promoteTypes(src.scalar_type(), dst.scalar_type()) == dst.scalar_type()) {
-    dst.copy_(src).mul_(scale);
+  } else if (wide == dst.scalar_type()) {
+    dst.copy_(src).mul_(scale);  // exact copy into the wide dtype, one rounding of the product
   } else {
-    dst.copy_(src * scale);
+    dst.copy_(at::mul(src.to(wide), scale));  // out of place: src.to(wide) may be src itself
   }
 }
 
@@ -93,7 +97,7 @@ void reduce_scatter_copy_in(at::TensorList grads, const at::Tensor& out, double 
         const int64_t valid = std::max<int64_t>(0, el_hi - el_lo);
         at::Tensor dst = out[r].slice(0, lo, lo + valid);
         if (valid > 0) {
-          // Scaled in the source's precision, rounded once into the buffer's dtype.
+          // Scaled in float32 (or float64), rounded once into the buffer's dtype.
           const at::Tensor src = flat(grads[i], el_lo, el_hi);
           scaled_copy(dst, src, pre_scale);
         }

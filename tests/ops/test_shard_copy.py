@@ -73,7 +73,8 @@ def test_all_gather_round_trip(world, src, dst, device):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-                                      (torch.float32, torch.bfloat16)])
+                                      (torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16),
+                                      (torch.bfloat16, torch.float16), (torch.float16, torch.float16)])
 def test_reduce_scatter_copy_in_and_out(world, src, dst, device):
     grads = _tensors(SHAPES, src, device, seed=1)
     buf = reduce_scatter_copy_in(grads, world, dst, pre_scale=0.5)
@@ -89,6 +90,23 @@ def test_reduce_scatter_copy_in_and_out(world, src, dst, device):
         for g, sg in zip(grads, shard_grads):
             want = 1.0 + 2.0 * (ref_shards(g.cpu(), world)[rank].float() * 0.5).to(dst).float()
             torch.testing.assert_close(sg.cpu(), want, rtol=1e-6, atol=1e-6)  # one float32 rounding of 1 + x
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("src, dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_scaling_between_16_bit_dtypes_rounds_once(src, dst, accumulate, device):
+    # helper-61: the CPU product was taken in the source's 16-bit dtype, then rounded into the
+    # buffer's: a float16 60000 * 2 became inf (bfloat16 holds 119808), 1e-7 went subnormal
+    # (19% off), 1/3 of a bfloat16 was rounded twice. CUDA's float accumulator never did.
+    values = torch.tensor([60000.0, 1.0009765625, 3e-5, 1e-4, -7.5, 0.3], dtype=src, device=device)
+    for scale in (2.0, 1 / 1024, 1 / 3):
+        want = (values.double() * scale).to(dst)  # one rounding of the exact product
+        buf = reduce_scatter_copy_in([values], 1, dst, pre_scale=scale)
+        torch.testing.assert_close(buf[0], want, rtol=0, atol=0)
+        out = torch.zeros(values.shape, dtype=dst, device=device)
+        reduce_scatter_copy_out(values, [out], post_scale=scale, accumulate=accumulate)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", devices())
