@@ -361,7 +361,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
                 split_points: list[int] | None = None, fused_kernels: bool = True,
                 token_count: Callable[[Tensor], Tensor] | None = None, expert_parallel: bool | int = False,
-                loss_scale: str | float | None = None) -> Parallelized:
+                loss_scale: str | float | None = None, offload_optimizer: bool = False) -> Parallelized:
     """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
 
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
@@ -393,6 +393,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     scale for every rank] in _loss_scale.py): "dynamic" (torch.amp.GradScaler's rule) or a static
     number; forward_backward scales the loss, clip_grad_norm_ / step unscale the gradients, and
     step skips the optimizer on every rank when any rank's overflowed. None: no scaling.
+    offload_optimizer: with ZeRO (zero_stage 1-3), its master shards, their gradients and the
+    optimizer state live in host memory and the optimizer steps there (ZeRO-Offload; ZeRO's
+    offload_optimizer, parallel_layers/zero/api.py).
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -400,6 +403,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                         "plan, call parallel_layers.tensor_parallel.parallelize(model, plan, tp_group=...)")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0 (DataParallel), 1, 2 or 3 (ZeRO stage), got {zero_stage!r}")
+    if offload_optimizer and not zero_stage:
+        raise ValueError("parallelize: offload_optimizer=True moves ZeRO's optimizer shards to host memory; it needs "
+                         f"zero_stage 1, 2 or 3, got zero_stage={zero_stage!r} (DataParallel keeps the whole optimizer "
+                         "on the device)")
     if getattr(model, "_pl_parallelized", None) is not None:  # every rank ran the first call: every rank raises
         raise ValueError(f"parallelize: this {type(model).__name__} was already parallelized ({model._pl_parallelized}); "
                          "its layers are sharded or wrapped, and ZeRO-3 has freed its full parameters. Build the model "
@@ -482,7 +489,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     failed = None
     try:
         if zero_stage:
-            wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=zero_units)
+            wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=zero_units,
+                           offload_optimizer=offload_optimizer)
             opt = wrapper.optimizer  # ZeRO checked it against net's parameters; these were the model's before TP
             _optimizer.check(opt, [s for g in wrapper.groups for s in g.shards], "parallelize", replaced=originals)
         else:

@@ -80,13 +80,16 @@ def _single_process(kind, batch):
     return train_one_process(model, model.loss, _sgd(model.parameters()), ids, targets, CLIP)
 
 
-def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches):
+def _trained(rank, world, kind, tp, dp, pp, zero_stage, microbatches, offload=False):
     from parallel_layers import init_parallel, parallelize
 
     ctx = init_parallel(tp=tp, dp=dp, pp=pp, device="cpu")
     model, plan, block = _model(kind)
     par = parallelize(model, ctx, optimizer=_sgd, loss_fn=model.loss, tp_plan=plan, zero_stage=zero_stage,
-                      wrap=lambda m: isinstance(m, block), pipeline_layers="layers", microbatches=microbatches)
+                      wrap=lambda m: isinstance(m, block), pipeline_layers="layers", microbatches=microbatches,
+                      offload_optimizer=offload)
+    if offload:  # every ZeRO group's shards and optimizer in host memory
+        assert par.module.groups and all(g.offload for g in par.module.groups)
     per_replica = 2 * (microbatches or 1)
     ids, targets = _data(per_replica * dp)
     rows = slice(ctx.coordinate("dp") * per_replica, (ctx.coordinate("dp") + 1) * per_replica)
@@ -123,6 +126,27 @@ def test_composed_layouts_match_one_process(tp, dp, pp, zero_stage, microbatches
         assert n_params > 0
     if pp == 1:  # every rank holds every tensor: embeddings, 11 per block (no qkv bias), head (tied: both keys)
         assert all(r[2] == 2 + 11 * CFG["layers"] + 3 for r in results), results
+
+
+def test_the_optimizer_offloaded_through_parallelize_matches_one_process():
+    # helper-63: the planner recommends ZeRO-Offload layouts, which parallelize could not run
+    results = run_distributed(_trained, 4, args=("gpt", 2, 2, 1, 3, None, True), timeout_s=240)
+    for loss_diff, param_diff, n_params, module, _, _ in results:
+        assert loss_diff < RTOL and param_diff < RTOL and module == "ZeRO", results
+    for message in run_distributed(_refused, 2, args=(dict(zero_stage=0, offload_optimizer=True),)):
+        assert message.startswith("parallelize: offload_optimizer=True moves ZeRO's optimizer shards to host memory; "
+                                  "it needs zero_stage 1, 2 or 3, got zero_stage=0"), message
+
+
+def _refused(rank, world, kwargs):
+    from parallel_layers import init_parallel, parallelize
+
+    model = _model("gpt")[0]
+    try:
+        parallelize(model, init_parallel(dp=world, device="cpu"), optimizer=_sgd, loss_fn=model.loss, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "built"
 
 
 @pytest.mark.parametrize("tp,dp,pp,zero_stage,microbatches", [(2, 2, 1, 1, None), (2, 2, 1, 3, None),

@@ -214,7 +214,9 @@ def test_cli_reads_a_model_directory(tmp_path, capsys):
     spec = ModelSpec.from_hf_config(tmp_path, seq=512)
     assert f"model: llama, {spec.params / 1e9:.2f}B params, 3 layers, hidden 256, 8 heads (2 kv, head dim 32)" in out
     assert "swiglu ffn 688, vocab 1000 (untied head)" in out
-    best, _ = recommend(spec, ClusterSpec.preset("h100", 8), TrainSpec())
+    # the published plan gathers the head's logits on every tp rank: no vocab-parallel loss (helper-63)
+    assert "head output gathered (tp_plan auto)" in out
+    best, _ = recommend(spec, ClusterSpec.preset("h100", 8), TrainSpec(vocab_parallel_loss=False))
     assert f"recommended: {best.layout}," in out
 
 
@@ -248,6 +250,41 @@ def test_errors_name_the_values(tmp_path, capsys):
         plan.main(["--hf-config", str(tmp_path), "--layers", "4", "--seq", "128", "--gpus", "8",
                    "--gpus-per-node", "8", "--gpu", "h100"])
     assert "--hf-config gives the model's shape; drop ['--layers']" in capsys.readouterr().err
+
+
+def test_cli_errors_are_usage_errors_and_nothing_fitting_exits_nonzero(capsys):
+    # helper-63: these were tracebacks (exit 1), and "nothing fits" exited 0, listing the closest
+    # layouts by step time (the least-memory one was 28th)
+    small = ["--layers", "4", "--hidden", "1024", "--seq", "1024", "--gpus", "8", "--gpus-per-node", "8",
+             "--gpu", "h100"]
+    for extra, message in ((["--expert-parallel", "on"], "expert parallelism spreads a mixture of experts' experts"),
+                           (["--context-parallel", "3"], "the fixed degrees context_parallel=3 multiply to 3, which "
+                                                         "does not divide gpus 8")):
+        with pytest.raises(SystemExit) as exit_:
+            plan.main([*small, *extra])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    huge = ["--layers", "80", "--hidden", "8192", "--seq", "8192", "--gpus", "8", "--gpus-per-node", "8",
+            "--gpu-mem", "40GB", "--rows", "3"]
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(huge)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1 and "nothing fits" in out
+    least = re.search(r"the least memory any layout needs is ([\d.]+) GB per GPU \((.+?), microbatch", out)
+    assert least, out
+    closest = out.split("rejected (")[1].splitlines()[1]  # the first of the closest: the least memory
+    assert closest.strip().startswith(least.group(2)), (closest, least.group(2))
+
+
+def test_tp_must_divide_an_untied_vocabulary():
+    # helper-63: a vocabulary of 32001 (one pad token added) at tp=2 was recommended; parallelize
+    # refuses a column-parallel head that tp does not divide. A tied head stays replicated.
+    for tied in (False, True):
+        model = ModelSpec(None, 4, 1024, 1024, heads=16, vocab=8191, tied=tied)
+        best, rejected = recommend(model, ClusterSpec(8, 8, 80 * GB), TrainSpec(global_batch=64, tensor_parallel=2))
+        if tied:
+            assert best is not None
+        else:
+            assert best is None and all(e.reason.startswith("vocab 8191 not divisible by tp=2") for e in rejected)
 
 
 def test_tp_must_divide_the_kv_heads():

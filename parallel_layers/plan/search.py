@@ -3,6 +3,8 @@ reason it lost, with its numbers (`recommend`; docs/parallelism.md, "Composing")
 
 from __future__ import annotations
 
+import dataclasses
+
 from parallel_layers.plan.cost import estimate
 from parallel_layers.plan.model import GB, ModelSpec
 from parallel_layers.plan.specs import RECOMPUTE, ClusterSpec, Estimate, Layout, TrainSpec
@@ -18,6 +20,9 @@ def _structural_reason(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
         return f"kv heads {model.n_kv_heads} not divisible by tp={tp} (each rank needs whole key/value heads)"
     if model.ffn_width % tp:
         return f"ffn {model.ffn_width} not divisible by tp={tp}"
+    if not model.tied and model.vocab % tp:  # a tied head stays replicated; the embedding pads its rows
+        return (f"vocab {model.vocab} not divisible by tp={tp} (the untied head is column-parallel over the "
+                "vocabulary, and parallelize refuses a split that leaves rows over)")
     if model.layers < pp * v:  # PipelineStages cuts unevenly (balanced), but every stage needs a layer
         return f"layers {model.layers} < pp={pp} x v={v} stages: every pipeline stage needs at least one layer"
     if model.seq % (2 * cp) and cp > 1:
@@ -33,6 +38,25 @@ def _structural_reason(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
         return (f"global batch {train.global_batch} / dp={dp} = {train.global_batch // dp} sequences per replica, "
                 f"not a multiple of micro_batch {train.micro_batch}")
     return None
+
+
+# Note [what parallelize runs, in the plan]: `estimate` (cost.py) models the published systems:
+# Megatron's sequence parallelism holds with a pipeline and with microbatches too, and the
+# published-number tests compare it so. parallelize runs sequence parallelism only without a
+# pipeline and with one microbatch (a stage boundary carries full-length hidden states), so the
+# search estimates each layout as parallelize would run it: with pp > 1 or m > 1, no sequence
+# split. Before, 47 of 62 recommendations for 7B-70B models on 8-512 GPUs were layouts
+# parallelize refused, and without the split some of them no longer fit (review finding,
+# helper-63: Llama-3-70B on 64 H100s, 53.6 GB planned, 91.2 GB as parallelize runs it).
+def runs_sequence_parallel(train: TrainSpec, tp: int, pp: int, microbatches: int) -> bool:
+    """Whether parallelize splits the sequence at this layout (Note [what parallelize runs, in the plan])."""
+    return train.sequence_parallel and tp > 1 and pp == 1 and microbatches == 1
+
+
+def _as_run(train: TrainSpec, tp: int, pp: int, microbatches: int) -> TrainSpec:
+    if train.sequence_parallel and not runs_sequence_parallel(train, tp, pp, microbatches):
+        return dataclasses.replace(train, sequence_parallel=False)
+    return train
 
 
 def _microbatch_choices(per_replica: int, pp: int, micro_batch: int | None = None) -> list[int]:
@@ -134,13 +158,15 @@ def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=1) -> Est
         reason = f"experts {model.experts} not divisible by {over}"
     if reason is not None:
         shown = ep if dp % ep == 0 else 1
-        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=shown))
+        e = estimate(model, cluster, _as_run(train, tp, pp, max(1, pp)), Layout(dp, tp, pp, zero, max(1, pp), cp, v,
+                                                                               ep=shown))
         e.reason = reason
         return e
     ms = _microbatch_choices(train.global_batch // dp, pp, train.micro_batch)
     options = _memory_options(train, zero)
     if not ms or not options:
-        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=ep))
+        e = estimate(model, cluster, _as_run(train, tp, pp, max(1, pp)), Layout(dp, tp, pp, zero, max(1, pp), cp, v,
+                                                                               ep=ep))
         e.reason = (f"only {train.global_batch // (dp * train.micro_batch)} microbatches of {train.micro_batch} "
                     f"sequences per replica < pp={pp}: needs microbatches >= stages" if not ms else
                     f"optimizer offload needs ZeRO >= 1 (it moves the optimizer shard), and dp={dp} x cp={cp} runs "
@@ -152,7 +178,7 @@ def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=1) -> Est
         for group in (wide, [m for m in ms if m not in wide]):  # m >= 4p before m < 4p
             fit = []
             for m in group:
-                e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, m, cp, v, rc, off, ep))
+                e = estimate(model, cluster, _as_run(train, tp, pp, m), Layout(dp, tp, pp, zero, m, cp, v, rc, off, ep))
                 if _fits(e, cluster):
                     fit.append(e)
                 elif smallest is None or e.memory < smallest.memory:
@@ -235,23 +261,27 @@ def recommend(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec = TrainSp
         if e is best:
             continue
         if e.step_time > (1 + TIE) * best.step_time:
-            e.reason = (f"slower: est. step {e.step_time:.2f} s vs {best.step_time:.2f} s for {best.layout} "
+            e.reason = (f"slower: est. step {e.step_time:.3g} s vs {best.step_time:.3g} s for {best.layout} "
                         f"(bubble {100 * e.bubble:.0f}%, comm {sum(e.comm.values()) / GB:.1f} GB/step)")
         elif e.layout.zero >= 2 > best.layout.zero:
-            e.reason = (f"same est. step (within {TIE:.0%}): {e.step_time:.2f} s vs {best.step_time:.2f} s for "
+            e.reason = (f"same est. step (within {TIE:.0%}): {e.step_time:.3g} s vs {best.step_time:.3g} s for "
                         f"{best.layout}, with ZeRO-{e.layout.zero} vs {best.layout.zero}: the lower stage wins")
         elif _tightness(e, cluster) > _tightness(best, cluster):
-            e.reason = (f"same est. step (within {TIE:.0%}): {e.step_time:.2f} s vs {best.step_time:.2f} s for "
+            e.reason = (f"same est. step (within {TIE:.0%}): {e.step_time:.3g} s vs {best.step_time:.3g} s for "
                         f"{best.layout}, which leaves more memory headroom ({best.memory / GB:.0f} vs "
                         f"{e.memory / GB:.0f} GB per GPU; the model omits fragmentation and temporary buffers)")
         else:
-            e.reason = (f"same est. step {e.step_time:.2f} s as {best.layout}, with {sum(e.comm.values()) / GB:.1f} "
+            e.reason = (f"same est. step {e.step_time:.3g} s as {best.layout}, with {sum(e.comm.values()) / GB:.1f} "
                         f"vs {sum(best.comm.values()) / GB:.1f} GB/step of communication and ZeRO-{e.layout.zero} vs "
                         f"{best.layout.zero}: the lower stage, less traffic and the simpler layout win")
     for e in all_:
         if e is not best and e.reason is None:  # unreachable guard: every loser must say why
             raise AssertionError(f"{e.layout} was neither recommended nor given a reason")
-    rejected = sorted((e for e in all_ if e is not best), key=lambda e: (_rank_of(e.reason), e.step_time))
+    # the closest first: within a rule by step time; out of memory by the memory needed (when
+    # nothing fits, the least-memory layout is the one to read first)
+    rejected = sorted((e for e in all_ if e is not best),
+                      key=lambda e: (_rank_of(e.reason), e.memory if reason_kind(e.reason) == "out of memory"
+                                     else e.step_time))
     return best, rejected
 
 
@@ -261,16 +291,14 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
     of the layout parallel_layers cannot run yet (then the layout cannot be verified here)."""
     lay = e.layout
     unsupported = [f"context parallel cp={lay.cp}"] if lay.cp > 1 else []
-    unsupported += ["optimizer offload through parallelize"] if lay.offload else []
-    if train.sequence_parallel and lay.tp > 1 and (lay.pp > 1 or lay.microbatches > 1):
-        unsupported.append(f"sequence parallel with a pipeline (pp={lay.pp}, microbatches={lay.microbatches})")
     return {
         "init_parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
         "parallelize": {"zero_stage": lay.zero, "microbatches": lay.microbatches,
                         "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
                         "virtual": lay.virtual if lay.virtual > 1 else None,
                         "activation_checkpointing": None if lay.recompute == "none" else lay.recompute,
-                        "sequence_parallel": bool(train.sequence_parallel and lay.tp > 1),
+                        "sequence_parallel": runs_sequence_parallel(train, lay.tp, lay.pp, lay.microbatches),
+                        "offload_optimizer": lay.offload,
                         "expert_parallel": False if lay.ep == 1 else True if lay.ep == lay.dp else lay.ep,
                         "fused_kernels": train.fused_kernels},
         "micro_batch": e.micro_batch,
@@ -281,7 +309,7 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
 # (leading words of a reason, the rule it names): the order of the rejected list, closest first.
 _KINDS = (("same est. step", "tie"), ("slower", "slower"), ("m=", "m < 4p"), ("the model fits", "fits without TP/PP"),
           ("needs", "out of memory"), ("tp=", "TP across nodes"), ("heads", "heads % tp"),
-          ("kv heads", "kv heads % tp"), ("ffn", "ffn % tp"), ("layers", "layers < stages"), ("seq", "seq % 2cp"),
+          ("kv heads", "kv heads % tp"), ("ffn", "ffn % tp"), ("vocab", "vocab % tp"), ("layers", "layers < stages"), ("seq", "seq % 2cp"),
           ("global batch", "batch % dp"), ("ZeRO-", "ZeRO > 1 with PP or across nodes"),
           ("only", "microbatches < stages"), ("optimizer offload", "offload without ZeRO"),
           ("experts", "experts % dp"))

@@ -80,7 +80,7 @@ def _available_memory(device: str) -> float:
         return float(re.search(r"MemAvailable:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def top_candidates(best, rejected, train, n: int) -> tuple[list, list[str]]:
+def top_candidates(best, rejected, train, n: int, cuda: bool = False) -> tuple[list, list[str]]:
     """The first `n` layouts in the planner's order (the recommendation, then the closest
     rejected) that fit and that parallel_layers can run; and why the others before the last
     one taken were skipped."""
@@ -93,6 +93,8 @@ def top_candidates(best, rejected, train, n: int) -> tuple[list, list[str]]:
         if e.reason is not None and plan.reason_kind(e.reason) not in _RUNNABLE:
             break  # the rest broke a rule or do not fit (rejected is ordered so)
         unsupported = plan.launch_args(e, train)["unsupported"]
+        if e.layout.offload and not cuda:  # the offloaded state would be counted in the measured peak
+            unsupported = [*unsupported, "optimizer offload on a CPU (host memory is the device's: measured together)"]
         if unsupported:
             skipped.append(f"{e.layout}: {', '.join(unsupported)}")
             continue
@@ -113,7 +115,7 @@ def _choose(job: dict, calibration: list[dict], device) -> tuple[dict, list[dict
     model, train = _spec(plan.ModelSpec, job["model"]), _spec(plan.TrainSpec, job["train"])
     cluster = machine_cluster(calibration, job["gpu_mem_bytes"], device.type)
     best, rejected = plan.recommend(model, cluster, train)
-    chosen, skipped = top_candidates(best, rejected, train, job["top"])
+    chosen, skipped = top_candidates(best, rejected, train, job["top"], cuda=device.type == "cuda")
     runs = [{"layout": str(e.layout), "launch": plan.launch_args(e, train), "recommended": e is best,
              "predicted": {"params": e.params, "grads": e.grads, "optimizer": e.optimizer,
                            "activations": e.activations, "loss_temporaries": e.loss_temporaries,
