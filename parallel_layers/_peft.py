@@ -6,11 +6,12 @@ PeftModel and replaces each targeted linear layer by a peft layer holding the fr
 parallelism (DataParallel, ZeRO 1-3) treats them as any parameters: they match the peft model
 trained in one process (review finding, helper-47). What does not hold for them:
 
-  - tensor parallelism splits nn.Linear / Conv1D layers; a LoRA layer's base and adapters
-    would have to be split together (the adapter's A with a row layer's input, its B with a
-    column layer's output), which nothing here does. With the published plan the PeftModel's
-    own module names (`base_model.model.model.layers...`) matched none of its patterns, so
-    tp=2 converted nothing and every rank trained the whole model, silently: refused.
+  - tensor parallelism splits a LoRA layer's base and adapters together (the adapter's A with
+    a row layer's input, its B with a column layer's output: Note [LoRA under tensor
+    parallelism] in tensor_parallel/lora.py), on the transformers model inside the wrapper (the
+    plan names its modules: with the PeftModel's own names, `base_model.model.model.layers...`,
+    the published plan once matched nothing and every rank trained the whole model, silently).
+    peft's other layers named by the plan are refused.
   - pipeline_layers="auto" cuts a transformers model's own modules; the PeftModel wrapper is
     not one (its base model, with the LoRA layers inside, is: parallelize(peft_model
     .get_base_model(), ...)).
@@ -36,7 +37,9 @@ import torch.nn as nn
 
 
 def _from_peft(module: nn.Module) -> bool:
-    return type(module).__module__.split(".")[0] == "peft"
+    # a class of peft's, or derived from one (a LoRA layer under tensor parallelism,
+    # tensor_parallel/lora.py)
+    return any(c.__module__.split(".")[0] == "peft" for c in type(module).__mro__)
 
 
 def peft_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -52,21 +55,24 @@ def describe(found: list[tuple[str, nn.Module]]) -> str:
     return f"{len(layers)} {kind}, e.g. {name} ({type(m).__module__}.{type(m).__qualname__})"
 
 
-def refuse_tensor_parallel(model: nn.Module) -> None:
-    """Tensor parallelism does not split peft's layers (Note [peft models])."""
-    found = peft_modules(model)
-    if found:
-        raise ValueError(
-            f"parallelize: tensor parallelism does not split peft's adapted layers, and {type(model).__name__} holds "
-            f"{describe(found)}. Train a peft model with data parallelism (zero_stage=0 for DataParallel, or ZeRO "
-            f"1-3) and/or a pipeline over its base model (parallelize(peft_model.get_base_model(), ctx, "
-            f"pipeline_layers='auto', ...)), or merge_and_unload() it first to train every weight under tensor "
-            f"parallelism")
+def is_wrapper(model: nn.Module) -> bool:
+    """peft's PeftModel (or a subclass): the wrapper around the transformers model it adapts."""
+    return _from_peft(model) and callable(getattr(type(model), "get_base_model", None))
+
+
+def tensor_parallel_refusal(name: str, module: nn.Module) -> str | None:
+    """Why tensor parallelism cannot split the peft module `module` the plan names, or None for
+    a module peft did not make or a LoRA layer (tensor_parallel/lora.py checks those)."""
+    if not _from_peft(module) or is_lora_layer(module):
+        return None
+    return (f"parallelize: the plan splits {name}, which is peft's {type(module).__qualname__}; tensor parallelism "
+            f"splits LoRA layers (and the modules peft left alone) only. Train this peft model with data parallelism "
+            f"(zero_stage=0 for DataParallel, or ZeRO 1-3), or leave {name} out of the plan")
 
 
 def refuse_wrapper(model: nn.Module, what: str, fix: str) -> None:
     """The PeftModel wrapper itself where a transformers model's own modules are needed."""
-    if _from_peft(model) and callable(getattr(type(model), "get_base_model", None)):
+    if is_wrapper(model):
         base = type(model.get_base_model()).__name__
         raise ValueError(f"{what} needs a transformers model's own modules; {type(model).__name__} is peft's wrapper "
                          f"around a {base}: {fix}")
@@ -77,7 +83,7 @@ def adapted_wrapper(model: nn.Module, what: str) -> bool:
     False for a model peft did not touch; refuses peft's layers without their wrapper (the
     base model of a PeftModel), whose names are neither the transformers model's nor the
     adapter's."""
-    if _from_peft(model) and callable(getattr(type(model), "get_base_model", None)):
+    if is_wrapper(model):
         return True
     found = peft_modules(model)
     if found:
@@ -109,7 +115,7 @@ _INITS = (True, False, "gaussian")  # what reset_lora_parameters computes withou
 _KINDS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")  # the tensors a twin holds
 
 
-def _is_lora_layer(module: nn.Module) -> bool:
+def is_lora_layer(module: nn.Module) -> bool:
     return _from_peft(module) and any(c.__name__ == "LoraLayer" for c in type(module).__mro__)
 
 
@@ -139,7 +145,7 @@ class Adapted:
                 break
             done.add(path)
             layer, rest = self.layers[path], name[len(path) + 1:]
-            if _is_lora_layer(layer):
+            if is_lora_layer(layer):
                 if not rest.startswith("base_layer."):
                     return None
                 name = f"{path}.{rest[len('base_layer.'):]}"
@@ -156,7 +162,7 @@ class Adapted:
         for name in names:
             layer, adapter, path = self._owner(name)
             kind = name[len(path) + 1:].partition(".")[0]
-            if not _is_lora_layer(layer) or kind not in _KINDS:
+            if not is_lora_layer(layer) or kind not in _KINDS:
                 raise ValueError(f"{what}: {name} belongs to {type(layer).__qualname__} made by peft, and is on the meta "
                                  f"device; hf.load_pretrained initializes LoRA's {', '.join(_KINDS)} only. {_LOAD_FIRST}")
             config = self.configs.get(adapter)
@@ -227,9 +233,9 @@ def adapted(hf_model: nn.Module) -> Adapted:
     """hf_model (what _hf_model found: a transformers model, or peft's wrapper around one) as
     hf.load_pretrained reads it."""
     model, prefix = hf_model, ""
-    if _from_peft(hf_model) and callable(getattr(type(hf_model), "get_base_model", None)):
+    if is_wrapper(hf_model):
         model = hf_model.get_base_model()
         prefix = next(name for name, m in hf_model.named_modules() if m is model) + "."
-    layers = {name: m for name, m in hf_model.named_modules() if _is_lora_layer(m) or _is_saved_copy(m)}
+    layers = {name: m for name, m in hf_model.named_modules() if is_lora_layer(m) or _is_saved_copy(m)}
     configs = getattr(hf_model, "peft_config", None) or getattr(model, "peft_config", None) or {}
     return Adapted(model, prefix, layers, dict(configs))

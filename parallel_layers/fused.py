@@ -82,6 +82,7 @@ import warnings
 
 import torch.nn as nn
 
+from parallel_layers import _peft
 from parallel_layers.ops.rms_norm import FusedRMSNorm
 from parallel_layers.tensor_parallel.layers import (ColumnParallelLinear, PackedSwiGLUMLP, RowParallelLinear,
                                                    SwiGLUMLP, has_hooks)
@@ -295,7 +296,9 @@ def _warn_left_alone(model: nn.Module, swapped: list[str]) -> None:
     for name, module in model.named_modules():
         cls = type(module).__name__
         fused_before = getattr(vars(module).get("forward"), "func", None) is _decoder_layer_forward  # a 2nd fuse()
-        if name and name not in changed and cls in _KNOWN_CLASSES and not fused_before:
+        # an MLP whose projections peft adapted runs them as peft's layers (adapters added): unfused by design
+        adapted = any(_peft.is_lora_layer(child) for child in module.children())
+        if name and name not in changed and cls in _KNOWN_CLASSES and not fused_before and not adapted:
             left[cls] = left.get(cls, 0) + 1
     if left:
         version = getattr(sys.modules.get("transformers"), "__version__", "?")

@@ -59,6 +59,7 @@ import dataclasses
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm

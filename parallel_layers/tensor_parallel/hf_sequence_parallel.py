@@ -92,6 +92,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from parallel_layers import _peft
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, SwiGLUMLP, reduce_grad_over_tp
 from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding
@@ -251,7 +252,8 @@ def check_plan(model: nn.Module, layout: Layout, targets: dict, is_column, is_ro
     for name, module in modules.items():
         if any(name == m or name.startswith(m + ".") for m in shared):
             continue  # whole, by design (Note [a shared expert under sequence parallelism])
-        if layout.holds(name) and _is_linear(module) and name not in targets:
+        inside_target = any(name.startswith(t + ".") for t in targets)  # a LoRA layer's base and adapters
+        if layout.holds(name) and _is_linear(module) and name not in targets and not inside_target:
             raise ValueError(f"parallelize: sequence_parallel=True needs every linear layer of the decoder layers in "
                              f"the tensor-parallel plan (attention and MLP run on the gathered sequence between a "
                              f"column and a row layer); {name} ({type(module).__name__}) is not in it")
@@ -356,7 +358,10 @@ def _regions(modules: dict, layout: Layout) -> dict[str, list[ColumnParallelLine
     regions: dict[str, list[ColumnParallelLinear]] = {}
     for name, m in modules.items():
         if layout.holds(name) and isinstance(m, ColumnParallelLinear):
-            regions.setdefault(name.rpartition(".")[0], []).append(m)
+            parent = name.rpartition(".")[0]
+            if name.endswith(".base_layer") and _peft.is_lora_layer(modules[parent]):
+                parent = parent.rpartition(".")[0]  # a split LoRA layer's base: its region is the layer's
+            regions.setdefault(parent, []).append(m)
     return regions
 
 

@@ -91,7 +91,7 @@ from parallel_layers import fused as fused_modules
 from parallel_layers.parallel_dims import divisors
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel import experts as moe
-from parallel_layers.tensor_parallel import hf_sequence_parallel, region_random
+from parallel_layers.tensor_parallel import hf_sequence_parallel, lora, region_random
 from parallel_layers.tensor_parallel.experts import Experts
 from parallel_layers.tensor_parallel.layers import (ColumnParallelLinear, PackedSwiGLUMLP, RowParallelLinear, SwiGLUMLP,
                                                    reduce_grad_over_tp)
@@ -262,7 +262,9 @@ def _split_packed_mlps(model: nn.Module, plan: dict) -> dict:
 
 
 def _tied_to_input_embedding(model: nn.Module) -> set[str]:
-    """Names of modules whose weight is the input embedding's (a tied LM head)."""
+    """Names of modules whose weight is the input embedding's (a tied LM head; also the base layer
+    of an embedding peft adapted, whose `weight` is its base's: so an adapted embedding stays
+    whole, with its adapter, under the published plan - Note [LoRA under tensor parallelism])."""
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if callable(get) else None
     weight = getattr(embedding, "weight", None)
@@ -351,7 +353,10 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     for flag, value in (("sequence_parallel", sequence_parallel), ("fused_kernels", fused_kernels)):
         if not isinstance(value, bool):
             raise TypeError(f"parallelize: {flag} must be True or False, got {value!r}")
-    _peft.refuse_tensor_parallel(model)  # Note [peft models]
+    if _peft.is_wrapper(model):  # the plan names the adapted transformers model's modules (Note [peft models])
+        parallelize(model.get_base_model(), plan, tp_group, sequence_parallel=sequence_parallel,
+                    fused_kernels=fused_kernels)
+        return model
     sp_layout = hf_sequence_parallel.find_layout(model) if sequence_parallel else None
     if plan is None:
         plan = published_plan(model)
@@ -375,11 +380,20 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             targets[name] = spec
     for pattern, (style, spec) in parameter_entries.items():
         _check_expert_parameters(model, pattern, style, spec, targets)
+    # LoRA layers: the plan splits each one's base layer, and its adapters with it (Note [LoRA
+    # under tensor parallelism] in lora.py); `bases` is what each name's split computes
+    adapted = {name: modules[name] for name in targets if lora.is_lora_layer(modules[name])}
+    for name, spec in targets.items():
+        why = _peft.tensor_parallel_refusal(name, modules[name]) or (
+            lora.refusal(name, modules[name], _spec_kind(spec), spec) if name in adapted else None)
+        if why:
+            raise ValueError(why if why.startswith("parallelize") else f"parallelize: {why}")
+    bases = {**modules, **{name: layer.base_layer for name, layer in adapted.items()}}
     for name, spec in targets.items():  # checked before any module is replaced
         if spec == _FUSED:
             _check_fused_activation(model, name, modules[name], targets)
         elif isinstance(spec, (Column, Row)):
-            _check_splits(model, modules, name, spec, tp)
+            _check_splits(model, bases, name, spec, tp)
         elif isinstance(spec, VocabParallel):
             _check_embedding(model, name, modules[name])
         elif isinstance(spec, Experts) and (problem := moe.layout_problem(modules[name], spec, tp)):
@@ -393,9 +407,10 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
     fixed_parents: set = set()
     column_outputs: dict[str, set[int]] = {}  # parent -> output features of its sharded, ungathered columns
     for name, spec in targets.items():
-        module = modules[name]
+        module = bases[name]
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
+        holder, attr = (modules[name], "base_layer") if name in adapted else (parent, child)
         if spec == _FUSED:  # the Column(activation=...) beside it applies it
             setattr(parent, child, nn.Identity())
             continue
@@ -410,7 +425,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             moe.convert(module, spec, tp_group, sequence_parallel=bool(sp))
             continue
         if isinstance(spec, Replicated):  # the module stays; its gradients are summed over tp
-            for p in module.parameters():
+            for p in modules[name].parameters():  # a LoRA layer's adapters too
                 reduce_grad_over_tp(p, tp_group)
             continue
         weight, bias = _as_linear_weights(module)
@@ -432,7 +447,7 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
                                       input_is_parallel=spec.input_is_parallel, _full=(weight, bias), **sp)
         if is_hf_conv1d(module):  # the state_dict entry stays Conv1D's [in, out] (Note [transposed weights])
             placement.transposed(layer.weight)
-        setattr(parent, child, keep_requires_grad(layer, module))
+        setattr(holder, attr, keep_requires_grad(layer, module))
     if tp > 1:
         _per_head_parameters(model, modules, targets, column_outputs, tp_group)
     if fused_kernels:  # before the SP hooks, which then land on the fused modules
@@ -441,11 +456,20 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
         hf_sequence_parallel.apply(model, sp_layout, tp_group)
     elif (layout := hf_sequence_parallel.known_layout(model)) is not None:
         hf_sequence_parallel.share_region_inputs(model, layout, tp_group)
+    for name, layer in adapted.items():  # the base layers' settings are final now (shared_input)
+        if not isinstance(targets[name], Replicated):
+            lora.convert(layer, tp_group)
     if tp > 1:
         share_random_state(tp_group, next((p.device for p in model.parameters()), None))
         region_random.seed(tp_group)  # after the shared stream (Note [a random stream per rank inside TP regions])
         _install_region_streams(model, sp_layout)
     return model
+
+
+def _spec_kind(spec) -> str:
+    return ("column" if isinstance(spec, Column) else "row" if isinstance(spec, Row) else
+            "replicated" if isinstance(spec, Replicated) else "vocab-parallel" if isinstance(spec, VocabParallel)
+            else "experts" if isinstance(spec, Experts) else str(spec))
 
 
 def _install_region_streams(model: nn.Module, sp_layout) -> None:
@@ -465,7 +489,7 @@ def _install_region_streams(model: nn.Module, sp_layout) -> None:
             if not region_random.draws(layer, skip=replicated):
                 continue
             inside = [modules[r] for r in regions if r.startswith(name + ".")]
-            children = [c for region in inside for c in region.children()]
+            children = [lora.tensor_parallel_base(c) for region in inside for c in region.children()]
             # a fused MLP's columns run inside its one GEMM, with nothing drawn before its row
             # layer: hooks on them would only turn it back into separate calls (Note [hooks on
             # fused parts] in layers.py)
@@ -480,7 +504,7 @@ def _install_region_streams(model: nn.Module, sp_layout) -> None:
                 m._pl_region_streams = True
         return
     for parent in model.modules():
-        children = list(parent.children())
+        children = [lora.tensor_parallel_base(c) for c in parent.children()]
         columns = [c for c in children if isinstance(c, ColumnParallelLinear) and not c.gather_output]
         rows = [c for c in children if isinstance(c, RowParallelLinear) and c.input_is_parallel]
         if columns and rows and region_random.draws(parent) and not getattr(parent, "_pl_region_streams", False):

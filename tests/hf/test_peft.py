@@ -18,9 +18,13 @@ peft = pytest.importorskip("peft")
 STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 128, 1e-2
 
 
-def _lora(model, layers=None):
+def _lora(model, layers=None, head=False):
     torch.manual_seed(0)  # the adapters' initial values, the same in every process
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+    # head: the output head too, a column layer alone (its input gradient all-reduced by itself) that
+    # gathers its output under tensor parallelism
+    # (and the input embedding, which the published plan then keeps whole with its adapter)
+    targets = ["q_proj", "v_proj", "down_proj"] + (["lm_head", "embed_tokens"] if head else [])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
                              init_lora_weights=False,  # B != 0: the adapters change the output from step 1
                              layers_to_transform=layers)
     return peft.get_peft_model(model, config)
@@ -33,14 +37,15 @@ def _run(rank, world, directory, layout, out):
     pp = 2 if layout.startswith("pp2") else 1
     tp = 2 if layout.startswith("tp2") else 1
     ctx = init_parallel(tp=tp, pp=pp, dp=world // (tp * pp), device="cpu")
+    torch.manual_seed(rank)  # the ranks' own streams differ: the adapters' values must come from the model
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     later = "-later" in layout or layout.endswith("-after-a-step")
     if not later:
-        model = _lora(model)
+        model = _lora(model, head="-head" in layout)
     target = model.get_base_model() if layout == "pp2-base" else model
     try:
         par = parallelize(target, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
-                          tp_plan="auto" if tp > 1 else None, sequence_parallel=layout.endswith("-sp"),
+                          tp_plan="auto" if tp > 1 else None, sequence_parallel="-sp" in layout,
                           zero_stage=3 if "zero3" in layout else 0,
                           pipeline_layers="auto" if pp > 1 else None)
         batches = _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)
@@ -60,22 +65,31 @@ def _run(rank, world, directory, layout, out):
     return losses, exported, path
 
 
-def _plain(directory):
-    model = _lora(transformers.AutoModelForCausalLM.from_pretrained(directory))
+def _plain(directory, head=False):
+    model = _lora(transformers.AutoModelForCausalLM.from_pretrained(directory), head=head)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     return _tiny.plain_losses(model, opt, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB)), model
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2-zero3", "pp2-base"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2-zero3", "pp2-base", "tp2", "tp2-sp", "tp2-head",
+                                    pytest.param("tp2-dp2-zero3", marks=pytest.mark.slow)])
 def test_lora_trains_as_one_process_does(tmp_path, layout):
+    """LoRA layers (q_proj, v_proj: column; down_proj: row) under tensor parallelism are split
+    with their adapters (Note [LoRA under tensor parallelism] in tensor_parallel/lora.py)."""
     from parallel_layers import checkpoint
 
     _tiny.save_tiny_llama(tmp_path / "src")
     out = str(tmp_path / "out")
-    got = run_distributed(_run, 2, args=(str(tmp_path / "src"), layout, out))
-    want_losses, plain = _plain(tmp_path / "src")
+    world = 4 if layout == "tp2-dp2-zero3" else 2
+    got = run_distributed(_run, world, args=(str(tmp_path / "src"), layout, out), timeout_s=300)
+    want_losses, plain = _plain(tmp_path / "src", head="-head" in layout)
     if layout.startswith("dp2"):  # each replica's loss is over its half of the batch; their mean is the plain one
         losses = [sum(pair) / 2 for pair in zip(got[0][0], got[1][0])]
+    elif layout == "tp2-dp2-zero3":  # ranks 0 and 2 are the two replicas' first tp ranks
+        losses = [sum(pair) / 2 for pair in zip(got[0][0], got[2][0])]
+    elif layout.startswith("tp2"):  # every tp rank computes the whole batch's loss
+        assert got[0][0] == got[1][0]
+        losses = got[0][0]
     else:  # the pipeline's last stage returns the loss
         losses = got[1][0]
     assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
@@ -104,17 +118,11 @@ def _added(count, first=None):
             f"and dtype, when it was parallelized" + (f" (e.g. ['{first}'" if first else ""))
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "dp2-later", "dp2-zero3-later", "pp2-later",
-                                    "dp2-after-a-step"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2-later", "dp2-zero3-later", "pp2-later", "dp2-after-a-step"])
 def test_what_would_train_wrongly_is_refused_on_every_rank(tmp_path, layout):
     _tiny.save_tiny_llama(tmp_path / "src")
     got = run_distributed(_run, 2, args=(str(tmp_path / "src"), layout, str(tmp_path / "out")))
     expected = {
-        # before: the published plan matched none of the wrapper's names, and every rank trained the whole model
-        "tp2": "refused: parallelize: tensor parallelism does not split peft's adapted layers, and PeftModel holds 6 "
-               "layer(s) adapted by peft, e.g. base_model.model.model.layers.0.self_attn.q_proj "
-               "(peft.tuners.lora.layer.Linear). Train a peft model with data parallelism",
-        "tp2-sp": "refused: parallelize: tensor parallelism does not split peft's adapted layers",
         # before: an AttributeError from inside the cut
         "pp2": "refused: pipeline_layers='auto' needs a transformers model's own modules; PeftModel is "
                "peft's wrapper around a LlamaForCausalLM: pass its base model, parallelize(peft_model.get_base_model()",
@@ -142,13 +150,15 @@ def _meta_load_and_train(rank, world, directory, layout, out):
     from parallel_layers.pipeline.hf import causal_lm_loss
 
     pp = 2 if layout.startswith("pp2") else 1
-    ctx = init_parallel(pp=pp, dp=world // pp, device="cpu")
+    tp = 2 if layout.startswith("tp2") else 1
+    ctx = init_parallel(pp=pp, tp=tp, dp=world // (pp * tp), device="cpu")
     torch.manual_seed(rank)  # the ranks' own seeds differ: the adapters must not
     model = _on_meta(directory)
     target = model.get_base_model() if pp > 1 else model
     par = parallelize(target, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
-                      zero_stage={"dp2": 0, "dp2-zero1": 1, "dp2-zero3": 3, "pp2-base": 0}[layout],
-                      pipeline_layers="auto" if pp > 1 else None)
+                      zero_stage={"dp2": 0, "dp2-zero1": 1, "dp2-zero3": 3, "pp2-base": 0, "tp2-sp": 0}[layout],
+                      pipeline_layers="auto" if pp > 1 else None, tp_plan="auto" if tp > 1 else None,
+                      sequence_parallel=layout == "tp2-sp")
     assert all(p.is_meta for p in par.module.parameters())  # the premise: nothing allocated yet
     hf.load_pretrained(directory, par, adapter_seed=SEED)
     losses = _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
@@ -164,7 +174,7 @@ def _loaded_on_one_process(directory, **lora):
     return hf.load_pretrained(directory, _on_meta(directory, **lora), device="cpu", adapter_seed=SEED)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2-zero1", "dp2-zero3", "pp2-base"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2-zero1", "dp2-zero3", "pp2-base", "tp2-sp"])
 def test_adapters_built_on_meta_load_and_train_as_one_process_does(tmp_path, layout):
     """Note [adapters built on the meta device]: a model built on the meta device, adapted,
     parallelized and filled from its files trains as the unparallelized one loaded the same way,
@@ -183,6 +193,8 @@ def test_adapters_built_on_meta_load_and_train_as_one_process_does(tmp_path, lay
     want_losses = _tiny.plain_losses(plain, torch.optim.AdamW(plain.parameters(), lr=LR),
                                      _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
     losses = [sum(pair) / 2 for pair in zip(got[0][0], got[1][0])] if layout.startswith("dp2") else got[1][0]
+    if layout.startswith("tp2"):  # every tp rank: the whole batch's loss
+        assert got[0][0] == got[1][0]
     assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
     trained = checkpoint.export_state_dict(got[0][1])
     want = plain.state_dict() if layout != "pp2-base" else plain.get_base_model().state_dict()
@@ -241,3 +253,43 @@ def test_adapters_computed_from_the_weights_are_refused_on_meta(tmp_path, lora):
     for message in run_distributed(_load_refused, 2, args=(str(tmp_path), lora)):
         assert message.startswith(expected), message
         assert "then apply get_peft_model before parallelize" in message
+
+
+def _tp_refused(rank, world, directory, kind):
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(tp=world, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    config = {"dora": peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True),
+              "embedding": peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]),  # split by the plan below
+              "ia3": peft.IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+              "merge": peft.LoraConfig(r=4, target_modules=["q_proj"])}[kind]
+    model = peft.get_peft_model(model, config)
+    try:
+        plan = "auto" if kind != "embedding" else {"model.embed_tokens": "vocab_parallel",
+                                                     "model.layers.*.self_attn.q_proj": "column",
+                                                     "model.layers.*.self_attn.o_proj": "row"}
+        parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
+                    tp_plan=plan)
+        if kind == "merge":
+            model.merge_adapter()
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.parametrize("kind", ["dora", "embedding", "ia3", "merge"])
+def test_what_tensor_parallelism_does_not_split_is_refused_on_every_rank(tmp_path, kind):
+    _tiny.save_tiny_llama(tmp_path)
+    expected = {
+        "dora": "parallelize: model.layers.0.self_attn.q_proj (Linear, adapted by peft) uses a LoRA variant (DoRA",
+        "embedding": "parallelize: model.embed_tokens (Embedding, adapted by peft) adapts an embedding",
+        "ia3": "parallelize: the plan splits model.layers.0.self_attn.q_proj, which is peft's Linear; tensor "
+               "parallelism splits LoRA layers (and the modules peft left alone) only",
+        # the adapter merged into a split base would be added to one shard of a whole-size delta
+        "merge": "TensorParallelLinear: its base layer is split over the tensor-parallel group, and merging the "
+                 "adapter into it is not supported",
+    }[kind]
+    for message in run_distributed(_tp_refused, 2, args=(str(tmp_path), kind)):
+        assert message.startswith(expected), message
