@@ -24,6 +24,14 @@ advises:
         fsdp2:      torch.distributed.fsdp.fully_shard on each decoder layer, then on the root
                     (reshard_after_forward=True, its default)
         ddp:        torch.nn.parallel.DistributedDataParallel
+        and, so that the kernels and the data parallelism are measured apart (review finding,
+        helper-62: zero3 and ours run parallelize's fused kernels by default, fused_kernels=True,
+        and the peers the model as transformers builds it):
+        zero3_unfused: zero3 with fused_kernels=False (the model's own modules, as the peers run it)
+        ddp_fused:  DDP over the model after parallel_layers.fused.fuse (what a DDP user of our
+                    kernels runs)
+        zero3 / ddp is what a user gets switching stacks; zero3_unfused / ddp and zero3 /
+        ddp_fused are ZeRO-3 against DDP with the same kernels on both sides.
 (each rank of dp=2 has its own batch of --batch sequences). The variants of one axis are built
 together in a pair of processes and timed round-robin, one step of each per round
 (_common.time_interleaved), their order reversed on every other trial, then freed before the next
@@ -78,13 +86,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine, spawn, time_interleaved, write_json  # noqa: E402
 
-AXES = {"tp": ("ours", "hf_tp"), "dp": ("zero3", "fsdp2", "ddp")}
+AXES = {"tp": ("ours", "hf_tp"), "dp": ("zero3", "fsdp2", "ddp", "zero3_unfused", "ddp_fused")}
 # a mixture of experts also runs ZeRO-3 with its experts spread over dp (expert_parallel=True)
 MOE_AXES = {"tp": AXES["tp"], "dp": ("zero3", "zero3_ep", "fsdp2", "ddp")}
 # (numerator, denominator, target): the issue's targets for each ratio of step times; the
 # expert-parallel ZeRO-3 is held to ZeRO-3's
 RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15),
-          ("zero3_ep", "fsdp2", 0.85), ("zero3_ep", "ddp", 1.15))
+          ("zero3_ep", "fsdp2", 0.85), ("zero3_ep", "ddp", 1.15),
+          # the same kernels on both sides: unfused, and fused (the target held to zero3 / ddp's)
+          ("zero3_unfused", "ddp", 1.15), ("zero3", "ddp_fused", 1.15))
 # --adamw: torch.optim.AdamW's implementations, the same one for every variant
 ADAMW_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -154,12 +164,13 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
             model_dir, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"))
         return _plain_step(model, adamw(model.parameters()), loss_fn)
     # Mixed precision keeps float32 weights: FSDP2 and DDP take the float32 model and cast (below).
-    mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp")
+    mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp", "ddp_fused")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if mixed else dtype)
-    if kind in ("ours", "zero3", "zero3_ep"):
+    if kind in ("ours", "zero3", "zero3_ep", "zero3_unfused"):
         ctx = init_parallel(tp=2 if kind == "ours" else 1, device="cpu")
         par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan="auto" if kind == "ours" else None,
-                          zero_stage=0 if kind == "ours" else 3, expert_parallel=kind == "zero3_ep")
+                          zero_stage=0 if kind == "ours" else 3, expert_parallel=kind == "zero3_ep",
+                          fused_kernels=kind != "zero3_unfused")
 
         def step(ids):
             par.forward_backward(ids, ids)
@@ -177,6 +188,10 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return _plain_step(model, adamw(model.parameters()), loss_fn)
+    if kind == "ddp_fused":
+        from parallel_layers import fused
+
+        fused.fuse(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     return _plain_step(ddp, adamw(ddp.parameters()), loss_fn, autocast=mixed)
 
@@ -283,7 +298,7 @@ def main(argv=None):
                 print(f"{args.model} h={hidden} x {args.layers} layers ({params / 1e6:.1f}M params), {dtype}, "
                       f"[{args.batch}x{args.seq}] tokens, ms per step over {args.trials} trials:")
                 for kind in step_s:
-                    print(f"  {kind:6s} " + "  ".join(f"{t[kind] * 1e3:8.1f}" for t in trials))
+                    print(f"  {kind:13s} " + "  ".join(f"{t[kind] * 1e3:8.1f}" for t in trials))
                 for a, b, target in RATIOS:
                     if f"{a}_over_{b}" in ratios:
                         per_trial = ", ".join(f"{v:.2f}" for v in trial_ratios[f"{a}_over_{b}"])

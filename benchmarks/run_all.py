@@ -1,6 +1,6 @@
 """Run every microbenchmark and write the report: benchmarks/results/<date>-<host>.md + plots.
 
-    python benchmarks/run_all.py            # the full suite (~10 minutes on 2 cores, + ~20 for bench_hf)
+    python benchmarks/run_all.py            # the full suite (~20 minutes on 2 cores, bench_hf ~8 of them)
     python benchmarks/run_all.py --quick    # small sizes, a smoke run of the whole pipeline
     python benchmarks/run_all.py --out DIR  # results and report under DIR
     python benchmarks/run_all.py --report-only   # rebuild the report from the results there
@@ -179,10 +179,11 @@ def section_scaling(d: dict, out: Path) -> list[str]:
 
 
 def section_hf(d: dict) -> list[str]:
-    kinds = ("ours", "hf_tp", "zero3", "fsdp2", "ddp")
+    kinds = ("ours", "hf_tp", "zero3", "fsdp2", "ddp", "zero3_unfused", "ddp_fused")
     rows = [[config, *(r["step_s"][k] * 1e3 if k in r["step_s"] else "-" for k in kinds),
              *(f"{r['ratios'][k]:.2f} ({', '.join(f'{v:.2f}' for v in r['trial_ratios'][k])})" if k in r["ratios"]
-               else "-" for k in ("ours_over_hf_tp", "zero3_over_fsdp2", "zero3_over_ddp"))]
+               else "-" for k in ("ours_over_hf_tp", "zero3_over_fsdp2", "zero3_over_ddp", "zero3_unfused_over_ddp",
+                                  "zero3_over_ddp_fused"))]
             for config, r in d["results"].items()]
     a = d["args"]
     return ["## Hugging Face Llama step: tp=2 and dp=2 against the PyTorch-native stacks", "",
@@ -191,10 +192,12 @@ def section_hf(d: dict) -> list[str]:
             "trials' ratios; per trial in brackets). Targets: ours / hf_tp <= 0.85, ZeRO-3 / FSDP2 <= 0.85, "
             "ZeRO-3 / DDP <= 1.15. bfloat16 (mixed) at dp=2: every variant keeps float32 weights, reductions "
             "and AdamW (FSDP2 MixedPrecisionPolicy, DDP under autocast, ZeRO's float32 masters); (pure): FSDP2 and "
-            "DDP all in bfloat16 (bench_hf.py's doc). Load average after the run: "
+            "DDP all in bfloat16 (bench_hf.py's doc). ours and ZeRO-3 run parallelize's fused kernels (its "
+            "default), the peers the model as transformers builds it; ZeRO-3 unfused / DDP and ZeRO-3 / DDP fused "
+            "(DDP over fused.fuse(model)) compare ZeRO-3 and DDP with the same kernels. Load average after the run: "
             f"{' '.join(f'{v:.1f}' for v in d['machine'].get('loadavg_after', []))}.", ""] + _table(
-        ["config", "ours tp2", "transformers tp_plan=auto", "ZeRO-3", "FSDP2", "DDP", "ours / tp_plan=auto",
-         "ZeRO-3 / FSDP2", "ZeRO-3 / DDP"], rows) + ["", "![hf](bench_hf.png)", ""]
+        ["config", "ours tp2", "transformers tp_plan=auto", "ZeRO-3", "FSDP2", "DDP", "ZeRO-3 unfused", "DDP fused",
+         "ours / tp_plan=auto", "ZeRO-3 / FSDP2", "ZeRO-3 / DDP", "ZeRO-3 unfused / DDP", "ZeRO-3 / DDP fused"], rows) + ["", "![hf](bench_hf.png)", ""]
 
 
 def _plot_pipeline(d: dict, path: Path) -> None:
@@ -249,7 +252,8 @@ def write_report(out: Path, runs: list[dict]) -> Path:
               + (f", GPU {machine['gpu']}" if "gpu" in machine else ", no GPU"),
               f"- versions: torch {torch.__version__}, Python {platform.python_version()}",
               "- every ratio compares variants measured in the same run, interleaved round-robin (except "
-              "the TP MLP's single-process baseline, timed in a separate phase: see bench_tp_mlp.py)", "",
+              "the TP MLP's single-process baseline, timed in a separate phase: see bench_tp_mlp.py; and "
+              "bench_zero's variants, each in a fresh pair of processes one after another)", "",
               "| benchmark | status | seconds |", "|---|---|---|"]
     lines += [f"| {r['name']} | {'ok' if r['ok'] else 'FAILED'} | "
               f"{r['seconds']:.0f} |" if r["seconds"] == r["seconds"] else f"| {r['name']} | from an earlier run | - |"
