@@ -53,6 +53,18 @@ void scaled_copy(const at::Tensor& dst, const at::Tensor& src, double scale) {
   }
 }
 
+// dst += scale * src in float32 (float64 if either side is), rounded once into dst's dtype, as
+// the CUDA kernel's float accumulator does: ATen's add_(src, alpha) between two 16-bit tensors
+// took alpha in their dtype (a bfloat16 1/3 is 0.333984; review finding, helper-65).
+void accumulate_scaled(const at::Tensor& dst, const at::Tensor& src, double scale) {
+  const auto wide = c10::promoteTypes(c10::promoteTypes(src.scalar_type(), dst.scalar_type()), at::kFloat);
+  if (wide == dst.scalar_type()) {
+    dst.add_(src.to(wide), scale);
+  } else {
+    dst.copy_(dst.to(wide).add_(src.to(wide), scale));  // dst.to(wide) is a copy here
+  }
+}
+
 // Elements [lo, hi) of tensor t viewed flat.
 at::Tensor flat(const at::Tensor& t, int64_t lo, int64_t hi) { return t.view({-1}).slice(0, lo, hi); }
 
@@ -116,7 +128,7 @@ void reduce_scatter_copy_out(const at::Tensor& reduced, at::TensorList shard_gra
       at::Tensor dst = flat(shard_grads[i], lo - l.offset[i], hi - l.offset[i]);
       const at::Tensor src = reduced.slice(0, lo, hi);
       if (accumulate) {
-        dst.add_(src, post_scale);
+        accumulate_scaled(dst, src, post_scale);
       } else {
         scaled_copy(dst, src, post_scale);
       }

@@ -93,19 +93,28 @@ def test_reduce_scatter_copy_in_and_out(world, src, dst, device):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("src, dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("src, dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16),
+                                      (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_scaling_between_16_bit_dtypes_rounds_once(src, dst, accumulate, device):
     # helper-61: the CPU product was taken in the source's 16-bit dtype, then rounded into the
     # buffer's: a float16 60000 * 2 became inf (bfloat16 holds 119808), 1e-7 went subnormal
-    # (19% off), 1/3 of a bfloat16 was rounded twice. CUDA's float accumulator never did.
-    values = torch.tensor([60000.0, 1.0009765625, 3e-5, 1e-4, -7.5, 0.3], dtype=src, device=device)
+    # (19% off), 1/3 of a bfloat16 was rounded twice. helper-65: accumulating, add_(src, alpha)
+    # took alpha in the 16-bit dtype (1/3 as 0.333984). CUDA's float accumulator never did either.
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.tensor([60000.0, 1.0009765625, 3e-5, 1e-4, -7.5, 0.3]),
+                        torch.randn(4096, generator=g)]).to(device, src)
+    if dst == torch.float16:
+        values = values.clamp(max=30000)  # within float16 after the scale
+    start = torch.randn(values.shape, generator=g).to(device, dst)
     for scale in (2.0, 1 / 1024, 1 / 3):
         want = (values.double() * scale).to(dst)  # one rounding of the exact product
         buf = reduce_scatter_copy_in([values], 1, dst, pre_scale=scale)
         torch.testing.assert_close(buf[0], want, rtol=0, atol=0)
-        out = torch.zeros(values.shape, dtype=dst, device=device)
+        out = start.clone() if accumulate else torch.zeros(values.shape, dtype=dst, device=device)
         reduce_scatter_copy_out(values, [out], post_scale=scale, accumulate=accumulate)
+        if accumulate:  # the float32 sum of the float32 product, rounded once
+            want = start.float().add(values.float(), alpha=scale).to(dst)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
