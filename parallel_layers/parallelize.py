@@ -443,12 +443,14 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if pipelined and pipeline_layers is None:
         raise ValueError(f"a pipeline (pp={pp}, microbatches={microbatches}) needs pipeline_layers=, the name of the "
                          "model's attribute holding its list of layers (e.g. 'layers')")
-    if sequence_parallel and (tp_plan is None or pipelined):
-        # a stage boundary carries full-length hidden states, and the pipeline's Hugging Face
-        # layers rebuild positions and the mask from their length (pipeline/hf.py)
+    if sequence_parallel and (tp_plan is None or (pipelined and pipeline_layers != "auto")):
+        # with a pipeline, the stage boundaries carry the split hidden states and the Hugging Face
+        # pipeline layers rebuild positions and the mask for the whole sequence (Note [sequence
+        # parallelism across stages] in pipeline/hf.py); a layer list of the user's own knows nothing of it
         raise ValueError(f"parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
-                         f"tensor-parallel regions) and no pipeline; got {'no' if tp_plan is None else 'a'} "
-                         f"tp_plan, pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
+                         f"tensor-parallel regions), and with a pipeline (pp > 1 or microbatches > 1) a Hugging Face "
+                         f"decoder cut by pipeline_layers='auto'; got {'no' if tp_plan is None else 'a'} tp_plan, "
+                         f"pp={pp}, microbatches={microbatches}, pipeline_layers={pipeline_layers!r}")
     originals = {id(p) for p in model.parameters()}  # what an optimizer built before would step
     asked = expert_parallel is True or ep > 1
     experts = [name for name, _ in expert_parallel_module.check(model, ep, expert_parallel)] if asked else []
@@ -473,6 +475,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if pipelined:
         if pipeline_layers == "auto":  # a Hugging Face decoder's own modules, under its own names
             layers, named_after = hf_pipeline.decoder_layers(model), model
+            if sequence_parallel:  # Note [sequence parallelism across stages] in pipeline/hf.py
+                hf_pipeline.split_sequence(model, layers, ctx.tp_group)
         else:
             layers, named_after = operator.attrgetter(pipeline_layers)(model), None
         _check_layers_hold_every_parameter(model, layers, pipeline_layers)

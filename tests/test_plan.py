@@ -118,7 +118,7 @@ def _assert_obeys_rules(best, model, cluster, train):
     assert model.n_heads % lay.tp == 0 and model.layers % lay.pp == 0, "uneven stages only when nothing even is as fast"
     assert train.global_batch % (lay.dp * lay.microbatches) == 0
     assert best.memory <= cluster.gpu_mem_bytes
-    if lay.cp == 1:  # helper-63: 2 of these 3 cases recommended sequence parallelism with a pipeline, refused
+    if lay.cp == 1:  # helper-63: 2 of these 3 cases recommended sequence parallelism with a pipeline, then refused
         assert plan.launch_args(best, train)["unsupported"] == []
     if lay.pp > 1:
         assert lay.zero <= 1, "with PP keep ZeRO at stage 1"
@@ -434,13 +434,14 @@ def test_launch_args_describe_how_to_run_a_layout():
     assert args["init_parallel"] == {"tp": 4, "pp": 4, "dp": 2}
     assert args["parallelize"] == {"zero_stage": 1, "microbatches": 16, "schedule": "interleaved", "virtual": 2,
                                    "activation_checkpointing": "full", "sequence_parallel": False,
-                                   "offload_optimizer": False, "expert_parallel": False, "fused_kernels": True}
+                                   "offload_optimizer": False, "expert_parallel": False, "fused_kernels": True,
+                                   "pipeline_layers": "auto"}
     assert args["micro_batch"] == 2 and args["unsupported"] == []
-    # parallelize splits the sequence between TP regions only without a pipeline and with one
-    # microbatch (Note [what parallelize runs, in the plan]): elsewhere the layout runs without it
+    # parallelize splits the sequence with a pipeline too (Note [sequence parallelism across
+    # stages] in pipeline/hf.py; before, this layout was "unsupported")
     sp = dataclasses.replace(train, sequence_parallel=True)
     assert plan.launch_args(e, sp)["unsupported"] == []
-    assert plan.launch_args(e, sp)["parallelize"]["sequence_parallel"] is False
+    assert plan.launch_args(e, sp)["parallelize"]["sequence_parallel"] is True
     single = plan.estimate(model, ClusterSpec(32, 8, 80 * GB), sp, Layout(8, 4, 1, 1, 1))
     assert plan.launch_args(single, sp)["parallelize"]["sequence_parallel"] is True
     assert plan.launch_args(single, sp)["unsupported"] == []

@@ -273,6 +273,12 @@ def test_cli_errors_are_usage_errors_and_nothing_fitting_exits_nonzero(capsys):
     assert least, out
     closest = out.split("rejected (")[1].splitlines()[1]  # the first of the closest: the least memory
     assert closest.strip().startswith(least.group(2)), (closest, least.group(2))
+    # helper-65: when every layout broke a rule, no memory figure (a rule-breaker's estimate is at
+    # one microbatch of the whole batch: it once said 437.4 GB)
+    with pytest.raises(SystemExit) as exit_:
+        plan.main([*small, "--global-batch", "64", "--micro-batch", "3"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1 and "nothing fits: no layout passes the rules (none was rejected for memory)" in out
 
 
 def test_tp_must_divide_an_untied_vocabulary():

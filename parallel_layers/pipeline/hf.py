@@ -33,6 +33,19 @@ the padding, as for `model(input_ids, attention_mask=..., labels=...)`). Inputs 
 token ids [batch, seq] are refused on every pipeline rank before the step
 (`pipeline_input_problem`, read by the runtime's batch check).
 
+Note [sequence parallelism across stages]: under sequence parallelism (tensor_parallel/
+hf_sequence_parallel.py) the residual stream between decoder layers is each tensor-parallel
+rank's chunk of the sequence: split entering layer 0, gathered leaving the final norm. A stage
+boundary then carries the chunk ([microbatch, seq / tp, hidden]: 1 / tp of the bytes, as
+Megatron-LM sends it), whose shape the boundary learns as any other (Note [stage boundary
+contract] in _p2p.py). A decoder layer after the first reads the chunk, so it builds its
+positions, rotary cos/sin and causal mask for tp times its length - the whole sequence the
+layer's attention gathers - not for the chunk (`split_sequence` gives those layers the
+tensor-parallel group). A forward without gradients of a length tp does not divide cannot run
+unsplit as without a pipeline (Note [a forward without the sequence split] in comm.py): the
+later stages would not know; the split refuses it under a pipeline (every rank raises, as for a
+failed stage).
+
 Each adapter mounts the modules it runs under their paths in the model (`_mount`), so its
 state_dict keys are the model's own ("model.layers.3.mlp.up_proj.weight"), and
 `PipelineStages(..., named_after=model)` keeps those keys as the checkpoint names (Note
@@ -163,6 +176,7 @@ class DecoderLayer(_Layer):
     def __init__(self, model: nn.Module, base: str, layers: str, index: int, mask_kind: str, gpt2: bool):
         super().__init__(model)
         self.gpt2, self.base, self.path, self.mask_kind = gpt2, base, f"{base}.{layers}.{index}", mask_kind
+        self.sequence_group = None  # reads a split sequence (Note [sequence parallelism across stages])
         _mount(self, self.path, model.get_submodule(self.path))
         if not gpt2:  # parameter-free, non-persistent buffers: no state_dict entries
             _mount(self, f"{base}.rotary_emb", model.get_submodule(f"{base}.rotary_emb"))
@@ -170,12 +184,18 @@ class DecoderLayer(_Layer):
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None) -> Tensor:
         layer = self.get_submodule(self.path)
-        position_ids = _positions(hidden, position_ids)
-        mask = _mask(self.config, self.mask_kind, hidden, position_ids, attention_mask)
+        whole = hidden  # what positions, masks and rotary tables are built for: the whole sequence
+        if self.sequence_group is not None:
+            from parallel_layers.tensor_parallel import comm
+
+            seq = hidden.shape[1] * comm.group_size(self.sequence_group)
+            whole = hidden[:, :1].expand(hidden.shape[0], seq, *hidden.shape[2:])
+        position_ids = _positions(whole, position_ids)
+        mask = _mask(self.config, self.mask_kind, whole, position_ids, attention_mask)
         if self.gpt2:
             out = layer(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
         else:
-            cos_sin = self.get_submodule(self.base).rotary_emb(hidden, position_ids)
+            cos_sin = self.get_submodule(self.base).rotary_emb(whole, position_ids)
             out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=None,
                         use_cache=False, position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
@@ -200,6 +220,20 @@ class Head(_Layer):
             return logits
         value = getattr(self.config, scale[0])
         return logits / value if scale[1] == "divide" else logits * value
+
+
+def split_sequence(model: nn.Module, layers: list[nn.Module], tp_group) -> None:
+    """The pipeline layers of a sequence-parallel model (Note [sequence parallelism across
+    stages]): the decoder layers after the first read the split sequence, and the split refuses
+    a length it cannot divide."""
+    layout = getattr(model, "_pl_sequence_parallel", None)
+    if layout is None:
+        raise ValueError("a sequence-parallel pipeline needs the model's tensor parallelism applied with "
+                         "sequence_parallel=True first (parallelize does so)")
+    model.get_submodule(layout.layers[0])._pl_pipelined_split = True
+    for layer in layers:
+        if isinstance(layer, DecoderLayer) and layer.path != layout.layers[0]:
+            layer.sequence_group = tp_group
 
 
 def _mask_kinds(config, family: str, n: int) -> list[str]:

@@ -33,7 +33,7 @@ def format_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, best: 
              f"{cluster.inter_node_bw / GB:.3g} GB/s intra/inter-node)",
              f"training: global batch {train.global_batch} sequences, {train.precision} precision Adam, "
              f"{'flash' if train.flash_attention else 'eager'} attention, dropout {'on' if dropout else 'off'}, "
-             f"sequence parallel {'on (tp > 1, pp = 1, one microbatch: where parallelize runs it)' if train.sequence_parallel else 'off'}, "
+             f"sequence parallel {'on' if train.sequence_parallel else 'off'}, "
              f"{'vocab-parallel loss' if train.vocab_parallel_loss else 'head output gathered (tp_plan auto)'}, "
              f"recompute {train.recompute}", "",
              f"  {'layout':50s} {'params':>6s} {'grads':>6s} {'optim':>6s} {'activ':>6s} {'peak':>7s} "
@@ -48,10 +48,16 @@ def format_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, best: 
         if best.modelled_only:
             lines.append(f"  note: {best.modelled_only}")
     else:
-        closest = min(rejected, key=lambda e: e.memory, default=None)
-        lines.append("nothing fits: more GPUs, or more memory per GPU"
-                     + (f"; the least memory any layout needs is {closest.memory / unit:.1f} {u} per GPU "
-                        f"({closest.layout}, microbatch {closest.micro_batch})" if closest else ""))
+        # the least memory among the layouts rejected for memory (a rule-breaking layout's estimate
+        # is at one microbatch of the whole batch: no measure of anything; review finding, helper-65)
+        closest = min((e for e in rejected if reason_kind(e.reason) == "out of memory"), key=lambda e: e.memory,
+                      default=None)
+        if closest is not None:
+            lines.append(f"nothing fits: more GPUs, or more memory per GPU; the least memory any layout needs is "
+                         f"{closest.memory / unit:.1f} {u} per GPU ({closest.layout}, microbatch {closest.micro_batch})")
+        else:
+            lines.append("nothing fits: no layout passes the rules (none was rejected for memory); see the reasons "
+                         "below")
     lines.append(f"rejected ({len(rejected)} layouts): the {contenders} closest, then each rule's first examples")
     lines += [f"  {str(e.layout):50s} {e.reason}" for e in rejected[:contenders]]
     rest = rejected[contenders:]

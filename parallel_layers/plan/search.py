@@ -3,8 +3,6 @@ reason it lost, with its numbers (`recommend`; docs/parallelism.md, "Composing")
 
 from __future__ import annotations
 
-import dataclasses
-
 from parallel_layers.plan.cost import estimate
 from parallel_layers.plan.model import GB, ModelSpec
 from parallel_layers.plan.specs import RECOMPUTE, ClusterSpec, Estimate, Layout, TrainSpec
@@ -40,23 +38,11 @@ def _structural_reason(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     return None
 
 
-# Note [what parallelize runs, in the plan]: `estimate` (cost.py) models the published systems:
-# Megatron's sequence parallelism holds with a pipeline and with microbatches too, and the
-# published-number tests compare it so. parallelize runs sequence parallelism only without a
-# pipeline and with one microbatch (a stage boundary carries full-length hidden states), so the
-# search estimates each layout as parallelize would run it: with pp > 1 or m > 1, no sequence
-# split. Before, 47 of 62 recommendations for 7B-70B models on 8-512 GPUs were layouts
-# parallelize refused, and without the split some of them no longer fit (review finding,
-# helper-63: Llama-3-70B on 64 H100s, 53.6 GB planned, 91.2 GB as parallelize runs it).
-def runs_sequence_parallel(train: TrainSpec, tp: int, pp: int, microbatches: int) -> bool:
-    """Whether parallelize splits the sequence at this layout (Note [what parallelize runs, in the plan])."""
-    return train.sequence_parallel and tp > 1 and pp == 1 and microbatches == 1
-
-
-def _as_run(train: TrainSpec, tp: int, pp: int, microbatches: int) -> TrainSpec:
-    if train.sequence_parallel and not runs_sequence_parallel(train, tp, pp, microbatches):
-        return dataclasses.replace(train, sequence_parallel=False)
-    return train
+def runs_sequence_parallel(train: TrainSpec, tp: int) -> bool:
+    """Whether parallelize splits the sequence at a layout of this tp: at every one with tp > 1,
+    pipelines and microbatches included (Note [sequence parallelism across stages] in
+    pipeline/hf.py)."""
+    return train.sequence_parallel and tp > 1
 
 
 def _microbatch_choices(per_replica: int, pp: int, micro_batch: int | None = None) -> list[int]:
@@ -158,15 +144,13 @@ def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=1) -> Est
         reason = f"experts {model.experts} not divisible by {over}"
     if reason is not None:
         shown = ep if dp % ep == 0 else 1
-        e = estimate(model, cluster, _as_run(train, tp, pp, max(1, pp)), Layout(dp, tp, pp, zero, max(1, pp), cp, v,
-                                                                               ep=shown))
+        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=shown))
         e.reason = reason
         return e
     ms = _microbatch_choices(train.global_batch // dp, pp, train.micro_batch)
     options = _memory_options(train, zero)
     if not ms or not options:
-        e = estimate(model, cluster, _as_run(train, tp, pp, max(1, pp)), Layout(dp, tp, pp, zero, max(1, pp), cp, v,
-                                                                               ep=ep))
+        e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, max(1, pp), cp, v, ep=ep))
         e.reason = (f"only {train.global_batch // (dp * train.micro_batch)} microbatches of {train.micro_batch} "
                     f"sequences per replica < pp={pp}: needs microbatches >= stages" if not ms else
                     f"optimizer offload needs ZeRO >= 1 (it moves the optimizer shard), and dp={dp} x cp={cp} runs "
@@ -178,7 +162,7 @@ def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=1) -> Est
         for group in (wide, [m for m in ms if m not in wide]):  # m >= 4p before m < 4p
             fit = []
             for m in group:
-                e = estimate(model, cluster, _as_run(train, tp, pp, m), Layout(dp, tp, pp, zero, m, cp, v, rc, off, ep))
+                e = estimate(model, cluster, train, Layout(dp, tp, pp, zero, m, cp, v, rc, off, ep))
                 if _fits(e, cluster):
                     fit.append(e)
                 elif smallest is None or e.memory < smallest.memory:
@@ -293,11 +277,13 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
     unsupported = [f"context parallel cp={lay.cp}"] if lay.cp > 1 else []
     return {
         "init_parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
+        # pipeline_layers: "auto" cuts a Hugging Face decoder (a model of your own: its layer list's attribute)
         "parallelize": {"zero_stage": lay.zero, "microbatches": lay.microbatches,
+                        "pipeline_layers": "auto" if lay.pp > 1 or lay.microbatches > 1 else None,
                         "schedule": "interleaved" if lay.virtual > 1 else "1f1b",
                         "virtual": lay.virtual if lay.virtual > 1 else None,
                         "activation_checkpointing": None if lay.recompute == "none" else lay.recompute,
-                        "sequence_parallel": runs_sequence_parallel(train, lay.tp, lay.pp, lay.microbatches),
+                        "sequence_parallel": runs_sequence_parallel(train, lay.tp),
                         "offload_optimizer": lay.offload,
                         "expert_parallel": False if lay.ep == 1 else True if lay.ep == lay.dp else lay.ep,
                         "fused_kernels": train.fused_kernels},

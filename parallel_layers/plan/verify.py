@@ -365,12 +365,11 @@ def _train(config: str, weights: str, attention: str, launch: dict, seq: int, st
     with torch.device("meta"):  # each rank allocates only what it keeps (Note [measured peak])
         model = _build_model(config, attention)
     vocab = model.config.vocab_size
-    pipelined = ctx.dims.pp > 1 or par_kwargs["microbatches"] > 1
     # the model's output, or the last pipeline stage's logits
     loss_fn = lambda out, labels: causal_lm_loss(getattr(out, "logits", out), labels)  # noqa: E731
     par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), loss_fn=loss_fn,
                       tp_plan="auto" if ctx.dims.tp > 1 else None,  # ZeRO's units and checkpointed blocks: the defaults
-                      pipeline_layers="auto" if pipelined else None, **par_kwargs)
+                      **par_kwargs)  # pipeline_layers="auto" with a pipeline
     hf.load_pretrained(weights, par)
     del model
     gc.collect()

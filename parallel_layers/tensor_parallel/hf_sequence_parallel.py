@@ -301,8 +301,8 @@ def apply(model: nn.Module, layout: Layout, tp_group: dist.ProcessGroup | None) 
     partial = isinstance(embedding, VocabParallelEmbedding) and comm.group_size(tp_group) > 1
     if partial:  # its partial sums are reduce-scattered at layer 0 (Note [hf sequence parallel boundaries])
         embedding.partial_output = True
-    first.register_forward_pre_hook(_on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0], partial)),
-                                    with_kwargs=True)
+    first.register_forward_pre_hook(
+        _on_hidden_states(lambda x: _split(x, tp_group, layout.layers[0], partial, first)), with_kwargs=True)
     # the end of a forward that ran without the split (Note [a forward without the sequence split]):
     # at the end of every module around layer 0 a user may call, the decoder (model.model) too,
     # whose direct call otherwise left the flag on for the process's other sequence-parallel
@@ -511,7 +511,7 @@ def _on_hidden_states(fn):
     return hook
 
 
-def _split(x: Tensor, tp_group, layer_name: str, partial: bool) -> Tensor:
+def _split(x: Tensor, tp_group, layer_name: str, partial: bool, layer: nn.Module | None = None) -> Tensor:
     """This rank's chunk of the sequence: of `x`, or, when `x` is each rank's partial sum (a
     vocabulary-parallel embedding's output), of their sum."""
     tp = comm.group_size(tp_group)
@@ -519,10 +519,13 @@ def _split(x: Tensor, tp_group, layer_name: str, partial: bool) -> Tensor:
         raise ValueError(f"sequence parallelism splits dim {SEQ_DIM} of the [batch, seq, hidden] hidden states "
                          f"entering {layer_name}, but they have shape {tuple(x.shape)}")
     seq = x.shape[SEQ_DIM]
+    # under a pipeline every stage reads the split hidden states: none can run the forward
+    # unsplit alone (Note [sequence parallelism across stages] in pipeline/hf.py)
+    strict = getattr(layer, "_pl_pipelined_split", False)
     # a forward without gradients runs any length as plain TP (Note [a forward without the
     # sequence split] in comm.py); set for every forward, so none inherits a previous one's
-    comm.set_whole_sequence(bool(seq % tp) and not torch.is_grad_enabled())
-    if seq % tp and torch.is_grad_enabled():
+    comm.set_whole_sequence(bool(seq % tp) and not torch.is_grad_enabled() and not strict)
+    if seq % tp and (torch.is_grad_enabled() or strict):
         below, above = seq // tp * tp, (seq // tp + 1) * tp
         valid = f"{below} or {above}" if below else f"{above}"
         raise ValueError(f"sequence parallelism splits the sequence over the tensor-parallel group: the hidden states "
@@ -530,7 +533,8 @@ def _split(x: Tensor, tp_group, layer_name: str, partial: bool) -> Tensor:
                          f"length of {seq} does not divide by tp={tp}; valid lengths are multiples of {tp} (the "
                          f"nearest: {valid}). Pad the batch (labels -100 on the padding) or parallelize with "
                          "sequence_parallel=False. (A forward without gradients - evaluate, generate() - takes any "
-                         "length: it runs as plain tensor parallelism.)")
+                         "length: it runs as plain tensor parallelism; not under a pipeline, whose stages all read "
+                         "the split.)")
     if partial:
         return comm.reduce_scatter_to_sp(x, tp_group, SEQ_DIM)
     return comm.scatter_to_sp(x, tp_group, SEQ_DIM)

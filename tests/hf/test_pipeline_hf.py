@@ -205,7 +205,7 @@ def test_a_mask_no_layer_takes_is_refused():
         pipe.step(ids, ids, attention_mask=torch.ones_like(ids))
 
 
-def _train(rank, world, sources, exports, tp):
+def _train(rank, world, sources, exports, tp, sp=False):
     """Every family of one layout in the same processes (one start-up: imports dominate)."""
     from parallel_layers import hf, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
@@ -217,7 +217,7 @@ def _train(rank, world, sources, exports, tp):
         # the sum and the batch's token count: Hugging Face's mean over a padded batch's labelled tokens
         par = parallelize(model, ctx, optimizer=_sgd, loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens,
                           tp_plan="auto" if tp > 1 else None, pipeline_layers="auto", schedule="1f1b",
-                          microbatches=MICROBATCHES)
+                          microbatches=MICROBATCHES, sequence_parallel=sp)
         assert par.prefix == "" and type(par.module).__name__ == "PipelineStages"
         # The other stages' layers were freed in the model this rank built whole: only its own stay alive.
         alive = sum(p.numel() for p in model.parameters() if not p.is_meta)
@@ -259,19 +259,25 @@ def _reference(directory):
     return losses, model
 
 
-# tp -> the families trained at pp=2 x tp (tied: the head is the input embedding, on the other stage)
-LAYOUTS = {1: ("llama", "llama-tied", "gpt2", "qwen2", "phi3"),
-           2: ("llama", "gpt2", "qwen2", "gemma-untied", "mixtral")}
+# (tp, sequence parallel) -> the families trained at pp=2 x tp (tied: the head is the input
+# embedding, on the other stage). With sequence parallelism the stage boundary carries each tp
+# rank's chunk of the sequence (Note [sequence parallelism across stages] in pipeline/hf.py),
+# with the padded batches' masks as side inputs.
+LAYOUTS = {(1, False): ("llama", "llama-tied", "gpt2", "qwen2", "phi3"),
+           (2, False): ("llama", "gpt2", "qwen2", "gemma-untied", "mixtral"),
+           (2, True): ("llama", "gpt2", "qwen2", "mixtral")}
 
 
-@pytest.mark.parametrize("tp", list(LAYOUTS), ids=lambda tp: "pp2" if tp == 1 else f"pp2-tp{tp}")
-def test_pipelined_decoder_matches_the_plain_model(tmp_path, tp):
-    sources = {f: str(tmp_path / f / "src") for f in LAYOUTS[tp]}
-    exports = {f: str(tmp_path / f / "out") for f in LAYOUTS[tp]}
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda layout: "pp2" if layout[0] == 1 else
+                         f"pp2-tp{layout[0]}" + ("-sp" if layout[1] else ""))
+def test_pipelined_decoder_matches_the_plain_model(tmp_path, layout):
+    tp, sp = layout
+    sources = {f: str(tmp_path / f / "src") for f in LAYOUTS[layout]}
+    exports = {f: str(tmp_path / f / "out") for f in LAYOUTS[layout]}
     for family, directory in sources.items():
         _save(directory, family)
-    results = run_distributed(_train, 2 * tp, args=(sources, exports, tp), timeout_s=300)
-    for family in LAYOUTS[tp]:
+    results = run_distributed(_train, 2 * tp, args=(sources, exports, tp, sp), timeout_s=300)
+    for family in LAYOUTS[layout]:
         _check_family(family, sources[family], exports[family], [r[family] for r in results])
 
 

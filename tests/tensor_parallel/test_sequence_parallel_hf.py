@@ -228,7 +228,7 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
                 f"{SEQ - 1} does not divide by tp={TP}; valid lengths are multiples of {TP} (the nearest: {SEQ - 2} "
                 f"or {SEQ}). Pad the batch (labels -100 on the padding) or parallelize with sequence_parallel=False. "
                 "(A forward without gradients - evaluate, generate() - takes any length: it runs as plain tensor "
-                "parallelism.)")
+                "parallelism; not under a pipeline, whose stages all read the split.)")
 
 
 def _causal_lm_loss(out, ids):
@@ -260,6 +260,23 @@ def _composed(rank, ws, directory):
         worst = max(_rel(_full(p, True, group), ref_params[name].grad, scales[name])
                     for name, p in model.named_parameters())
         results[mode] = (abs(loss - want.item()) / want.item(), worst, norm_shapes)
+    # gradient accumulation over 2 microbatches (the pipeline runtime at pp=1): each microbatch's
+    # sequence split as the whole batch's (Note [sequence parallelism across stages])
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    from parallel_layers.pipeline.hf import causal_lm_loss  # the pipeline's last layer returns the logits
+
+    par = compose(model, ctx, optimizer=sgd, loss_fn=causal_lm_loss, tp_plan="auto", sequence_parallel=True,
+                  pipeline_layers="auto", microbatches=2)
+    norm_shapes = []
+    model.model.layers[1].input_layernorm.register_forward_pre_hook(lambda m, a: norm_shapes.append(a[0].shape))
+    loss = par.forward_backward(ids, ids).item()
+    worst = max(_rel(_full(p, True, group), ref_params[name].grad, scales[name]) for name, p in model.named_parameters())
+    results["microbatches=2"] = (abs(loss - want.item()) / want.item(), worst, norm_shapes)
+    try:  # without gradients, a length tp does not divide ran unsplit on the first stage only: refused
+        par.evaluate(ids[:, :SEQ - 1], ids[:, :SEQ - 1])
+        odd = None
+    except ValueError as e:
+        odd = str(e)
     try:
         compose(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=sgd,
                 loss_fn=_causal_lm_loss, tp_plan="auto", sequence_parallel=True, pipeline_layers="model.layers",
@@ -267,18 +284,23 @@ def _composed(rank, ws, directory):
         refusal = None
     except ValueError as e:
         refusal = str(e)
-    return results, refusal
+    return results, refusal, odd
 
 
 def test_composing_parallelize_passes_sequence_parallel_through(tmp_path):
     _build("llama")[0].save_pretrained(tmp_path)
-    for results, refusal in run_distributed(_composed, TP, args=(str(tmp_path),), timeout_s=300):
-        assert sorted(results, key=str) == sorted([None, "full", "selective"], key=str)
+    for results, refusal, odd in run_distributed(_composed, TP, args=(str(tmp_path),), timeout_s=300):
+        assert odd is not None and "a sequence length of 15 does not divide by tp=2" in odd and \
+            "not under a pipeline, whose stages all read the split" in odd, odd
+        assert sorted(results, key=str) == sorted([None, "full", "selective", "microbatches=2"], key=str)
         for mode, (loss_diff, grad_diff, norm_shapes) in results.items():
             assert loss_diff < RTOL and grad_diff < RTOL, (mode, loss_diff, grad_diff)
-            assert norm_shapes and all(shape == (BATCH, SEQ // TP, 32) for shape in norm_shapes), (mode, norm_shapes)
+            rows = BATCH // 2 if mode == "microbatches=2" else BATCH
+            assert norm_shapes and all(shape == (rows, SEQ // TP, 32) for shape in norm_shapes), (mode, norm_shapes)
+        # a layer list of the user's own: its layers know nothing of the split sequence
         assert refusal == ("parallelize: sequence_parallel=True needs tp_plan= (it splits the sequence between the "
-                           "tensor-parallel regions) and no pipeline; got a tp_plan, pp=1, microbatches=2, "
+                           "tensor-parallel regions), and with a pipeline (pp > 1 or microbatches > 1) a Hugging Face "
+                           "decoder cut by pipeline_layers='auto'; got a tp_plan, pp=1, microbatches=2, "
                            "pipeline_layers='model.layers'")
 
 
