@@ -3,6 +3,7 @@ against plain transformers in one process, checkpoint it, export it and reload t
 
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --dp 2 --zero 3
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --activation-checkpointing full
+    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --sequence-parallel
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --model-dir my-llama/ --tp 2
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --model-dir my-mixtral/ --zero 3 --expert-parallel
     torchrun --standalone --nproc-per-node 8 examples/finetune_hf.py --model-dir my-mixtral/ --zero 2 --expert-parallel 4
@@ -163,6 +164,9 @@ def main():
                     help="0: DataParallel over dp; 1-3: ZeRO stage (default: 1 with --pp > 1, else 0)")
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     ap.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 * pp with --pp > 1, else 1)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp > 1: split the activations between the tensor-parallel regions on the sequence "
+                         "(with --pp too: the stages exchange each rank's chunk); --seq-len must divide by tp")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
                     help="recompute each decoder layer in backward: all of it, or all but its GEMM outputs")
     ap.add_argument("--expert-parallel", type=int, nargs="?", const=-1, default=None, metavar="EP",
@@ -206,7 +210,7 @@ def main():
                       activation_checkpointing=None if args.activation_checkpointing == "none"
                       else args.activation_checkpointing, zero_stage=args.zero,
                       pipeline_layers="auto" if pipelined else None, schedule=args.schedule,
-                      microbatches=args.microbatches,
+                      microbatches=args.microbatches, sequence_parallel=args.sequence_parallel,
                       expert_parallel={None: False, -1: True}.get(args.expert_parallel, args.expert_parallel))
     losses = []
     start = time.perf_counter()
@@ -245,7 +249,8 @@ def main():
                                                                   f", experts over groups of {args.expert_parallel} dp ranks")
         print(f"layout: dp={dp} x tp={args.tp} x pp={args.pp} on {world} process(es), "
               f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
-              f"{pipeline}{recompute}{experts}, plan: {'the published one' if args.tp > 1 else 'none'}")
+              f"{pipeline}{recompute}{experts}, plan: {'the published one' if args.tp > 1 else 'none'}"
+              f"{', sequence parallel' if args.sequence_parallel else ''}")
         print(f"{'time per step':28s} {elapsed / args.steps * 1e3:.1f} ms")
         print(f"{'checkpoint':28s} {saved}" + (" (removed at the end; --work-dir keeps it)" if args.work_dir is None
                                                 else ""))

@@ -119,7 +119,7 @@ def is_lora_layer(module: nn.Module) -> bool:
     return _from_peft(module) and any(c.__name__ == "LoraLayer" for c in type(module).__mro__)
 
 
-def _is_saved_copy(module: nn.Module) -> bool:  # peft's ModulesToSaveWrapper: a trainable copy of a module
+def is_saved_copy(module: nn.Module) -> bool:  # peft's ModulesToSaveWrapper: a trainable copy of a module
     return _from_peft(module) and isinstance(getattr(module, "original_module", None), nn.Module) and \
         isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
 
@@ -236,6 +236,6 @@ def adapted(hf_model: nn.Module) -> Adapted:
     if is_wrapper(hf_model):
         model = hf_model.get_base_model()
         prefix = next(name for name, m in hf_model.named_modules() if m is model) + "."
-    layers = {name: m for name, m in hf_model.named_modules() if is_lora_layer(m) or _is_saved_copy(m)}
+    layers = {name: m for name, m in hf_model.named_modules() if is_lora_layer(m) or is_saved_copy(m)}
     configs = getattr(hf_model, "peft_config", None) or getattr(model, "peft_config", None) or {}
     return Adapted(model, prefix, layers, dict(configs))

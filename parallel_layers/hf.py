@@ -144,7 +144,10 @@ def _move_export(written: str, directory: str, weight_file: re.Pattern = _WEIGHT
         if weight_file.match(name) and name not in names:
             os.remove(os.path.join(directory, name))
     for name in sorted(names):
-        os.replace(os.path.join(written, name), os.path.join(directory, name))
+        target = os.path.join(directory, name)
+        if os.path.isdir(target) and not os.path.islink(target):  # peft's folder of a second adapter: this
+            shutil.rmtree(target)  # save's replaces the last one's (os.replace refuses a non-empty one; helper-64)
+        os.replace(os.path.join(written, name), target)
 
 
 def _weight_files(directory: str) -> dict[str, str]:

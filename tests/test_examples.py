@@ -60,6 +60,9 @@ def test_collective_timer_runs_the_job_from_outside():
     (["--tp", "2", "--dp", "2", "--zero", "3"], "dp=2 x tp=2 x pp=1 on 4 process(es), ZeRO-3, plan: the published one"),
     (["--pp", "2", "--tp", "2", "--activation-checkpointing", "full"],
      "dp=1 x tp=2 x pp=2 on 4 process(es), ZeRO-1, 1f1b schedule, 4 microbatches, full activation checkpointing"),
+    (["--pp", "2", "--tp", "2", "--sequence-parallel"],  # the stage boundaries carry each rank's chunk
+     "dp=1 x tp=2 x pp=2 on 4 process(es), ZeRO-1, 1f1b schedule, 4 microbatches, plan: the published one, "
+     "sequence parallel"),
 ])
 def test_finetune_hf_parity_and_export(tmp_path, flags, layout):
     # The Hugging Face job: a Llama made from a config, its published plan at tp=2 with ZeRO-3

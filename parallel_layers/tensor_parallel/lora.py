@@ -24,7 +24,11 @@ features - and without gathering anything of the size of the base:
 
 The branch runs before the base layer: its dropout draws where the layer's input lives - the
 shared stream for a column's replicated input, this rank's stream inside a region for a row's
-split input (region_random.py hooks the base layers). The layer keeps its names (base_layer,
+split input (region_random.py hooks the base layers). A region's first column enters this rank's
+stream when it returns, so a later column's branch leaves it first (else k_proj's and v_proj's
+masks differed across the ranks, which each then applied to their own output features: a
+dropout no single process draws, and under a per-layer reduction A's gradients drifted apart;
+review finding, helper-64). The layer keeps its names (base_layer,
 lora_A, lora_B), so checkpoints, hf.save_pretrained's adapter export and hf.load_pretrained see
 the same tensors as without tensor parallelism (the split ones carry their TPShard). Its class
 becomes a subclass of peft's with this forward (as FSDP2 swaps a module's class); merging the
@@ -42,7 +46,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from parallel_layers import _peft
-from parallel_layers.tensor_parallel import comm
+from parallel_layers.tensor_parallel import comm, region_random
 from parallel_layers.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, _input_comm,
                                                     reduce_grad_over_tp)
 from parallel_layers.tensor_parallel.sharding import sharded_parameter
@@ -67,7 +71,10 @@ def refusal(name: str, layer: nn.Module, spec_kind: str, spec) -> str | None:
         return (f"{what} is a column layer with the activation after it fused ({spec.activation}): the adapter's "
                 "output must be added before the activation; leave the activation out of the plan for it")
     if spec_kind == "row" and not getattr(spec, "input_is_parallel", True):
-        return f"{what} is a row layer that splits its own input, which its adapter would have to follow"
+        return (f"{what} is a row layer that splits its own input (the plan gathers the region's column outputs, "
+                f"as Phi-3's published plan does for attention), which its adapter would have to follow; leave "
+                f"{name.rpartition('.')[2]} out of the adapter's target_modules, or parallelize with a plan whose "
+                "row layers take split inputs")
     if spec_kind not in ("column", "row", "replicated"):
         return (f"{what} is planned {spec_kind!r}; tensor parallelism splits LoRA layers as 'column' or 'row' (or "
                 "keeps them whole, 'replicated') only")
@@ -122,6 +129,8 @@ def _forward(self, x: Tensor, *args, **kwargs) -> Tensor:
             continue
         a, b = self.lora_A[adapter], self.lora_B[adapter]
         xa = self._cast_input_dtype(x, a.weight.dtype) if hasattr(self, "_cast_input_dtype") else x
+        if isinstance(base, ColumnParallelLinear):  # a replicated input: the shared stream's draw
+            region_random.leave(x.device)
         h = a(self.lora_dropout[adapter](xa))
         if isinstance(base, ColumnParallelLinear):
             mode = _input_comm(base)

@@ -380,6 +380,12 @@ def parallelize(model: nn.Module, plan: dict | None = None, tp_group: dist.Proce
             targets[name] = spec
     for pattern, (style, spec) in parameter_entries.items():
         _check_expert_parameters(model, pattern, style, spec, targets)
+    # peft's modules_to_save (a trainable copy of a module beside its original): both split as
+    # the plan splits the module
+    for name in [n for n in targets if _peft.is_saved_copy(modules[n])]:
+        spec, wrapper = targets.pop(name), modules[name]
+        targets.update({f"{name}.original_module": spec,
+                        **{f"{name}.modules_to_save.{a}": spec for a in wrapper.modules_to_save}})
     # LoRA layers: the plan splits each one's base layer, and its adapters with it (Note [LoRA
     # under tensor parallelism] in lora.py); `bases` is what each name's split computes
     adapted = {name: modules[name] for name in targets if lora.is_lora_layer(modules[name])}
