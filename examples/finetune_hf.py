@@ -3,7 +3,7 @@ against plain transformers in one process, checkpoint it, export it and reload t
 
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --dp 2 --zero 3
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --activation-checkpointing full
-    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --sequence-parallel
+    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --pp 2 --tp 2 --sequence-parallel --lora 8
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --model-dir my-llama/ --tp 2
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --model-dir my-mixtral/ --zero 3 --expert-parallel
     torchrun --standalone --nproc-per-node 8 examples/finetune_hf.py --model-dir my-mixtral/ --zero 2 --expert-parallel 4
@@ -18,7 +18,11 @@ pipeline stages cut at the model's own modules (--pp: embedding -> decoder layer
 head), ZeRO (--zero 1-3) or DataParallel (--zero 0) over dp, ZeRO's groups being the decoder
 layers (the model's `_no_split_modules`, parallelize's default), and for a mixture of experts
 (--model-dir of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE) its experts spread over dp
-(--expert-parallel) or over groups of EP dp ranks (--expert-parallel EP). The loss is Hugging Face's causal-LM loss on generated sequences (each counts up from a
+(--expert-parallel) or over groups of EP dp ranks (--expert-parallel EP). With --lora R the model is
+adapted by peft first (LoRA of rank R on every linear layer of the decoder, the base frozen): at
+any layout, its LoRA layers split with their base layers under tensor parallelism, and the export
+is the adapter (peft's adapter_model.safetensors), reloaded on the base model with
+`PeftModel.from_pretrained`. The loss is Hugging Face's causal-LM loss on generated sequences (each counts up from a
 random token with a random stride, so there is something to learn; a fixed seed per step), each
 dp rank taking its rows of the global batch.
 
@@ -124,6 +128,15 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
+def load_adapter(model_dir: str, export_dir: str):
+    """The exported adapter on the base model from its files, as a peft user loads it."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, export_dir)
+
+
 def adamw(args):
     return lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
@@ -135,11 +148,23 @@ def agreed_directory(path: str | None, rank: int) -> str:
     return name[0]
 
 
+def with_lora(model, args):
+    """`model` adapted by peft (--lora), with the same initial adapters on every rank and in the
+    reference."""
+    import peft
+
+    torch.manual_seed(args.seed + 1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
+                                                      target_modules="all-linear", lora_dropout=0.0))
+
+
 def reference(model_dir: str, args, dp: int) -> tuple[list[float], torch.nn.Module]:
     """The same training in one process: the plain transformers model, whole global batches."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if args.lora:
+        model = with_lora(model, args)
     opt = adamw(args)(model.parameters())
     losses = []
     for step in range(args.steps):
@@ -167,6 +192,8 @@ def main():
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="with --tp > 1: split the activations between the tensor-parallel regions on the sequence "
                          "(with --pp too: the stages exchange each rank's chunk); --seq-len must divide by tp")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="train LoRA adapters of rank R (peft) on every linear layer of the decoder, the base frozen")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
                     help="recompute each decoder layer in backward: all of it, or all but its GEMM outputs")
     ap.add_argument("--expert-parallel", type=int, nargs="?", const=-1, default=None, metavar="EP",
@@ -206,7 +233,11 @@ def main():
     dist.barrier()  # every rank has read the directory before any can fail and remove it
     vocab = model.config.vocab_size
     pipelined = args.pp > 1 or args.microbatches > 1
-    par = parallelize(model, ctx, optimizer=adamw(args), loss_fn=loss_fn, tp_plan="auto" if args.tp > 1 else None,
+    if args.lora:
+        model = with_lora(model, args)
+    # a pipeline cuts the transformers model inside peft's wrapper (its LoRA layers with it)
+    target = model.get_base_model() if args.lora and pipelined else model
+    par = parallelize(target, ctx, optimizer=adamw(args), loss_fn=loss_fn, tp_plan="auto" if args.tp > 1 else None,
                       activation_checkpointing=None if args.activation_checkpointing == "none"
                       else args.activation_checkpointing, zero_stage=args.zero,
                       pipeline_layers="auto" if pipelined else None, schedule=args.schedule,
@@ -234,7 +265,8 @@ def main():
     if rank == 0:
         ref_losses, ref_model = reference(model_dir, args, dp)
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32) \
+            if not args.lora else load_adapter(model_dir, export_dir)
         with torch.no_grad():
             export_diff = max((relative(exported(input_ids=ids).logits, logits) for ids, logits in trained),
                               default=float("inf"))
@@ -250,7 +282,8 @@ def main():
         print(f"layout: dp={dp} x tp={args.tp} x pp={args.pp} on {world} process(es), "
               f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
               f"{pipeline}{recompute}{experts}, plan: {'the published one' if args.tp > 1 else 'none'}"
-              f"{', sequence parallel' if args.sequence_parallel else ''}")
+              f"{', sequence parallel' if args.sequence_parallel else ''}"
+              f"{f', LoRA rank {args.lora} (peft)' if args.lora else ''}")
         print(f"{'time per step':28s} {elapsed / args.steps * 1e3:.1f} ms")
         print(f"{'checkpoint':28s} {saved}" + (" (removed at the end; --work-dir keeps it)" if args.work_dir is None
                                                 else ""))

@@ -78,20 +78,43 @@ def refuse_wrapper(model: nn.Module, what: str, fix: str) -> None:
                          f"around a {base}: {fix}")
 
 
-def adapted_wrapper(model: nn.Module, what: str) -> bool:
-    """True if `model` is peft's wrapper (hf.save_pretrained writes its adapter, as peft does);
-    False for a model peft did not touch; refuses peft's layers without their wrapper (the
-    base model of a PeftModel), whose names are neither the transformers model's nor the
+def adapted_wrapper(model: nn.Module, what: str) -> str | None:
+    """How hf.save_pretrained writes `model`: "wrapper" for peft's wrapper (its adapter, as
+    peft's save writes it); "base" for the transformers model inside it, holding its LoRA layers
+    and peft's configs (a pipeline over the base model: the adapter, through a wrapper rebuilt
+    around the gathered state, `rewrapped`); None for a model peft did not touch. Refuses peft's
+    layers without their configs, whose names are neither the transformers model's nor an
     adapter's."""
     if is_wrapper(model):
-        return True
+        return "wrapper"
     found = peft_modules(model)
+    if found and isinstance(getattr(model, "peft_config", None), dict) and model.peft_config:
+        return "base"
     if found:
         raise ValueError(f"{what}: {type(model).__name__} holds {describe(found)}, without peft's wrapper: its "
                          f"weights are under neither the transformers model's names nor an adapter's. Pass the "
                          f"PeftModel that get_peft_model returned (its adapter is written, as peft's save_pretrained "
                          f"does), or merge_and_unload() it first")
-    return False
+    return None
+
+
+def rewrapped(base: nn.Module, state: dict) -> nn.Module:
+    """A PeftModel around a copy of `base` (a transformers model that holds peft's LoRA layers
+    and their configs) built on the meta device and given `state` - the base model's whole
+    state, gathered from any layout: what peft's own save_pretrained writes the adapter from."""
+    import copy
+
+    import peft
+
+    with torch.device("meta"):
+        plain = type(base)(copy.deepcopy(base.config))
+    (first, config), *rest = base.peft_config.items()
+    model = peft.get_peft_model(plain, copy.deepcopy(config), adapter_name=first)
+    for name, other in rest:
+        model.add_adapter(name, copy.deepcopy(other))
+    prefix = next(name for name, m in model.named_modules() if m is model.get_base_model()) + "."
+    model.load_state_dict({prefix + k: v for k, v in state.items()}, strict=True, assign=True)
+    return model
 
 
 # Note [adapters built on the meta device]: a model too large for one device is built on the meta

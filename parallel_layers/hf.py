@@ -101,8 +101,10 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
             if dtype is not None:
                 state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             shutil.rmtree(written, ignore_errors=True)  # a killed export's leftovers would be moved in too
-            if adapted:  # the adapter, as peft's own save writes it from the whole state (Note [peft models])
+            if adapted == "wrapper":  # the adapter, as peft's own save writes it from the whole state (Note [peft models])
                 hf_model.save_pretrained(written, state_dict=state)
+            elif adapted == "base":  # a pipeline over the base model: a wrapper rebuilt around the whole state
+                _peft.rewrapped(hf_model, state).save_pretrained(written, selected_adapters=list(hf_model.peft_config))
             else:
                 with torch.device("meta"):  # a copy: transformers' save writes config.dtype into the config
                     plain = type(hf_model)(copy.deepcopy(hf_model.config))  # (the user's, on rank 0 only)

@@ -60,9 +60,11 @@ def test_collective_timer_runs_the_job_from_outside():
     (["--tp", "2", "--dp", "2", "--zero", "3"], "dp=2 x tp=2 x pp=1 on 4 process(es), ZeRO-3, plan: the published one"),
     (["--pp", "2", "--tp", "2", "--activation-checkpointing", "full"],
      "dp=1 x tp=2 x pp=2 on 4 process(es), ZeRO-1, 1f1b schedule, 4 microbatches, full activation checkpointing"),
-    (["--pp", "2", "--tp", "2", "--sequence-parallel"],  # the stage boundaries carry each rank's chunk
+    # the stage boundaries carry each rank's chunk of the sequence; LoRA layers split with their
+    # base layers; the export is the adapter, reloaded on the base model by peft
+    (["--pp", "2", "--tp", "2", "--sequence-parallel", "--lora", "4"],
      "dp=1 x tp=2 x pp=2 on 4 process(es), ZeRO-1, 1f1b schedule, 4 microbatches, plan: the published one, "
-     "sequence parallel"),
+     "sequence parallel, LoRA rank 4 (peft)"),
 ])
 def test_finetune_hf_parity_and_export(tmp_path, flags, layout):
     # The Hugging Face job: a Llama made from a config, its published plan at tp=2 with ZeRO-3
@@ -77,7 +79,8 @@ def test_finetune_hf_parity_and_export(tmp_path, flags, layout):
     assert re.search(r"parity vs plain transformers: .*: PASS", r.stdout), r.stdout
     assert re.search(r"export .* reloaded by from_pretrained: logits vs the trained parallel model's own on an "
                      r"unseen batch, .*: PASS", r.stdout), r.stdout
-    assert (tmp_path / "export" / "config.json").exists() and (tmp_path / "checkpoints" / "step_3").is_dir()
+    exported = "adapter_config.json" if "--lora" in flags else "config.json"
+    assert (tmp_path / "export" / exported).exists() and (tmp_path / "checkpoints" / "step_3").is_dir()
 
 
 def test_finetune_hf_export_check_catches_a_wrong_export(tmp_path):
