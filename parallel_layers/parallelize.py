@@ -380,7 +380,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     pipeline, else 1), virtual stages per rank (default 2 for "interleaved", else 1) and
     split_points are those of PipelineStages / PipelineParallel. sequence_parallel: with a
     tp_plan on a Hugging Face decoder, its activations between the TP regions are split on the
-    sequence (tensor_parallel/hf_sequence_parallel.py); not with a pipeline. fused_kernels: a
+    sequence (tensor_parallel/hf_sequence_parallel.py); with a pipeline or microbatches, only with
+    pipeline_layers="auto" (Note [sequence parallelism across stages] in pipeline/hf.py). fused_kernels: a
     Hugging Face decoder's SwiGLU MLPs run as one GEMM with the activation fused, its RMSNorms as
     one pass, its attention residual add inside the next norm, over the same parameters
     (parallel_layers/fused.py); False keeps the model's own modules and forwards.
