@@ -99,6 +99,7 @@ class Parallelized:
     _materialized: bool = dataclasses.field(default=False, init=False, repr=False)
     _stepped: bool = dataclasses.field(default=False, init=False, repr=False)
     _warned_mean: bool = dataclasses.field(default=False, init=False, repr=False)
+    _read_labels: bool = dataclasses.field(default=False, init=False, repr=False)
     _use_cache_kw: bool | None = dataclasses.field(default=None, init=False, repr=False)
     # the model as the user holds it (every rank: all of it, another pipeline rank's stages as
     # placeholders), and the parameters it had when parallelized (Note [parameters added after
@@ -215,28 +216,43 @@ class Parallelized:
                    else type(position_ids).__name__)
             raise ValueError(f"position_ids must be an integer tensor of the inputs' shape {list(inputs.shape)} (or [1, "
                              f"{inputs.shape[-1]}]); got {got}")
-        self._warn_mean_over_padding(attention_mask)
+        self._warn_mean_over_padding(attention_mask, targets)
 
     def checkpoint_parts(self) -> tuple[nn.Module, torch.optim.Optimizer, str]:
         """What `checkpoint.save(root, step, par)` / `load(path, par)` save and load: the module as
         trained, its optimizer, the prefix of its keys."""
         return self.module, self.optimizer, self.prefix
 
-    def _warn_mean_over_padding(self, attention_mask) -> None:
-        """Once: a padded batch, a loss_fn that returns a mean, and several replicas or microbatches
-        whose means the step averages (Note [token mean over data parallelism] in _accumulation.py)."""
-        if attention_mask is None or self.token_count is not None or self._warned_mean:
+    def _warn_mean_over_padding(self, attention_mask, targets=None) -> None:
+        """Once: a padded batch - a mask, or labels the loss ignores (-100: a prompt masked out, padding
+        without a mask; review finding, helper-67) -, a loss_fn that returns a mean, and several replicas
+        or microbatches whose means the step averages (Note [token mean over data parallelism] in
+        _accumulation.py)."""
+        if self.token_count is not None or self._warned_mean:
             return
         dp = self.ctx.dims.dp
         m = self.pipeline.microbatches if self.pipeline is not None else 1
         if dp * m == 1:
             return
+        said = attention_mask is not None
+        where = "padded batch (attention_mask=)"
+        if not said and not self._read_labels and isinstance(targets, Tensor) and not targets.is_floating_point():
+            # the first batch's labels only: reading them back is a host synchronisation on a GPU
+            self._read_labels = True
+            said, where = bool((targets == -100).any()), "batch with ignored labels (-100)"
+            # the ranks holding labels (a pipeline's last stage): one of them says it
+            said = said and self.ctx.coordinate("dp") == 0 and self.ctx.coordinate("tp") == 0
+            mine = said
+        else:
+            mine = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if not said:
+            return
         self._warned_mean = True
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        if mine:
             parts = " and ".join(p for p in (f"{dp} data-parallel replicas" if dp > 1 else "",
                                              f"{m} microbatches" if m > 1 else "") if p)
             warnings.warn(
-                f"parallelize: a padded batch (attention_mask=) and no token_count= (so loss_fn is taken to return a mean): "
+                f"parallelize: a {where} and no token_count= (so loss_fn is taken to return a mean): "
                 f"the step averages the means of its {parts}, each over its own tokens, so a token of a part with "
                 "fewer labelled tokens weighs more than in the plain model's mean over the whole batch (transformers' "
                 "Trainer divides by the batch's count, num_items_in_batch). For that mean pass "

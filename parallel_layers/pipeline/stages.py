@@ -187,8 +187,8 @@ class PipelineStages(nn.Module):
         and a meta weight returns an uninitialised CPU tensor): the user's model called whole on
         a pipeline rank - generate(), a forward of their own - computed garbage silently. A call
         into such a module raises instead, on every pipeline rank (each holds a part only)."""
-        held = ", ".join(f"stage {k} (pipeline layers {self.bounds[k][0]}-{self.bounds[k][1] - 1})"
-                         for k in self.stage_ids)
+        held = ", ".join(f"stage {k} (pipeline layers {self.bounds[k][0]}-{self.bounds[k][1] - 1}: "
+                         f"{', '.join(_label(layer) for layer in self.chunk(k).children())})" for k in self.stage_ids)
 
         def hook(module, args):
             raise RuntimeError(
@@ -283,3 +283,15 @@ class PipelineStages(nn.Module):
     def _key(self, layer: int, rest: str, prefix: str) -> str:
         """The name of key `rest` of layer `layer` (Note [pipeline names])."""
         return prefix + rest if self.named_after is not None else f"{prefix}{layer}.{rest}"
+
+
+def _label(layer: nn.Module) -> str:
+    """A pipeline layer as a user knows it: a Hugging Face decoder layer by its path in the model
+    (pipeline/hf.py's adapters; pipeline layer 0 is the embedding there, so model.layers.1 is
+    pipeline layer 2: review finding, helper-67), else its class."""
+    path = getattr(layer, "path", None)
+    if isinstance(path, str):
+        return path
+    names = {"Embedding": "the embedding", "Head": "the final norm and head"}
+    return names.get(type(layer).__name__, type(layer).__name__) if type(layer).__module__.endswith("pipeline.hf") \
+        else type(layer).__name__

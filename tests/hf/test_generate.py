@@ -82,9 +82,13 @@ def test_generate_after_training_matches_plain(tmp_path, family, layout):
 def test_the_whole_model_on_a_pipeline_rank_is_refused_on_every_rank(tmp_path):
     _tiny.save_tiny_llama(tmp_path)
     got = run_distributed(_parallel, 2, args=(str(tmp_path), "pp2", 128))
+    # the stage's layers named as in the model (helper-67: "pipeline layers 0-1" read as holding
+    # model.layers.1, which is pipeline layer 2: layer 0 is the embedding)
     first = ("model.layers.1.input_layernorm (FusedRMSNorm) belongs to another pipeline rank's stage: pipeline "
-             "rank 0 of 2 holds stage 0 (pipeline layers 0-1) of the 2 stages over 4 pipeline layers")
-    second = "model.embed_tokens (Embedding) belongs to another pipeline rank's stage: pipeline rank 1 of 2"
+             "rank 0 of 2 holds stage 0 (pipeline layers 0-1: the embedding, model.layers.0) of the 2 stages over 4 "
+             "pipeline layers")
+    second = ("model.embed_tokens (Embedding) belongs to another pipeline rank's stage: pipeline rank 1 of 2 holds "
+              "stage 1 (pipeline layers 2-3: model.layers.1, the final norm and head)")
     for rank, expected in enumerate((first, second)):
         for message in got[rank]:  # generate(), then a plain forward
             assert message.startswith(expected), (rank, message)

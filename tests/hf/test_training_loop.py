@@ -413,7 +413,17 @@ def _mask_checks(rank, world, directory):
         warnings.simplefilter("always")
         summed.forward_backward(ids, ids, attention_mask=mask)
     silent = not [w for w in caught if "taken to return a mean" in str(w.message)]
-    return refused, mean_warnings, silent
+    # helper-67: labels the loss ignores (a prompt masked by -100, no attention_mask) went unsaid
+    ignored = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_sgd,
+                          loss_fn=causal_lm_loss)
+    labels = ids.clone()
+    labels[:, : 2 + 3 * rank] = -100
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ignored.forward_backward(ids, labels)
+        ignored.forward_backward(ids, labels)
+    ignored_warnings = [str(w.message) for w in caught if "taken to return a mean" in str(w.message)]
+    return refused, mean_warnings, silent, ignored_warnings
 
 
 def test_a_mask_of_another_shape_is_refused_and_a_mean_loss_over_padding_warns(tmp_path):
@@ -424,10 +434,12 @@ def test_a_mask_of_another_shape_is_refused_and_a_mean_loss_over_padding_warns(t
     warned once on rank 0, not with the sum loss and token_count."""
     _tiny.save_tiny_llama(tmp_path / "src")
     results = run_distributed(_mask_checks, 2, args=(str(tmp_path / "src"),))
-    for rank, (refused, mean_warnings, silent) in enumerate(results):
+    for rank, (refused, mean_warnings, silent, ignored_warnings) in enumerate(results):
         assert refused == [f"attention_mask must have the inputs' shape [{BATCH}, {SEQ}] (1: a token to attend to, 0: "
                            f"padding); got shape [{BATCH}, {w}]" for w in (8, 15)]
         assert len(mean_warnings) == (1 if rank == 0 else 0) and silent
+        assert len(ignored_warnings) == (1 if rank == 0 else 0), ignored_warnings
+    assert results[0][3][0].startswith("parallelize: a batch with ignored labels (-100) and no token_count=")
     assert "the means of its 2 data-parallel replicas" in results[0][1][0]
     assert "loss_fn=causal_lm_loss_sum, token_count=causal_lm_tokens" in results[0][1][0]
 
