@@ -163,7 +163,7 @@ class Adapted:
         under the layer's name; None for an adapter's tensor (in no file)."""
         done = set()  # each layer once: its own name starts with its path too
         while True:
-            path = max((p for p in self.layers if p not in done and name.startswith(p + ".")), key=len, default=None)
+            path = self._layer_path(name, done)
             if path is None:
                 break
             done.add(path)
@@ -225,9 +225,19 @@ class Adapted:
         return values
 
     def _owner(self, name: str) -> tuple[nn.Module, str, str]:
-        path = max((p for p in self.layers if name.startswith(p + ".")), key=len)
+        path = self._layer_path(name)
         parts = name[len(path) + 1:].split(".")
         return self.layers[path], parts[1] if len(parts) > 1 else "", path
+
+    def _layer_path(self, name: str, skip: set = frozenset()) -> str | None:
+        """The innermost peft layer holding the tensor `name` (not in `skip`): its dotted prefixes,
+        longest first, looked up (a model's thousands of tensors against hundreds of layers)."""
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            path = ".".join(parts[:i])
+            if path in self.layers and path not in skip:
+                return path
+        return None
 
 
 _LOAD_FIRST = ("Build the model on a real device and load it first (hf.load_pretrained into the model built without "
