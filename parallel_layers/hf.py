@@ -605,6 +605,9 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
     """
     from parallel_layers.parallel_dims import default_device
 
+    if adapter_seed is not None and (isinstance(adapter_seed, bool) or not isinstance(adapter_seed, int)):
+        raise TypeError(f"hf.load_pretrained: adapter_seed must be an int (the seed every rank draws peft's "
+                        f"initial adapters from) or None (rank 0's torch.initial_seed()); got {adapter_seed!r}")
     module, ctx_device = _unwrap(model)
     hf_model = _hf_model(module, "hf.load_pretrained")
     adapted = _peft.adapted(hf_model)  # Note [adapters built on the meta device] in _peft.py

@@ -372,3 +372,11 @@ def test_adapted_layers_without_their_configs_are_not_exported(tmp_path):
     with pytest.raises(ValueError, match=r"hf.save_pretrained: LlamaForCausalLM holds 6 layer\(s\) adapted by peft, "
                                          r".* without peft's wrapper"):
         hf.save_pretrained(base, str(tmp_path / "out"))
+
+
+def test_a_bad_adapter_seed_is_named(tmp_path):
+    from parallel_layers import hf
+
+    _tiny.save_tiny_llama(tmp_path)
+    with pytest.raises(TypeError, match=r"adapter_seed must be an int .*; got '7'"):
+        hf.load_pretrained(tmp_path, _on_meta(tmp_path), device="cpu", adapter_seed="7")
