@@ -79,7 +79,7 @@ from parallel_layers.pipeline import PipelineParallel, PipelineStages
 from parallel_layers.pipeline import hf as hf_pipeline
 from parallel_layers.tensor_parallel import plan as tp_plan_module
 from parallel_layers.zero import ZeRO
-from parallel_layers.zero.api import refuse_non_floating
+from parallel_layers.zero.api import refuse_non_floating, route_zero_grad
 
 
 @dataclasses.dataclass
@@ -520,6 +520,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         failed = e
     _raise_everywhere(failed, pipelined)
+    if zero_stage and model is not net:  # the user's model holds the stages' layers: its zero_grad is ZeRO's
+        route_zero_grad(model, wrapper)  # Note [zero_grad through the model] in zero/api.py
     model._pl_parallelized = (f"tp={ctx.dims.tp} pp={ctx.dims.pp} dp={ctx.dims.dp}, zero_stage={zero_stage}"
                               + (f", tp_plan={'auto' if tp_plan == 'auto' else 'a plan'}" if tp_plan is not None else ""))
     # 5. the pipeline schedule

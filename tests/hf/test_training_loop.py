@@ -80,7 +80,7 @@ def _train(rank, world, directory, out, layout, recipe):
                 model.model.embed_tokens.weight.requires_grad_(True)
             par.forward_backward(ids.chunk(dp)[dp_rank], ids.chunk(dp)[dp_rank])
             par.step()
-            par.zero_grad()
+            model.zero_grad() if recipe == "model_zero_grad" else par.zero_grad()
     except Exception as e:  # noqa: BLE001 - what each rank raised comes back
         return f"{type(e).__name__}: {e}"
     if recipe == "frozen" and zero == 0:  # the local tensors themselves did not move
@@ -134,6 +134,15 @@ def test_frozen_parameters_stay_frozen(tmp_path, layout):
                     .named_parameters() if n.startswith(FROZEN))
     if layout.startswith("tp2"):  # the sharded tensors still frozen, under the model's names
         assert results[0] == results[1] and set(frozen) <= set(results[0]), results[0]
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero2", "dp2-zero3", "pp2-zero1"])
+def test_the_models_own_zero_grad_clears_zeros_shard_gradients(tmp_path, layout):
+    """A loop written for the plain model zeroes through `model.zero_grad()` (as transformers'
+    Trainer does); under ZeRO it cleared the full gradients and not the shards', so every step
+    stepped the sum of all the gradients so far (Note [zero_grad through the model] in
+    zero/api.py). Under a pipeline `model` is the user's model around this rank's stages."""
+    _compare(tmp_path, layout, "model_zero_grad")
 
 
 @pytest.mark.parametrize("layout, recipe", [("dp2-zero1", "names"), ("dp2-zero3", "names"), ("dp2-zero3", "dims"),

@@ -40,7 +40,7 @@ OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2), "sgd": lambda 
               "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)}
 
 
-def _zero_parity(rank, ws, stage, micro, opt="adamw", prefetch=True, offload=False):
+def _zero_parity(rank, ws, stage, micro, opt="adamw", prefetch=True, offload=False, zero_grad="zero"):
     torch.manual_seed(0)
     ref = Net()
     zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS[opt], stage=stage, wrap=lambda m: isinstance(m, nn.Linear),
@@ -66,7 +66,9 @@ def _zero_parity(rank, ws, stage, micro, opt="adamw", prefetch=True, offload=Fal
                 loss.backward()
             local_loss += loss.detach()
         zero.step()
-        zero.zero_grad()
+        # the idioms of a plain training loop: each must clear the shard gradients too
+        {"zero": zero.zero_grad, "model": zero.module.zero_grad, "optimizer": zero.optimizer.zero_grad,
+         "model_in_place": lambda: zero.module.zero_grad(set_to_none=False)}[zero_grad]()
         dist.all_reduce(local_loss)
         worst_loss = max(worst_loss, abs(local_loss.item() / ws - loss_ref.item()) / loss_ref.item())
     state = zero.full_state_dict()
@@ -102,6 +104,39 @@ def test_zero_matches_single_process_fused_adamw(stage):
     for rank, worst in enumerate(run_distributed(_zero_parity, 2, args=(stage, 2, "adamw_fused"))):
         bad = {k: v for k, v in worst.items() if not v < RTOL}
         assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
+
+
+@pytest.mark.parametrize("how", ["model", "model_in_place", "optimizer"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_of_the_model_or_the_optimizer_clears_the_shards(stage, how):
+    # model.zero_grad() is a plain loop's idiom (and transformers Trainer's); it cleared the full
+    # gradients only, and the next step's reductions added to the shard gradients left from
+    # this one (Note [zero_grad through the model] in zero/api.py)
+    for rank, worst in enumerate(run_distributed(_zero_parity, 2, args=(stage, 2, "sgd", True, False, how))):
+        bad = {k: v for k, v in worst.items() if not v < RTOL}
+        assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
+
+
+def _zero_grad_of_a_copy(rank, ws):
+    model = Net()
+    zero = ZeRO(model, OPTIMIZERS["sgd"], stage=1)
+    zero(torch.randn(4, 7)).sum().backward()
+    zero.step()  # reduces into the shard gradients, which stay until zero_grad
+    twin = copy.deepcopy(model)  # an EMA copy: its zero_grad is its own, not the ZeRO's
+    twin(torch.randn(4, 7)).sum().backward()
+    twin.zero_grad()
+    copy_cleared = all(p.grad is None for p in twin.parameters())
+    kept = all(s.grad is not None for g in zero.groups for s in g.shards)
+    model.zero_grad()
+    shards_cleared = all(s.grad is None for g in zero.groups for s in g.shards)
+    del zero
+    model(torch.randn(4, 7)).sum().backward()
+    model.zero_grad()  # the ZeRO dropped: the model's own again
+    return copy_cleared, kept, shards_cleared, all(p.grad is None for p in model.parameters())
+
+
+def test_zero_grad_of_a_deep_copy_is_its_own():
+    assert run_distributed(_zero_grad_of_a_copy, 1) == [(True, True, True, True)]
 
 
 @pytest.mark.parametrize("ws", [2, 4])
