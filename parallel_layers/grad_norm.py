@@ -75,17 +75,30 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, data_parallel=None, tp
     for group in (tp_group, pp_group, shard_group):
         sq = _all_reduced(sq, group)
     norm = sq.sqrt()
-    scale = max_norm / (norm.item() + eps)
-    if scale < 1.0:
-        for g in all_grads:
-            g.mul_(scale)
+    # Scaled on the device, as torch.nn.utils.clip_grad_norm_ does: reading the norm back to
+    # decide was a host synchronisation every step on a GPU. A coefficient of 1 scales too; a
+    # non-finite norm scales every gradient by nan (inf: by 0), as the plain model's clip does.
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for (grad_device, _), grads in _by_device_and_dtype(all_grads).items():
+        torch._foreach_mul_(grads, coef.to(grad_device))
     return norm
 
 
-def _sum_of_squares(grads: list[Tensor], device) -> Tensor:
-    sq = torch.zeros((), dtype=torch.float32, device=device)
+def _by_device_and_dtype(grads: list[Tensor]) -> dict[tuple, list[Tensor]]:
+    """`grads` grouped for the foreach kernels, which take one device and dtype a call."""
+    groups: dict[tuple, list[Tensor]] = {}
     for g in grads:
-        sq += g.detach().float().pow(2).sum()
+        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    return groups
+
+
+def _sum_of_squares(grads: list[Tensor], device) -> Tensor:
+    """The float32 sum of the gradients' squared elements: one foreach norm kernel per device
+    and dtype (a pow and a sum per gradient before)."""
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for grads_of_a_kind in _by_device_and_dtype(grads).values():
+        norms = torch._foreach_norm(grads_of_a_kind, 2, dtype=torch.float32)
+        sq += torch.stack(norms).to(device).pow(2).sum()
     return sq
 
 

@@ -4,6 +4,8 @@ training in one process; a single-device model of nn.Embedding / nn.Linear layer
 by a TP plan, does the same at tp2 x dp2 (ZeRO-1, ZeRO-3) and tp2 x pp2; and the bad calls it
 refuses."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -319,3 +321,38 @@ def test_a_parameter_seen_at_parallelize_is_known_by_its_mark_shape_and_dtype():
     assert not _as_built(p)  # resized
     p.data = torch.zeros(2, 3, dtype=torch.float16)
     assert not _as_built(p)  # cast
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_clipping_a_non_finite_norm_scales_as_torchs_clip(bad):
+    """The clip scales on the device (no read of the norm back to the host): a gradient of nan
+    or inf gives every gradient what torch.nn.utils.clip_grad_norm_ gives it (nan, or 0 and nan)."""
+    from parallel_layers.grad_norm import clip_grad_norm_
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    plain = copy.deepcopy(ours)
+    for model in (ours, plain):
+        model(torch.randn(5, 3)).sum().backward()
+        model[0].weight.grad[0, 0] = bad
+    norm = clip_grad_norm_(ours, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    torch.testing.assert_close(norm, expected, equal_nan=True)
+    for a, b in zip(ours.parameters(), plain.parameters()):
+        assert torch.equal(a.grad.isnan(), b.grad.isnan()) and torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
+
+
+def test_clipping_scales_every_dtype_and_leaves_a_small_norm_alone():
+    from parallel_layers.grad_norm import clip_grad_norm_
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2).to(torch.bfloat16))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = [p.grad.clone() for p in model.parameters()]
+    plain = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in before]))
+    norm = clip_grad_norm_(model, 0.5)
+    torch.testing.assert_close(norm, plain)
+    for g, p in zip(before, model.parameters()):
+        torch.testing.assert_close(p.grad, (g.float() * 0.5 / (plain + 1e-6)).to(g.dtype))
+    grads = [p.grad.clone() for p in model.parameters()]
+    clip_grad_norm_(model, 100.0)  # coefficient 1: unchanged
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
