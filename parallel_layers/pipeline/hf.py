@@ -55,8 +55,9 @@ in the first and the last adapter, which `PipelineStages` ties across ranks (Not
 parameters]).
 
 Families: the forward of each supported `model_type` was read and its parity tested
-(tests/hf/test_pipeline_hf.py); another family's forward may do more (Gemma 2 soft-caps
-logits, others add cross-attention), so it is refused by name rather than run wrongly.
+(tests/hf/test_pipeline_hf.py); another family's forward may do more (Phi-1/2's applies a
+dropout to the embeddings, others add cross-attention), so it is refused by name rather than
+run wrongly.
 The choice follows torchtitan / PiPPy in cutting at module boundaries (torchtitan deletes the
 modules a stage does not own from a model written to tolerate that; a Hugging Face forward is
 not, hence adapters that call the modules as its forward does).
@@ -81,6 +82,10 @@ _LLAMA_STYLE = {"llama": "causal", "mistral": "sliding_window_if_set", "qwen2": 
                 "gemma": "causal", "olmo": "causal", "olmo2": "causal", "glm4": "causal", "nemotron": "causal",
                 "phi3": "sliding_window_if_set", "smollm3": "layer_types", "exaone4": "layer_types",
                 "granite": "causal", "cohere": "causal",
+                # Gemma 2 and 3: their embedding modules scale the rows, their attention soft-caps
+                # the scores (inside the layer); their causal LMs soft-cap the logits (the Head
+                # below) and Gemma 3 keeps a rotary table per layer type (`_ROTARY_PER_LAYER_TYPE`)
+                "gemma2": "layer_types", "gemma3_text": "layer_types",
                 # mixtures of experts: Mistral's (Mixtral, Qwen3-MoE), Qwen2's (Qwen2-MoE) and Llama's
                 # (OLMoE) model forwards; their causal LMs add the routers' load-balancing loss only
                 # with config.output_router_logits, refused below
@@ -92,6 +97,12 @@ _LLAMA_STYLE = {"llama": "causal", "mistral": "sliding_window_if_set", "qwen2": 
 # the same order.
 _EMBEDDING_MULTIPLIER = {"granite": "embedding_multiplier"}
 _LOGITS_SCALE = {"granite": ("logits_scaling", "divide"), "cohere": ("logit_scale", "multiply")}
+# The causal LMs that soft-cap the logits after the head, cap * tanh(logits / cap), with the
+# config's final_logit_softcapping (None: not capped).
+_LOGITS_SOFTCAP = {"gemma2", "gemma3_text"}
+# The families whose rotary module takes the layer's type (Gemma 3: another base frequency for
+# the sliding-window layers), the model's forward building one table per type.
+_ROTARY_PER_LAYER_TYPE = {"gemma3_text"}
 SUPPORTED = sorted([*_LLAMA_STYLE, "gpt2"])
 
 
@@ -195,7 +206,9 @@ class DecoderLayer(_Layer):
         if self.gpt2:
             out = layer(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
         else:
-            cos_sin = self.get_submodule(self.base).rotary_emb(whole, position_ids)
+            rotary = self.get_submodule(self.base).rotary_emb
+            cos_sin = (rotary(whole, position_ids, self.mask_kind) if self.config.model_type in _ROTARY_PER_LAYER_TYPE
+                       else rotary(whole, position_ids))
             out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=None,
                         use_cache=False, position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
@@ -215,6 +228,10 @@ class Head(_Layer):
 
     def forward(self, hidden: Tensor) -> Tensor:
         logits = self.lm_head(self.get_submodule(self.norm_path)(hidden))
+        cap = getattr(self.config, "final_logit_softcapping", None) if self.config.model_type in _LOGITS_SOFTCAP \
+            else None
+        if cap is not None:  # as the causal LM's forward writes it
+            logits = torch.tanh(logits / cap) * cap
         scale = _LOGITS_SCALE.get(self.config.model_type)
         if scale is None:
             return logits
@@ -269,6 +286,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
                          "stages do not carry (each sends one tensor, the hidden states). Set "
                          "model.config.output_router_logits = False before parallelize (the loss is then the LM "
                          "loss alone, as with the published defaults), or train without a pipeline")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"pipeline_layers='auto': {type(model).__name__} has config.use_bidirectional_attention=True "
+                         "(an encoder, as EmbeddingGemma), whose masks the decoder layers do not rebuild; only causal "
+                         "language models are supported")
     gpt2 = family == "gpt2"
     base = getattr(model, "base_model_prefix", "") or ("transformer" if gpt2 else "model")
     if gpt2 and getattr(config, "add_cross_attention", False):

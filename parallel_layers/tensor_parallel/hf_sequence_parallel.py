@@ -114,6 +114,12 @@ FAMILIES = {
     # norms after attention and MLP and its q / k norms.
     "gemma": ("layers", "norm"), "olmo": ("layers", "norm"), "nemotron": ("layers", "norm"),
     "smollm3": ("layers", "norm"), "exaone4": ("layers", "norm"),
+    # Gemma 2 and Gemma 3: Gemma's model forward but for a mask per layer type (and Gemma 3 a
+    # rotary table per type), both built before layer 0; decoder layers with four per-position
+    # norms (before and after attention and the MLP); the attention's score soft-capping is
+    # elementwise on the whole sequence's scores; Gemma 3's q_norm / k_norm are per head, as
+    # Qwen3's. The logits' soft-capping comes after the head, outside the split.
+    "gemma2": ("layers", "norm"), "gemma3_text": ("layers", "norm"),
     # mixtures of experts with Mistral's model forward (Note [experts under sequence parallelism])
     "mixtral": ("layers", "norm"), "qwen3_moe": ("layers", "norm"),
     # Regions whose published plans gather the column layers' outputs (Note [gathered regions

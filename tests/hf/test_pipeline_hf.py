@@ -103,10 +103,29 @@ def _tiny_config(family):
                                                          shared_expert_intermediate_size=48, num_experts=4,
                                                          num_experts_per_tok=2, mlp_only_layers=[1], **ids),
         "olmoe": lambda: transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2, **ids),
+        # layers 0 and 2 sliding, 1 full; the attention scores and the logits soft-capped (tanh);
+        # Gemma 3: another rotary base for the sliding layers, per-head q / k norms
+        "gemma2": lambda: _gemma2_config(common, ids),
+        "gemma3": lambda: _gemma3_config(common, ids),
     }
     if family in others:
         return others[family]()
     return transformers.MistralConfig(**common, sliding_window=4)
+
+
+def _gemma2_config(common, ids):
+    return transformers.Gemma2Config(**common, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
+                                     final_logit_softcapping=2.0, query_pre_attn_scalar=8,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"], **ids)
+
+
+def _gemma3_config(common, ids):
+    return transformers.Gemma3TextConfig(**common, head_dim=8, sliding_window=4, final_logit_softcapping=2.0,
+                                         query_pre_attn_scalar=8,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                          "sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 1e4}}, **ids)
 
 
 def _load(directory, family):
@@ -129,11 +148,14 @@ def _save(directory, family):
         save_tiny_phi3(directory)
     elif family == "mixtral":  # its experts split as their MLPs under TP (tensor_parallel/experts.py)
         save_tiny_mixtral(directory)
+    elif family in ("gemma2", "gemma3"):  # soft-capped logits; Gemma 3's rotary tables per layer type
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(_tiny_config(family)).save_pretrained(directory)
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-tied", "gpt2", "qwen2", "qwen3", "mistral", "gemma", "olmo",
                                     "olmo2", "glm4", "nemotron", "phi3", "smollm3", "exaone4", "granite",
-                                    "cohere", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+                                    "cohere", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gemma2", "gemma3"])
 def test_layers_in_a_row_are_the_model(tmp_path, family):
     from parallel_layers.pipeline import PipelineStages
     from parallel_layers.pipeline.hf import causal_lm_loss, causal_lm_loss_sum, causal_lm_tokens, decoder_layers
@@ -175,13 +197,17 @@ def test_layers_in_a_row_are_the_model(tmp_path, family):
 def test_unsupported_models_are_refused():
     from parallel_layers.pipeline.hf import SUPPORTED, decoder_layers
 
-    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=8, vocab_size=32))
-    # its causal LM soft-caps the logits (tanh) after the head: not ours to guess
-    with pytest.raises(ValueError, match=r"model_type 'gemma2'") as e:
-        decoder_layers(gemma2)
+    phi = transformers.PhiForCausalLM(transformers.PhiConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32))
+    # its model's forward applies a dropout to the embeddings, outside any module we cut: not ours to guess
+    with pytest.raises(ValueError, match=r"model_type 'phi'") as e:
+        decoder_layers(phi)
     assert all(family in str(e.value) for family in SUPPORTED)
+    encoder = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, vocab_size=32, use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention=True .* only causal language models"):
+        decoder_layers(encoder)
     mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         vocab_size=32, num_local_experts=2, output_router_logits=True))
@@ -264,8 +290,8 @@ def _reference(directory):
 # rank's chunk of the sequence (Note [sequence parallelism across stages] in pipeline/hf.py),
 # with the padded batches' masks as side inputs.
 LAYOUTS = {(1, False): ("llama", "llama-tied", "gpt2", "qwen2", "phi3"),
-           (2, False): ("llama", "gpt2", "qwen2", "gemma-untied", "mixtral"),
-           (2, True): ("llama", "gpt2", "qwen2", "mixtral")}
+           (2, False): ("llama", "gpt2", "qwen2", "gemma-untied", "mixtral", "gemma2"),
+           (2, True): ("llama", "gpt2", "qwen2", "mixtral", "gemma3")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda layout: "pp2" if layout[0] == 1 else
@@ -294,7 +320,9 @@ def _check_family(family, source, export, results):
             assert "one tensor" in refusals[0] and "attention_mask=" in refusals[0]
             assert "token ids [batch, seq]" in refusals[1] and "float32" in refusals[1]
             assert f"inputs' shape [{BATCH}, {SEQ}]" in refusals[2] and f"[{BATCH}, {SEQ - 1}]" in refusals[2]
-    assert sum(t is not None for _, t, _ in results) == (len(results) if family in ("llama-tied", "gpt2") else 0)
+    tied_head = transformers.AutoConfig.from_pretrained(source).tie_word_embeddings  # a tied Llama, GPT-2, Gemma 2, 3
+    assert family not in ("llama-tied", "gpt2") or tied_head
+    assert sum(t is not None for _, t, _ in results) == (len(results) if tied_head else 0)
     exported = transformers.AutoModelForCausalLM.from_pretrained(export)
     ref_state, got_state = ref.state_dict(), exported.state_dict()
     assert got_state.keys() == ref_state.keys()

@@ -1,6 +1,6 @@
 """Sequence parallelism on Hugging Face decoders ([batch, seq, hidden]): plan-free
 `tensor_parallel.parallelize(model, tp_group=..., sequence_parallel=True)` at tp=2 on Llama,
-Qwen2, Mistral, GPT-2, Qwen3, Gemma, OLMo, Nemotron, SmolLM3, EXAONE 4, Mixtral and Qwen3-MoE
+Qwen2, Mistral, GPT-2, Qwen3, Gemma, Gemma 2, Gemma 3, OLMo, Nemotron, SmolLM3, EXAONE 4, Mixtral and Qwen3-MoE
 (their MoE blocks gather the sequence and reduce-scatter their output; Mixtral also with whole
 experts per rank), GLM, GLM-4, Phi-3, OLMo 2 and OLMoE (regions whose plans gather their column
 layers' outputs) and Qwen2-MoE (a shared expert kept whole) loaded with from_pretrained gives the
@@ -27,8 +27,8 @@ from tests.tensor_parallel.test_parallelize import _build
 transformers = pytest.importorskip("transformers")
 
 KINDS = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "gemma", "olmo", "nemotron", "smollm3", "exaone4", "mixtral",
-         "qwen3_moe", "mixtral_whole_experts", "glm", "glm4", "phi3", "olmo2", "olmoe", "qwen2_moe")
-TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: both stay replicated
+         "qwen3_moe", "mixtral_whole_experts", "glm", "glm4", "phi3", "olmo2", "olmoe", "qwen2_moe", "gemma2", "gemma3")
+TIED = ("gpt2", "gemma", "smollm3", "gemma2", "gemma3")  # their heads are tied to the embedding: both stay replicated
 # Column layers per decoder layer that gather their outputs (Note [gathered regions under
 # sequence parallelism]): Phi-3's qkv_proj, OLMo 2's and OLMoE's q, k and v; and of them, row
 # layers that split their whole input again. Not the packed gate_up_proj of GLM, GLM-4 and
@@ -36,7 +36,9 @@ TIED = ("gpt2", "gemma", "smollm3")  # their heads are tied to the embedding: bo
 # MLPs split block by block] in tensor_parallel/plan.py), its MLP a region like any other.
 GATHERED = {"phi3": 1, "olmo2": 3, "olmoe": 3}
 SPLIT_INPUT_ROWS = {"phi3": 1, "olmo2": 1, "olmoe": 1}
-NORMS_PER_LAYER = {"glm4": 4}  # + post_self_attn_layernorm, post_mlp_layernorm; the others 2
+# + post_self_attn_layernorm, post_mlp_layernorm (GLM-4), pre_ and post_feedforward_layernorm
+# (Gemma 2, 3); the others 2
+NORMS_PER_LAYER = {"glm4": 4, "gemma2": 4, "gemma3": 4}
 # Parameters whose gradients are summed over tp (one all-reduce each in backward): the norms'
 # weights (and biases) of the 2 layers and the final norm - none in OLMo's parameter-free
 # LayerNorms; GPT-2's and Nemotron's have biases, GLM-4 4 norms a layer - GPT-2's row biases,
@@ -46,7 +48,7 @@ NORMS_PER_LAYER = {"glm4": 4}  # + post_self_attn_layernorm, post_mlp_layernorm;
 # [a shared expert under sequence parallelism]).
 SUMMED = {"llama": 5, "qwen2": 5, "mistral": 5, "gpt2": 14, "qwen3": 9, "gemma": 5, "olmo": 0, "nemotron": 10,
           "smollm3": 5, "exaone4": 9, "mixtral": 7, "qwen3_moe": 11, "mixtral_whole_experts": 7, "glm": 5, "glm4": 9,
-          "phi3": 5, "olmo2": 5, "olmoe": 7, "qwen2_moe": 7}
+          "phi3": 5, "olmo2": 5, "olmoe": 7, "qwen2_moe": 7, "gemma2": 9, "gemma3": 13}
 # OLMo 2's and OLMoE's q_norm / k_norm: over every head's features, after gathered q and k: the
 # whole sequence
 WHOLE_QK_NORMS = ("olmo2", "olmoe")
