@@ -310,7 +310,8 @@ def test_refusals_before_any_conversion(monkeypatch):
     bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError, match=r"sequence_parallel=True supports the Hugging Face decoders whose forward "
-                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'glm', 'glm4', "
+                                         r"was checked for it, model_type in \['exaone4', 'gemma', 'gemma2', "
+                                         r"'gemma3_text', 'glm', 'glm4', "
                                          r"'gpt2', 'llama', 'mistral', 'mixtral', 'nemotron', 'olmo', 'olmo2', "
                                          r"'olmoe', 'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'smollm3'\]; "
                                          r"BertForMaskedLM has model_type 'bert'"):
