@@ -155,7 +155,7 @@ class ParamGroup:
         self.param_dtype, self.reduce_dtype = first.param_dtype, first.reduce_dtype
         self.offload = first.offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
         self.keep_full = first.keep_full  # False: the full parameters are freed between uses (ZeRO-3)
-        self._inflight = None  # (buffer, work handle) of an all-gather started by prefetch
+        self._inflight = None  # (buffer, work handle, members) of an all-gather started by prefetch
         self._reducing = None  # (output, work handle, input, members) of a reduce-scatter not yet finished
         self._gloo = dist.get_backend(self.group) == "gloo"
         self._direct = self._gloo and GLOO_DIRECT
@@ -186,21 +186,23 @@ class ParamGroup:
             self.pool.give_back(buf)
 
     # ---- parameters ---------------------------------------------------------------------
-    def _widest(self) -> torch.dtype:
-        """The widest dtype of the members' full parameters (Note [mixed dtypes in a group]).
+    def _widest(self, members: list[ShardedParam]) -> torch.dtype:
+        """The widest dtype of `members`' full parameters (Note [mixed dtypes in a group]).
         Every member is floating: ZeRO refuses an integer parameter when built (an int64
         promoted with bfloat16 came back rounded, 257 -> 256: review finding)."""
-        dtypes = [sp.full.dtype for sp in self.members]
+        dtypes = [sp.full.dtype for sp in members]
         return functools.reduce(torch.promote_types, dtypes)
 
     def start_unshard(self) -> None:
-        """Launch the all-gather of this group without waiting (prefetch); no-op if unsharded."""
+        """Launch the all-gather of this group's members whose full parameters are not current
+        (all of them, but after `refresh_stepped`) without waiting (prefetch); no-op if none."""
         if self.is_unsharded or self._inflight is not None:
             return
-        dtype = self.param_dtype or self._widest()
+        stale = [sp for sp in self.members if not sp.is_unsharded]
+        dtype = self.param_dtype or self._widest(stale)
         device = self.members[0].full.device
         with _all_gather_stream(device):
-            shards = [sp.gather_input(device) for sp in self.members]
+            shards = [sp.gather_input(device) for sp in stale]
             buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
                                                 empty=self._empty(device, gather=True))
             work = None
@@ -216,12 +218,12 @@ class ParamGroup:
                              for op, row in ((dist.isend, self.rank), (dist.irecv, peer))]))
                     else:
                         work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
-        self._inflight = (buf, work)
+        self._inflight = (buf, work, stale)
 
     def drop_prefetch(self) -> None:
         """Discard a prefetched all-gather (its data predates an optimizer step)."""
         if self._inflight is not None:
-            buf, work = self._inflight
+            buf, work, _ = self._inflight
             fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
             self._inflight = None
             self._give_back(buf)
@@ -231,27 +233,27 @@ class ParamGroup:
         if self.is_unsharded:
             return
         self.start_unshard()
-        buf, work = self._inflight
+        buf, work, stale = self._inflight
         self._inflight = None
         fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
         if buf.is_cuda:  # Note [ZeRO streams]: the copy-out below reads what the side stream wrote
             index = buf.device.index
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
-        fulls = [sp.refill_full() for sp in self.members]
+        fulls = [sp.refill_full() for sp in stale]
         # Note [mixed dtypes in a group]: the copy-out takes outputs of one dtype; a parameter of
         # another (transformers' xIELU keeps its alpha scalars in bfloat16 in a float32 model) goes
         # through a temporary of the widest member dtype - the buffer's, unless param_dtype - and is
         # cast into place; gradients are reduced in the widest too. (The first member's dtype, as a
         # first version took, rounded every float32 weight of a unit whose own bfloat16 scalar came
         # first to bfloat16: review finding.)
-        widest = self._widest()
+        widest = self._widest(stale)
         odd = {i for i, t in enumerate(fulls) if t.dtype != widest}
         outs = [torch.empty_like(t, dtype=widest) if i in odd else t for i, t in enumerate(fulls)]
         shard_copy.all_gather_copy_out(buf, outs)
         for i in odd:
             fulls[i].copy_(outs[i])
         self._give_back(buf)
-        for sp in self.members:
+        for sp in stale:
             sp.is_unsharded = True
 
     def reshard(self) -> None:
@@ -260,9 +262,25 @@ class ParamGroup:
             sp.free_full()
 
     def refresh_full(self) -> None:
-        """After an optimizer step: make the full parameters match the updated shards."""
+        """Make every member's full parameter match its shard (after a checkpoint load wrote the shards)."""
         for sp in self.members:
-            sp.is_unsharded = False  # their values predate the step
+            sp.is_unsharded = False  # their values predate the shards'
+        self.unshard()
+
+    # Note [gather what the step changed]: after an optimizer step ZeRO-1/2 (and ZeRO-3's root)
+    # gather the updated shards back into the full parameters they keep. torch's optimizers step
+    # a parameter only when it has a gradient, so the members without a shard gradient - frozen
+    # ones (a LoRA fine-tune's whole base model), and those no rank used this step (Note [a
+    # parameter no rank used] in _hooks.py) - are unchanged and not gathered: before, every step
+    # all-gathered the frozen base too. Which members have one is the same on every rank (the
+    # reductions that make them are collectives over the group; frozen parameters are frozen on
+    # every rank), so every rank gathers the same layout. An optimizer that writes parameters
+    # without a gradient is not covered: call refresh_full after it.
+    def refresh_stepped(self) -> None:
+        """After an optimizer step: gather the members it stepped (Note [gather what the step changed])."""
+        for sp in self.members:
+            if sp.shard.grad is not None:
+                sp.is_unsharded = False  # their values predate the step
         self.unshard()
 
     # ---- gradients ----------------------------------------------------------------------

@@ -331,7 +331,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         self.optimizer.step()
         for g in self.groups:
             if g.keep_full:
-                g.refresh_full()  # the others gather at their next use
+                g.refresh_stepped()  # the others gather at their next use
         self._hooks.after_step()
 
     def skip_step(self) -> None:

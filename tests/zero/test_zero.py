@@ -441,15 +441,21 @@ def _frozen(rank, ws, stage):
     copy_in = _group.shard_copy.reduce_scatter_copy_in
     _group.shard_copy.reduce_scatter_copy_in = lambda grads, *a, **k: (reduced.append(sum(g.numel() for g in grads)),
                                                                         copy_in(grads, *a, **k))[1]
+    gathered = []  # the shard elements each all-gather of a step moves (after the optimizer)
+    gather_in = _group.shard_copy.all_gather_copy_in
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         x, y = torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 1, generator=g)
         F.mse_loss(zero(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+        _group.shard_copy.all_gather_copy_in = lambda shards, *a, **k: (
+            gathered.append(sum(s.numel() for s in shards)), gather_in(shards, *a, **k))[1]
         zero.step()
+        _group.shard_copy.all_gather_copy_in = gather_in
         zero.zero_grad()
     _group.shard_copy.reduce_scatter_copy_in = copy_in
     state = zero.full_state_dict()
-    return torch.equal(state["a.weight"], before[0]) and torch.equal(state["c.weight"], before[1]), sorted(set(reduced))
+    return (torch.equal(state["a.weight"], before[0]) and torch.equal(state["c.weight"], before[1]), sorted(set(reduced)),
+            sorted(set(gathered)))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -457,9 +463,12 @@ def test_a_frozen_parameter_is_not_stepped(stage):
     """A parameter with requires_grad=False gets no gradient, so AdamW's weight decay leaves it
     alone, as in one process; ZeRO gave its shard zeros, which decayed it (review finding). Nor
     is it reduced: a's bias (15), b (15 x 3 + 3) and the root's scale (1) move, a's weight and
-    the frozen c do not."""
-    for unchanged, reduced in run_distributed(_frozen, 2, args=(stage,)):
+    the frozen c do not. Nor is it gathered after the step (Note [gather what the step changed]):
+    stages 1 and 2 gather a's bias (8 of its 15 elements a rank), b (23 + 2) and the scale (1),
+    not a's weight or c (before: 53 + 8 of a, 2 + 1 of c); stage 3 only its root (the scale)."""
+    for unchanged, reduced, gathered in run_distributed(_frozen, 2, args=(stage,)):
         assert unchanged and reduced == [1, 15, 48], reduced
+        assert gathered == ([1] if stage == 3 else [1, 8, 25]), gathered
 
 
 class _WithParameterList(_EqualLayers):
