@@ -83,7 +83,8 @@ def save_pretrained(model: nn.Module, directory: str, *, group=None, dtype: torc
     """Write `model` (this rank's part of a transformers model, at any layout, or the
     `Parallelized` of `parallelize`) as a directory that
     `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads; a collective.
-    dtype: cast the weights (default: as held; ZeRO's float32 masters for ZeRO parameters).
+    dtype: cast the weights (default: as held; ZeRO's float32 masters for ZeRO parameters, a
+    parameter frozen when ZeRO was built in its own dtype).
     max_shard_size: transformers' (files of at most this size and an index; default its own).
     Weight files an earlier save left in `directory` that this one did not write are removed
     (Note [stale weight files])."""
@@ -592,7 +593,7 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
 
     Tensors on the meta device first get storage on `device` (default: the `Parallelized`'s
     device, else cuda:LOCAL_RANK with GPUs, else the CPU; parallel_layers/meta.py). Values are
-    cast to the dtype the model holds (ZeRO: its float32 masters). Buffers the files lack
+    cast to the dtype the model holds (ZeRO: its float32 masters; a frozen parameter's own dtype). Buffers the files lack
     (rotary `inv_freq`) are computed by the model's constructor (Note [buffers not in the
     files]). A missing tensor, a shape mismatch or a directory without safetensors raises on
     every rank, naming them; tensors the files hold and the model does not are warned about.

@@ -182,7 +182,7 @@ def load(path: str, model, optimizer=None, *, group=None, strict: bool = True, r
 def export_state_dict(path: str) -> dict[str, Tensor]:
     """The plain, full state dict of the model saved at `path`, for the unparallelized model's
     `load_state_dict(strict=True)`; one process, no torch.distributed needed. ZeRO-trained
-    parameters come back as their float32 masters."""
+    parameters come back as their float32 masters (frozen ones in their own dtype)."""
     path = _io.check_path(path)
     metadata = SafeReader(path).read_metadata()
     out = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in _model_keys(metadata).items()}

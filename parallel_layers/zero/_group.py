@@ -161,6 +161,7 @@ class ParamGroup:
         self._direct = self._gloo and GLOO_DIRECT
         self.pool = pool  # Note [CPU buffer reuse]; None: every buffer is new
         self.gather_for_backward = True  # Note [backward without parameters] in _hooks.py
+        self.promoted: list[ShardedParam] = []  # members whose shard became a float32 master since the last step
 
     # The members' full parameters and master shards, in order (the optimizer, hooks, tests).
     @property
@@ -203,6 +204,8 @@ class ParamGroup:
         device = self.members[0].full.device
         with _all_gather_stream(device):
             shards = [sp.gather_input(device) for sp in stale]
+            if len({t.dtype for t in shards}) > 1:  # frozen shards beside float32 masters (Note [frozen shards keep their dtype])
+                shards = [t if t.dtype == dtype else t.to(dtype) for t in shards]
             buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
                                                 empty=self._empty(device, gather=True))
             work = None
@@ -293,6 +296,9 @@ class ParamGroup:
         members = [sp for sp in self.members if sp.full.requires_grad]
         if not members:
             return
+        for sp in members:  # frozen when built, trained now (Note [frozen shards keep their dtype] in _param.py)
+            if sp.train_from_now():
+                self.promoted.append(sp)
         for sp in members:  # Note [a parameter no rank used] in api.py
             sp.used = sp.used or sp.full.grad is not None
         grads = [sp.grad_to_reduce() for sp in members]

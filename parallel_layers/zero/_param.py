@@ -12,9 +12,21 @@ size W and cut into W shards of ceil(numel / W) elements (the layout of
 parallel_layers/ops/shard_copy.py), whatever its shape: a [7, 15] weight over 4 ranks is 27
 elements each, where a dim-0 split would give 2 rows to three ranks and 1 real row plus
 padding to the last. This rank keeps its shard as a float32 master (`shard`, what the
-optimizer steps). The module keeps its ordinary nn.Parameter (`full`): where it is freed
-between uses (ZeRO-3), its storage is resized to zero and refilled by an all-gather -
-autograd's saved references to the same storage see the data again once it is refilled.
+optimizer steps) - a frozen one in its own dtype (Note [frozen shards keep their dtype]). The
+module keeps its ordinary nn.Parameter (`full`): where it is freed between uses (ZeRO-3), its
+storage is resized to zero and refilled by an all-gather - autograd's saved references to the
+same storage see the data again once it is refilled.
+
+Note [frozen shards keep their dtype]: a parameter frozen when ZeRO is built (requires_grad
+False: a LoRA fine-tune's base model, a frozen embedding) is never stepped, so a float32 master
+would only hold its values at twice a bfloat16 model's bytes: ZeRO-3 kept 4 / N bytes a frozen
+parameter on each rank where FSDP2 keeps 2 / N (70B bfloat16 weights over 8 ranks: 35 GB
+against 17.5). Its shard is kept in the parameter's own dtype instead (exactly the values
+loaded; no rounding) and at ZeRO-1/2 is a view of the full parameter (no copy at all). A unit
+holding both kinds (a LoRA layer: its frozen base weight and float32 adapter masters) casts the
+shards of the other dtype to the gather's before the copy-in. Unfrozen later, the shard becomes
+a float32 master at its first reduction (`train_from_now`), and optimizer state built for it
+in the optimizer's constructor (Adagrad's sum) is cast with it (ZeRO.step).
 
 Note [storage shared within a group]: SwiGLUMLP keeps its gate and up weights in one
 allocation so that its GEMM reads [gate; up] as a view (tensor_parallel/layers.py). When
@@ -136,6 +148,8 @@ class ShardedParam:
         self.storage_shared = storage_shared_in_group and param_dtype in (None, param.dtype)
         if not alias_full:
             self._own_storage()
+        # Note [frozen shards keep their dtype]
+        self.master_dtype = torch.float32 if param.requires_grad else param.dtype
         self.shard = nn.Parameter(self._master_shard(alias_full and not offload), requires_grad=param.requires_grad)
         if param_dtype is not None:
             param.data = param.data.to(param_dtype)
@@ -161,22 +175,23 @@ class ShardedParam:
             self.full.data = self.full.data.clone()
 
     def _master_shard(self, alias: bool) -> Tensor:
-        """This rank's float32 master shard of the full parameter.
+        """This rank's master shard of the full parameter, in `master_dtype` (float32; a frozen
+        parameter's own dtype).
 
-        When the full parameter stays allocated (stages 1 and 2), is float32, contiguous and
-        divides evenly by the world size, the shard is a view of its own slice of the full
-        parameter rather than a copy: the optimizer updates that slice in place and the
+        When the full parameter stays allocated (stages 1 and 2), is of the master's dtype,
+        contiguous and divides evenly by the world size, the shard is a view of its own slice of
+        the full parameter rather than a copy: the optimizer updates that slice in place and the
         all-gather after the step rewrites it with the same values. That keeps stage 1/2
         memory at the ZeRO paper's figures instead of one extra float32 copy of 1/W.
         """
-        p, s = self.full, self.shard_numel
-        self.aliases_full = (alias and p.dtype == torch.float32 and p.is_contiguous() and p.numel() == s * self.world
-                             and self.param_dtype in (None, torch.float32))
+        p, s, dtype = self.full, self.shard_numel, self.master_dtype
+        self.aliases_full = (alias and p.dtype == dtype and p.is_contiguous() and p.numel() == s * self.world
+                             and self.param_dtype in (None, dtype))
         if self.aliases_full:
             return p.detach().view(-1)[self.rank * s:(self.rank + 1) * s]
         if p.is_meta:  # built on the meta device: storage comes with `materialize`
-            return torch.empty(s, dtype=torch.float32, device="meta")
-        shard = self._part(p, torch.float32)
+            return torch.empty(s, dtype=dtype, device="meta")
+        shard = self._part(p, dtype)
         if self.offload:
             shard = shard.cpu().pin_memory() if torch.cuda.is_available() else shard.cpu()
         return shard
@@ -199,7 +214,7 @@ class ShardedParam:
             if self.aliases_full:
                 shard = self.full.detach().view(-1)[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             else:
-                shard = torch.empty(self.shard_numel, dtype=torch.float32, device="cpu" if self.offload else device)
+                shard = torch.empty(self.shard_numel, dtype=self.master_dtype, device="cpu" if self.offload else device)
                 if self.offload and torch.cuda.is_available():
                     shard = shard.pin_memory()
             swap_in(self.shard, shard)
@@ -248,6 +263,15 @@ class ShardedParam:
         p = self.full
         grad = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
         return grad.contiguous()
+
+    def train_from_now(self) -> bool:
+        """A parameter frozen when built is being trained (its gradient is being reduced): its
+        shard becomes a float32 master (Note [frozen shards keep their dtype]). True if it changed."""
+        if self.master_dtype == torch.float32:
+            return False
+        self.shard.data = self.shard.detach().to(torch.float32)  # a copy: no longer a view of the full parameter
+        self.master_dtype, self.aliases_full = torch.float32, False
+        return True
 
     def shard_grad(self) -> Tensor:
         """The shard's gradient, which the reduce-scatter's copy-out accumulates into."""

@@ -324,6 +324,7 @@ class ZeRO(LocalAccumulation, nn.Module):
             self._stepped = True
         self._hooks.reduce_remaining()
         self._hooks.drop_gradients_no_rank_made()  # Note [a parameter no rank used] in _hooks.py
+        self._cast_state_of_promoted_shards()
         for g in self.groups:
             g.drop_prefetch()
             if not g.keep_full:  # Note [last group stays gathered] in _hooks.py: nothing stale survives the step
@@ -333,6 +334,18 @@ class ZeRO(LocalAccumulation, nn.Module):
             if g.keep_full:
                 g.refresh_stepped()  # the others gather at their next use
         self._hooks.after_step()
+
+    def _cast_state_of_promoted_shards(self) -> None:
+        """Optimizer state the optimizer's constructor built for a shard that was frozen then
+        (Adagrad's sum, in the frozen dtype) follows it to float32 (Note [frozen shards keep
+        their dtype] in _param.py)."""
+        for g in self.groups:
+            for sp in g.promoted:
+                state = self.optimizer.state.get(sp.shard, {})
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == sp.shard.shape:
+                        state[key] = value.to(torch.float32)
+            g.promoted.clear()
 
     def skip_step(self) -> None:
         """A step that changes nothing (float16 gradients that overflowed, Note [one loss scale for

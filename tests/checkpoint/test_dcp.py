@@ -231,3 +231,49 @@ def test_old_format_converts(tmp_path):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
     assert fresh_opt.param_groups[0]["lr"] == 0.25
+
+
+FROZEN = ("model.embed_tokens.", "model.layers.0.")  # a partial fine-tune's frozen part
+
+
+def _bf16_frozen_then_trainable(rank, world, directory, root, frozen):
+    """ZeRO-3 over a bfloat16 model at dp2: its frozen parameters' shards are bfloat16, the others
+    float32 masters (Note [frozen shards keep their dtype] in zero/_param.py); `frozen` says whether
+    this run freezes FROZEN."""
+    from parallel_layers import ZeRO, init_parallel
+
+    ctx = init_parallel(dp=2, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (frozen and name.startswith(FROZEN)))
+    zero = ZeRO(model, _adamw, stage=3, group=ctx.dp_group, wrap=lambda m: type(m).__name__ == "LlamaDecoderLayer")
+    dtypes = sorted({str(sp.shard.dtype) for g in zero.groups for sp in g.members})
+    if frozen:  # train, save
+        ids = _ids(10).chunk(2)[ctx.coordinate("dp")]
+        zero(input_ids=ids, labels=ids).loss.backward()
+        zero.step()
+        zero.zero_grad()
+        checkpoint.save(root, 1, zero, zero.optimizer)
+    else:  # every parameter trainable: load what the frozen run saved into float32 masters
+        checkpoint.load(checkpoint.latest_checkpoint(root), zero, zero.optimizer)
+    return dtypes, {k: v.float().tolist() for k, v in zero.full_state_dict().items()}
+
+
+def test_a_checkpoint_of_frozen_bfloat16_shards_loads_where_they_train(tmp_path):
+    """A checkpoint holds a frozen parameter's shard in its own dtype; loaded where the parameter
+    trains (a float32 master) it gives the same values, and so does plain DCP's load."""
+    save_tiny_llama(tmp_path / "hf")
+    root = str(tmp_path / "ckpt")
+    (dtypes, saved), _ = run_distributed(_bf16_frozen_then_trainable, 2, args=(str(tmp_path / "hf"), root, True))
+    (all_trained, loaded), _ = run_distributed(_bf16_frozen_then_trainable, 2,
+                                               args=(str(tmp_path / "hf"), root, False))
+    assert dtypes == ["torch.bfloat16", "torch.float32"] and all_trained == ["torch.float32"], (dtypes, all_trained)
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).state_dict()
+    for k, v in saved.items():
+        assert loaded[k] == v, k
+        frozen = k.startswith(FROZEN)
+        assert torch.equal(torch.tensor(v), pretrained[k].float()) == frozen or "norm" in k, k
+    exported = checkpoint.export_state_dict(checkpoint.latest_checkpoint(root))
+    for k in FROZEN:
+        name = k + ("weight" if k.endswith("tokens.") else "self_attn.q_proj.weight")
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], pretrained[name]), name

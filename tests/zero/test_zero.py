@@ -36,6 +36,7 @@ def _rel(a, b):
 
 
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2), "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+              "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.5),
               # one kernel over every shard of a parameter group (torchtitan's default; bench_hf.py's)
               "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)}
 
@@ -322,6 +323,70 @@ def _bf16_parity(rank, ws, stage, device):
     expected = [shard_of(p.detach(), ws, rank) for grp in zero.groups for p in
                 [dict(master.named_parameters())[n] for n in _names(zero, grp)]]
     return max(_rel(a.cpu(), b.cpu()) for a, b in zip(masters, expected))
+
+
+def _frozen_bf16(rank, ws, stage, unfreeze_at, opt="adamw"):
+    """A model loaded in bfloat16 with a frozen weight beside a trained bias (a's: one unit of both
+    kinds, as a LoRA layer is) and a frozen unit (c), against the mixed precision done by hand:
+    float32 masters of what trains, the frozen weights as loaded. With unfreeze_at, a's weight
+    trains from that step on (its shard becomes a float32 master)."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    master = copy.deepcopy(model).float()
+    for m in (model, master):
+        m.a.weight.requires_grad_(False)
+        m.c.requires_grad_(False)
+    frozen_values = model.a.weight.detach().clone(), model.c.weight.detach().clone()
+    zero = ZeRO(model, OPTIMIZERS[opt], stage=stage, wrap=lambda m: isinstance(m, nn.Linear))
+    shards = {n: sp for grp in zero.groups for n, sp in zip(_names(zero, grp), grp.members)}
+    dtypes = {n: str(sp.shard.dtype).removeprefix("torch.") for n, sp in shards.items()}
+    aliased = sorted(n for n, sp in shards.items() if sp.aliases_full)
+    opt_ref = OPTIMIZERS[opt]([p for p in master.parameters()])
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step == unfreeze_at:
+            model.a.weight.requires_grad_(True)
+            master.a.weight.requires_grad_(True)
+        x, y = torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 1, generator=g)
+        for p in master.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        for r in range(ws):
+            low = copy.deepcopy(master).to(torch.bfloat16)
+            F.mse_loss(low(x.chunk(ws)[r].bfloat16()).float(), y.chunk(ws)[r]).backward()
+            for p, q in zip(master.parameters(), low.parameters()):
+                if p.requires_grad:
+                    p.grad += q.grad.float() / ws
+        opt_ref.step()
+        F.mse_loss(zero(x.chunk(ws)[rank].bfloat16()).float(), y.chunk(ws)[rank]).backward()
+        zero.step()
+        zero.zero_grad()
+    worst = max(_rel(sp.shard.detach().float(), shard_of(dict(master.named_parameters())[n].detach(), ws, rank))
+                for n, sp in shards.items())
+    state = zero.full_state_dict()
+    kept = torch.equal(state["a.weight"], frozen_values[0]) and torch.equal(state["c.weight"], frozen_values[1])
+    return dtypes, aliased, worst, kept, str(shards["a.weight"].shard.dtype)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_frozen_bfloat16_parameters_keep_their_dtype(stage):
+    """Note [frozen shards keep their dtype]: a frozen parameter's shard is a bfloat16 copy of its
+    values (at stages 1/2 a view of the full parameter where the world size divides it: 3 ranks,
+    a's 105 and c's 3 weight elements, not c's one bias), not a float32 master of twice the bytes;
+    what trains keeps float32 masters and the hand-made mixed precision's values (1e-5), the
+    frozen weights their loaded values exactly."""
+    for dtypes, aliased, worst, kept, _ in run_distributed(_frozen_bf16, 3, args=(stage, None)):
+        assert dtypes == {"a.weight": "bfloat16", "a.bias": "float32", "b.weight": "float32", "b.bias": "float32",
+                          "c.weight": "bfloat16", "c.bias": "bfloat16", "scale": "float32"}, dtypes
+        assert aliased == ([] if stage == 3 else ["a.weight", "c.weight"]), aliased
+        assert worst < 1e-5 and kept, (worst, kept)
+
+
+@pytest.mark.parametrize("stage, opt", [(1, "adamw"), (2, "adamw"), (3, "adamw"), (3, "adagrad")])
+def test_a_frozen_bfloat16_parameter_unfrozen_later_gets_a_float32_master(stage, opt):
+    """Adagrad builds its sum in its constructor, in the frozen shard's dtype then: it follows the
+    shard to float32."""
+    for _, _, worst, _, dtype in run_distributed(_frozen_bf16, 2, args=(stage, 2, opt)):
+        assert dtype == "torch.float32" and worst < 1e-5, (dtype, worst)
 
 
 def _names(zero, grp):
