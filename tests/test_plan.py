@@ -468,3 +468,114 @@ def test_zero3_gathers_the_vocabulary_only_where_it_is_a_unit():
         root = (vocab if tied else 0) + 2048  # the final norm
         unit = layer if tied else max(layer, vocab)
         assert e.params == pytest.approx((psi - root) * 2 / 8 + root * 2 + 2 * unit * 2, rel=1e-6), tied
+
+
+# ---- a LoRA fine-tune (Note [LoRA in the plan]) -------------------------------------------------
+LORA_R = 4
+
+
+def _tiny_llama_config():
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+
+
+def _lora_run(rank, ws, directory, tp, zero):
+    """This rank's adapter parameters (per decoder layer) and ZeRO's states after a step of a
+    bfloat16 Llama with LoRA on every linear layer of its decoder layers."""
+    import peft
+    import transformers
+
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(tp=tp, dp=ws // tp, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_R, target_modules="all-linear"))
+    layer0 = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n and ".layers.0." in n)
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad], lr=1e-3),
+                      loss_fn=causal_lm_loss, tp_plan="auto" if tp > 1 else None, zero_stage=zero)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n and ".layers.0." in n)
+    if not zero:
+        return layer0, adapters, None
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(rank))
+    par.forward_backward(ids, ids)
+    after_backward = par.module.memory_bytes()
+    par.step()
+    m = par.module.memory_bytes()
+    states = {"params": m["params"] + m["master_shards"],
+              "grads": max(after_backward["grads"] + after_backward["shard_grads"], m["shard_grads"]),
+              "optimizer": m["optimizer_state"]}
+    return layer0, adapters, states
+
+
+def _save_tiny_llama(directory):
+    import transformers
+    transformers.AutoModelForCausalLM.from_config(_tiny_llama_config()).save_pretrained(directory)
+    return ModelSpec.from_hf_config(str(directory), seq=32)
+
+
+def test_lora_adapters_are_counted_as_peft_and_tensor_parallelism_cut_them(tmp_path):
+    """peft's adapters on a layer's q, k, v, o, gate, up and down: r * (in + out) each; at tp2 a
+    rank holds a column layer's A whole and half its B, a row layer's half A and whole B (the
+    counts parallelize leaves on each rank)."""
+    pytest.importorskip("peft")
+    spec = _save_tiny_llama(tmp_path)
+    for layer0, adapters, _ in run_distributed(_lora_run, 2, args=(str(tmp_path), 2, 0)):
+        assert layer0 == plan.lora_layer_params(spec, LORA_R), layer0
+        assert adapters == plan.lora_layer_params(spec, LORA_R, tp=2), adapters
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_lora_states_match_a_real_run(tmp_path, zero):
+    """The frozen base model's bytes (bfloat16: whole at ZeRO-1, where its shards are views of
+    it; a 1/dp shard at ZeRO-3 and the root) and the adapters' (float32, as peft keeps them),
+    their gradients and AdamW state only: the estimate against ZeRO's own accounting after a
+    step at dp2 (seen equal to the byte at ZeRO-1, 64 bytes apart at ZeRO-3)."""
+    pytest.importorskip("peft")
+    spec = _save_tiny_llama(tmp_path)
+    est = plan.estimate(spec, ClusterSpec(2, 2, 1e12), TrainSpec(global_batch=2, lora_rank=LORA_R),
+                        Layout(2, 1, 1, zero, 1))
+    full = plan.estimate(spec, ClusterSpec(2, 2, 1e12), TrainSpec(global_batch=2), Layout(2, 1, 1, zero, 1))
+    assert est.grads + est.optimizer < (full.grads + full.optimizer) / 8  # a full fine-tune: r * (in + out) vs in * out
+    # at rest after the step: ZeRO-3's two gathered units (a peak inside forward and backward) are freed,
+    # and the gradients of the layer being made and of the one being reduced (8 float32 bytes an adapter)
+    adapters = plan.lora_layer_params(spec, LORA_R)
+    units = 2 * (plan.cost._decoder_layer_params(spec, 1) * 2 + adapters * 4) if zero == 3 else 0
+    in_flight = adapters * 8 if zero >= 2 else 0
+    for _, _, m in run_distributed(_lora_run, 2, args=(str(tmp_path), 1, zero)):
+        for part, want in (("params", est.params - units), ("grads", est.grads - in_flight),
+                           ("optimizer", est.optimizer)):
+            assert m[part] == pytest.approx(want, rel=0.01), (part, m[part], want, m)
+
+
+def test_lora_flops_and_traffic(capsys):
+    """Frozen matrices' backward computes input gradients only (4 flops a parameter and token,
+    not 6); only the adapters' gradients cross data parallelism at ZeRO-0/1/2, while ZeRO-3 still
+    gathers the base twice per microbatch; the CLI says so and --verify refuses --lora."""
+    model = ModelSpec(None, 32, 4096, 4096, heads=32, kv_heads=8, ffn=14336, mlp="swiglu", vocab=128256, tied=False)
+    cluster = ClusterSpec(8, 8, 80 * GB)
+    lora, full = TrainSpec(global_batch=64, lora_rank=16), TrainSpec(global_batch=64)
+    adapters = plan.lora_layer_params(model, 16)
+    attention = 4 * model.seq * model.q_width
+    assert plan.cost.step_flops(model, lora, "none") == pytest.approx(
+        (model.layers * (4 * model.active_layer_params + 6 * adapters + 3 * attention) + 4 * model.vocab * model.hidden)
+        * 64 * model.seq, rel=1e-12)
+    for zero in (0, 1, 3):
+        e, f = (plan.estimate(model, cluster, t, Layout(8, 1, 1, zero, 8)) for t in (lora, full))
+        trained, (base, _) = model.layers * adapters, plan.cost._stage_params(model, 1, 1)
+        if zero < 3:  # float32 adapter gradients all-reduced (ring: twice), or reduce-scattered and gathered back
+            assert e.comm["dp"] == pytest.approx(7 / 8 * trained * 8, rel=1e-9), zero
+        else:  # and the bfloat16 base with the adapters gathered in forward and backward of each of 8 microbatches
+            assert e.comm["dp"] == pytest.approx(7 / 8 * (trained * 4 + (base * 2 + trained * 4) * 2 * 8), rel=1e-9)
+        assert e.step_time < f.step_time
+    with pytest.raises(ValueError, match="lora_rank must be a positive integer"):
+        TrainSpec(lora_rank=0)
+    args = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--ffn", "14336", "--mlp",
+            "swiglu", "--vocab", "128256", "--untied", "--seq", "4096", "--gpus", "8", "--gpus-per-node", "8",
+            "--gpu", "h100", "--global-batch", "64", "--lora", "16"]
+    plan.main(args)
+    assert "LoRA r=16 (only the adapters train)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        plan.main(args + ["--hf-config", "x", "--verify"])
+    assert e.value.code == 2 and "--verify runs full fine-tunes only: drop --lora" in capsys.readouterr().err

@@ -23,7 +23,8 @@ sources), `search.py` (every layout, the rules, the reasons), `cli.py` (the comm
 its table), `verify.py` (`--verify`).
 """
 
-from parallel_layers.plan.cost import activation_bytes, estimate, loss_temporaries, stage_layers, step_flops
+from parallel_layers.plan.cost import (activation_bytes, estimate, lora_layer_params, loss_temporaries, stage_layers,
+                                       step_flops)
 from parallel_layers.plan.model import GB, HF_FAMILIES, MLP_KINDS, ModelSpec, hf_config_spec, parse_size
 from parallel_layers.plan.search import DP_ONLY_SLACK, TIE, candidates, launch_args, reason_kind, recommend
 from parallel_layers.plan.specs import GPU_PRESETS, RECOMPUTE, ClusterSpec, Estimate, Layout, TrainSpec

@@ -35,7 +35,8 @@ def format_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, best: 
              f"{'flash' if train.flash_attention else 'eager'} attention, dropout {'on' if dropout else 'off'}, "
              f"sequence parallel {'on' if train.sequence_parallel else 'off'}, "
              f"{'vocab-parallel loss' if train.vocab_parallel_loss else 'head output gathered (tp_plan auto)'}, "
-             f"recompute {train.recompute}", "",
+             f"recompute {train.recompute}"
+             + (f", LoRA r={train.lora_rank} (only the adapters train)" if train.lora_rank else ""), "",
              f"  {'layout':50s} {'params':>6s} {'grads':>6s} {'optim':>6s} {'activ':>6s} {'peak':>7s} "
              f"{'comm':>8s} {'bubble':>6s} {'step':>8s}",
              f"  {'':50s} {u:>6s} {u:>6s} {u:>6s} {u:>6s} {u:>7s} {u + '/step':>8s} {'%':>6s} {'s (est)':>8s}"]
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     tr.add_argument("--context-parallel", type=_optional_int, default=1,
                     help="N or auto (modelled only: parallel_layers does not implement context parallel yet)")
     tr.add_argument("--zero", type=_optional_int, default=None, help="0-3, or auto")
+    tr.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="a LoRA fine-tune: adapters of rank R on every linear layer of the decoder layers (peft's "
+                         "target_modules='all-linear'), the rest frozen; default: every parameter trains")
     tr.add_argument("--expert-parallel", type=_expert_parallel_arg, default="auto", metavar="auto|on|off|EP",
                     help="a mixture of experts' experts spread over dp (on) or over groups of EP dp ranks (auto: "
                          "without, and over every EP dividing dp and the expert count)")
@@ -166,13 +170,16 @@ def _train_from_args(args) -> TrainSpec:
                      {"auto": None, "on": True, "off": False}[args.offload], args.micro_batch, args.virtual_stages,
                      args.context_parallel, args.zero, vocab_parallel_loss=not args.hf_config,
                      expert_parallel={"auto": None, "on": True, "off": False}.get(args.expert_parallel,
-                                                                                   args.expert_parallel))
+                                                                                   args.expert_parallel),
+                     lora_rank=args.lora)
 
 
 def _verify_main(ap: argparse.ArgumentParser, args) -> dict:
     """--verify: plan for this machine (measured) and run the top layouts (parallel_layers/plan/verify.py)."""
     from parallel_layers.plan import verify
 
+    if args.lora is not None:
+        ap.error("--verify runs full fine-tunes only: drop --lora (the LoRA estimate is not measured by --verify)")
     if not args.hf_config:
         ap.error("--verify builds the model from a Hugging Face config: give --hf-config (a config.json or a "
                  "save_pretrained directory)")

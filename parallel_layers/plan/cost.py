@@ -57,6 +57,20 @@ step (PCIe both ways and the host's Adam); compute = model flops (6 per matmul p
 token + 12 * layers * seq * q for attention, plus the recomputed forward) at `mfu` of the peak.
 An axis runs at intra-node bandwidth when its group fits on one node (mesh order pp, dp, cp, tp:
 tp innermost), at inter-node bandwidth otherwise.
+
+Note [LoRA in the plan]: with TrainSpec.lora_rank = r only the adapters train (A [r, in] and
+B [out, r] on each of a layer's linear layers: q, k, v, o and a dense MLP's; under TP a column
+layer's B split and A whole, a row layer's A split and B whole, as tensor_parallel/lora.py cuts
+them), so gradients, optimizer state and the data-parallel gradient traffic are the adapters'
+(`trained`), in float32 (peft keeps a 16-bit model's adapters so: 4 + 4 + 8 bytes a parameter
+with AdamW). The base model is frozen: its parameters at `pb` bytes (the model's dtype: a
+frozen parameter's ZeRO shard keeps it, Note [frozen shards keep their dtype] in
+zero/_param.py), whole at ZeRO-0/1/2 (a ZeRO-1/2 shard is a view of it) and sharded at ZeRO-3,
+whose units are still gathered for every forward and backward; nothing of it is reduced or
+gathered after the step. Backward computes the frozen matrices' input gradients only: 4 flops
+per parameter and token where training all of them takes 6 (the adapters 6). A mixture's
+experts and the head stay frozen; the activations are counted as without adapters (their
+[tokens, r] intermediates aside, the inputs they keep are the base layers' own).
 """
 
 from __future__ import annotations
@@ -71,6 +85,16 @@ def stage_layers(model: ModelSpec, pp: int, v: int = 1) -> int:
     """Layers of the largest pipeline stage: PipelineStages splits unevenly when pp * v does
     not divide the layers (balanced: the largest chunk holds ceil(layers / (pp * v)))."""
     return -(-model.layers // (pp * v)) * v
+
+
+def lora_layer_params(model: ModelSpec, r: int, tp: int = 1) -> float:
+    """One decoder layer's LoRA adapter parameters per tp rank (Note [LoRA in the plan]); with
+    tp = 1 all of them."""
+    h, q, kv, f = model.hidden, model.q_width, model.kv_width, model.ffn_width
+    dense = not model.experts
+    columns = [(h, q), (h, kv), (h, kv)] + ([(h, f)] * (2 if model.mlp == "swiglu" else 1) if dense else [])
+    rows = [(q, h)] + ([(f, h)] if dense else [])
+    return r * (sum(i + o / tp for i, o in columns) + sum(i / tp + o for i, o in rows))
 
 
 def _decoder_layer_params(model: ModelSpec, tp: int, held_apart: float = 0.0) -> float:
@@ -150,12 +174,15 @@ def _token_flops(model: ModelSpec, train: TrainSpec, recompute: str) -> tuple[fl
     """(flops of one layer, of the head) per token in training: 6 per matmul parameter (forward
     2, backward 4), attention's QK^T and AV (12 * seq * q), and the recomputed forward."""
     attention_forward = 4 * model.seq * model.q_width
-    layer = 6 * model.active_layer_params + 3 * attention_forward
+    # a frozen matrix's backward computes its input's gradient only (Note [LoRA in the plan])
+    base = 4 if train.lora_rank else 6
+    adapters = lora_layer_params(model, train.lora_rank) if train.lora_rank else 0.0
+    layer = base * model.active_layer_params + 6 * adapters + 3 * attention_forward
     if recompute == "full":  # one more forward of the layer (not of the head)
-        layer += 2 * model.active_layer_params + attention_forward
+        layer += 2 * (model.active_layer_params + adapters) + attention_forward
     elif recompute == "selective" and not train.flash_attention:  # QK^T, softmax, AV again
         layer += attention_forward
-    return layer, 6 * model.vocab * model.hidden
+    return layer, base * model.vocab * model.hidden
 
 
 def _pace(model: ModelSpec, train: TrainSpec, recompute: str, pp: int, v: int) -> float:
@@ -199,28 +226,38 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     expert_layer = model.experts * model.mlp_params / tp if ep > 1 else 0.0
     experts = stage_layers(model, pp, v) * expert_layer / ep
     psi, layer = _stage_params(model, tp, pp, v, held_apart=expert_layer)
-    params, grads, opt = psi * pb, psi * gb, psi * ob
+    lora = train.lora_rank is not None
+    # what trains (Note [LoRA in the plan]): every parameter, or the adapters of the stage's layers
+    adapter_layer = lora_layer_params(model, train.lora_rank, tp) if lora else 0.0
+    trained, trained_layer = (stage_layers(model, pp, v) * adapter_layer, adapter_layer) if lora else (psi, layer)
+    # bytes a trained parameter: the precision's, or (LoRA) float32's - peft keeps the adapters of a
+    # 16-bit model in float32 (its autocast_adapter_dtype) and ZeRO's master of one aliases it
+    tpb, tgb, tob = _PRECISIONS["fp32"] if lora else (pb, gb, ob)
+    params, grads, opt = (psi * pb if lora else 0.0) + trained * tpb, trained * tgb, trained * tob
     if zero == 0 and shards > 1:
-        grads += psi * gb  # DataParallel's bucket buffers
+        grads += trained * tgb  # DataParallel's bucket buffers
     if zero >= 1:
         opt /= shards
     if zero >= 2 and m == 1:  # the shards, the layer whose gradients are being made, and the one
         # before it being reduce-scattered meanwhile (Note [overlapped reduce-scatter]: float32)
-        grads = psi * gb / shards + layer * gb + (layer * _REDUCE_BYTES if shards > 1 else 0.0)
-        grads += _root_params(model, tp) * gb * (1 - 1 / shards)  # the root's, whole until it is reduced, last
+        grads = trained * tgb / shards + trained_layer * tgb + (trained_layer * _REDUCE_BYTES if shards > 1 else 0.0)
+        if not lora:  # the root's, whole until it is reduced, last (a LoRA run's root is frozen)
+            grads += _root_params(model, tp) * gb * (1 - 1 / shards)
     elif zero >= 2:  # with microbatches (a PipelineParallel step, under no_sync()): the full
         # gradients accumulate as at stage 1 and are reduce-scattered once, after the last one
-        grads = psi * gb + (layer * _REDUCE_BYTES if shards > 1 else 0.0)
+        grads = trained * tgb + (trained_layer * _REDUCE_BYTES if shards > 1 else 0.0)
     if zero == 3:  # the shards, two units gathered (Note [ZeRO-3's units in the plan]) and the root whole
         kept = _root_params(model, tp)
         params = (psi - kept) * pb / shards + kept * pb + 2 * layer * pb
+        if lora:  # the adapters, members of their layers' units: sharded, and gathered with them
+            params += trained * tpb / shards + 2 * trained_layer * tpb
         if stage_layers(model, pp, v) >= 3:  # the pool serves the blocks that three or more groups repeat
             params += train.pooled_gather_buffers * _decoder_layer_params(model, tp, expert_layer) * pb
-    expert_grads = experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: and their buckets
-    if zero >= 2 and replicas > 1:  # reduced at the end of backward, a layer's float32 buffer in flight
+    expert_grads = 0.0 if lora else experts * gb * (2 if zero == 0 and replicas > 1 else 1)  # DataParallel: + buckets
+    if zero >= 2 and replicas > 1 and not lora:  # reduced at the end of backward, a layer's float32 buffer in flight
         expert_grads += expert_layer / ep * _REDUCE_BYTES
     params, grads = params + experts * pb, grads + expert_grads
-    opt += experts * ob / (replicas if zero >= 1 else 1)
+    opt += 0.0 if lora else experts * ob / (replicas if zero >= 1 else 1)
     host = 0.0
     if layout.offload:
         host, opt = opt, 0.0
@@ -243,23 +280,25 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     temporaries = max(first, last + loss_temporaries(model, train, tp, tokens)) - max(first, last)
     # With m > 1 a microbatch's gradient of a parameter is made in a buffer of its own and then
     # added to the accumulated one: the largest layer's (often the head's) is in flight too.
-    accumulated = psi * gb + layer * gb + experts * gb if m > 1 else 0.0
-    at_loss = (psi * gb if zero == 0 and shards > 1 else 0.0) + accumulated
+    accumulated = trained * tgb + trained_layer * tgb + (0.0 if lora else experts * gb) if m > 1 else 0.0
+    at_loss = (trained * tgb if zero == 0 and shards > 1 else 0.0) + accumulated
 
     ring = lambda n: (n - 1) / n  # noqa: E731  (fraction of a buffer each rank sends in a ring pass)
     # Every stage reduces the gradients once a step: with microbatches PipelineParallel runs
     # them all under no_sync() and reduces after the last (stages 2 and 3 included); stages 1-2
     # gather the updated params after the step, stage 3 for every microbatch's forward and
     # backward instead.
+    # (with LoRA only the adapters are reduced and, at ZeRO-1/2, gathered back; ZeRO-3 still
+    # gathers the frozen base for every forward and backward)
     if zero == 0:
-        dp_bytes = 2 * ring(shards) * psi * gb
+        dp_bytes = 2 * ring(shards) * trained * tgb
     elif zero in (1, 2):
-        dp_bytes = ring(shards) * psi * (gb + pb)
+        dp_bytes = ring(shards) * trained * (tgb + tpb)
     else:
-        dp_bytes = ring(shards) * psi * (gb + 2 * pb * m)
+        dp_bytes = ring(shards) * (trained * tgb + ((psi * pb + trained * tpb) if lora else psi * pb) * 2 * m)
     # the experts over their replicas, once a step: all-reduced (DDP) or reduce-scattered and
-    # gathered after the step (ZeRO, at every stage as its stage 1)
-    dp_bytes += ring(replicas) * experts * (2 * gb if zero == 0 else gb + pb)
+    # gathered after the step (ZeRO, at every stage as its stage 1); frozen under LoRA
+    dp_bytes += 0.0 if lora else ring(replicas) * experts * (2 * gb if zero == 0 else gb + pb)
     act = tokens * model.hidden * train.act_bytes  # one [s, b, h] activation of this rank
     per_layer = 6 if rc == "full" else 4  # full recomputation repeats the forward's two all-reduces
     tp_bytes = 2 * ring(tp) * act * (per_layer * n_layers + 2) * m
@@ -287,7 +326,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     overlap = {3: 1.0, 2: 2 / 3}.get(zero, 2 / 3 / m if pp == 1 else 0.0)
     offload_time = 0.0
     if layout.offload:  # gradient shard down, updated param shard up, Adam on the host
-        offload_time = psi / shards * (gb + pb) / cluster.pcie_bw + psi / shards / cluster.cpu_adam_params_per_s
+        offload_time = trained / shards * (tgb + tpb) / cluster.pcie_bw + trained / shards / cluster.cpu_adam_params_per_s
     step = (compute / (1 - bubble) + tp_bytes / bandwidth(tp) + cp_bytes / bandwidth(tp * cp)
             + pp_bytes / bandwidth(cluster.gpus) + max(0.0, dp_bytes / bandwidth(tp * cp * dp) - overlap * compute)
             + ep_bytes / bandwidth(tp * ep) + offload_time)

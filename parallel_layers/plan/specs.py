@@ -84,6 +84,10 @@ class TrainSpec:
     # a mixture of experts' experts over groups of ep dp ranks: True (ep = dp), False, a number ep,
     # or None: searched (without, and every ep dividing both dp and the expert count)
     expert_parallel: bool | int | None = None
+    # a LoRA fine-tune (peft's target_modules="all-linear"): adapters of this rank on every linear
+    # layer of the decoder layers - attention's q, k, v, o and a dense MLP's -, everything else
+    # frozen (Note [LoRA in the plan] in cost.py); None: every parameter trains
+    lora_rank: int | None = None
 
     def __post_init__(self):
         if self.precision not in _PRECISIONS:
@@ -112,6 +116,10 @@ class TrainSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.lora_rank is not None and (isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int)
+                                           or self.lora_rank < 1):
+            raise ValueError(f"lora_rank must be a positive integer (the adapters' rank r) or None (every parameter "
+                             f"trains), got {self.lora_rank!r}")
         if not isinstance(self.fused_kernels, bool):
             raise ValueError(f"fused_kernels must be True or False (parallelize's), got {self.fused_kernels!r}")
 
