@@ -155,7 +155,7 @@ class ParamGroup:
         self.param_dtype, self.reduce_dtype = first.param_dtype, first.reduce_dtype
         self.offload = first.offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
         self.keep_full = first.keep_full  # False: the full parameters are freed between uses (ZeRO-3)
-        self._inflight = None  # (buffer, work handle, members) of an all-gather started by prefetch
+        self._inflight = None  # [(buffer, work handle, members)] of the all-gathers started by prefetch
         self._reducing = None  # (output, work handle, input, members) of a reduce-scatter not yet finished
         self._gloo = dist.get_backend(self.group) == "gloo"
         self._direct = self._gloo and GLOO_DIRECT
@@ -187,77 +187,82 @@ class ParamGroup:
             self.pool.give_back(buf)
 
     # ---- parameters ---------------------------------------------------------------------
-    def _widest(self, members: list[ShardedParam]) -> torch.dtype:
-        """The widest dtype of `members`' full parameters (Note [mixed dtypes in a group]).
-        Every member is floating: ZeRO refuses an integer parameter when built (an int64
-        promoted with bfloat16 came back rounded, 257 -> 256: review finding)."""
-        dtypes = [sp.full.dtype for sp in members]
-        return functools.reduce(torch.promote_types, dtypes)
-
     def start_unshard(self) -> None:
         """Launch the all-gather of this group's members whose full parameters are not current
         (all of them, but after `refresh_stepped`) without waiting (prefetch); no-op if none."""
         if self.is_unsharded or self._inflight is not None:
             return
         stale = [sp for sp in self.members if not sp.is_unsharded]
-        dtype = self.param_dtype or self._widest(stale)
+        # Note [mixed dtypes in a group]: one all-gather per dtype the members are gathered in (their
+        # own, or param_dtype), in the members' order - the same on every rank. A unit of several
+        # dtypes is common: a LoRA layer of a bfloat16 model holds float32 adapters (peft's
+        # autocast_adapter_dtype) beside its bfloat16 base weight, transformers keeps xIELU's alpha
+        # scalars in bfloat16 in a float32 Apertus and a router's bias in float32 in a bfloat16
+        # DeepSeek-V3. One gather in the widest dtype, as a first version did, moved a LoRA unit's
+        # whole base in float32 (twice its bytes) and cast it back through a float32 temporary; in
+        # the first member's dtype (the version before) it rounded float32 weights to bfloat16
+        # (review finding). Gradients are reduced in the widest (reduce_grads).
+        kinds: dict[torch.dtype, list[ShardedParam]] = {}
+        for sp in stale:
+            kinds.setdefault(self.param_dtype or sp.full.dtype, []).append(sp)
         device = self.members[0].full.device
+        inflight = []
         with _all_gather_stream(device):
-            shards = [sp.gather_input(device) for sp in stale]
-            if len({t.dtype for t in shards}) > 1:  # frozen shards beside float32 masters (Note [frozen shards keep their dtype])
-                shards = [t if t.dtype == dtype else t.to(dtype) for t in shards]
-            buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
-                                                empty=self._empty(device, gather=True))
-            work = None
-            if self.world > 1:
-                # NCCL all-gathers in place from this rank's row; gloo's collective wants a separate input.
-                mine = buf[self.rank].clone() if self._gloo and not self._direct else buf[self.rank]
-                fault.check_agreement(f"ZeRO all_gather of {self.name}", mine, self.group)
-                with fault.collective(f"ZeRO all_gather of {self.name}", self.group):  # an NCCL launch can raise
-                    if self._direct:  # Note [gloo all-gather]
-                        work = _Works(dist.batch_isend_irecv(
-                            [dist.P2POp(op, buf[row], group=self.group, group_peer=peer, tag=_GATHER_TAG)
-                             for peer in range(self.world) if peer != self.rank
-                             for op, row in ((dist.isend, self.rank), (dist.irecv, peer))]))
-                    else:
-                        work = dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
-        self._inflight = (buf, work, stale)
+            for dtype, members in kinds.items():
+                shards = [sp.gather_input(device) for sp in members]
+                if len({t.dtype for t in shards}) > 1:  # frozen shards beside float32 masters (Note [frozen shards keep their dtype])
+                    shards = [t if t.dtype == dtype else t.to(dtype) for t in shards]
+                buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
+                                                    empty=self._empty(device, gather=True))
+                inflight.append((buf, self._launch_all_gather(buf), members))
+        self._inflight = inflight
+
+    def _launch_all_gather(self, buf: torch.Tensor):
+        """Start the all-gather of `buf` ([world, S], this rank's row filled); its work handle."""
+        if self.world == 1:
+            return None
+        # NCCL all-gathers in place from this rank's row; gloo's collective wants a separate input.
+        mine = buf[self.rank].clone() if self._gloo and not self._direct else buf[self.rank]
+        fault.check_agreement(f"ZeRO all_gather of {self.name}", mine, self.group)
+        with fault.collective(f"ZeRO all_gather of {self.name}", self.group):  # an NCCL launch can raise
+            if self._direct:  # Note [gloo all-gather]
+                return _Works(dist.batch_isend_irecv(
+                    [dist.P2POp(op, buf[row], group=self.group, group_peer=peer, tag=_GATHER_TAG)
+                     for peer in range(self.world) if peer != self.rank
+                     for op, row in ((dist.isend, self.rank), (dist.irecv, peer))]))
+            return dist.all_gather_single(buf.view(-1), mine, group=self.group, async_op=True)
 
     def drop_prefetch(self) -> None:
         """Discard a prefetched all-gather (its data predates an optimizer step)."""
         if self._inflight is not None:
-            buf, work, _ = self._inflight
-            fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
+            for buf, work, _ in self._inflight:
+                fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
+                self._give_back(buf)
             self._inflight = None
-            self._give_back(buf)
 
     def unshard(self) -> None:
         """All-gather the shards into the full parameters (cast to param_dtype)."""
         if self.is_unsharded:
             return
         self.start_unshard()
-        buf, work, stale = self._inflight
-        self._inflight = None
-        fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
-        if buf.is_cuda:  # Note [ZeRO streams]: the copy-out below reads what the side stream wrote
-            index = buf.device.index
+        inflight, self._inflight = self._inflight, None
+        for buf, work, _ in inflight:
+            fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
+        if inflight[0][0].is_cuda:  # Note [ZeRO streams]: the copy-out below reads what the side stream wrote
+            index = inflight[0][0].device.index
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
-        fulls = [sp.refill_full() for sp in stale]
-        # Note [mixed dtypes in a group]: the copy-out takes outputs of one dtype; a parameter of
-        # another (transformers' xIELU keeps its alpha scalars in bfloat16 in a float32 model) goes
-        # through a temporary of the widest member dtype - the buffer's, unless param_dtype - and is
-        # cast into place; gradients are reduced in the widest too. (The first member's dtype, as a
-        # first version took, rounded every float32 weight of a unit whose own bfloat16 scalar came
-        # first to bfloat16: review finding.)
-        widest = self._widest(stale)
-        odd = {i for i, t in enumerate(fulls) if t.dtype != widest}
-        outs = [torch.empty_like(t, dtype=widest) if i in odd else t for i, t in enumerate(fulls)]
-        shard_copy.all_gather_copy_out(buf, outs)
-        for i in odd:
-            fulls[i].copy_(outs[i])
-        self._give_back(buf)
-        for sp in stale:
-            sp.is_unsharded = True
+        for buf, _, members in inflight:
+            fulls = [sp.refill_full() for sp in members]
+            # of the buffer's dtype but under param_dtype, where a member kept another (a cast
+            # through a temporary of the buffer's dtype)
+            odd = {i for i, t in enumerate(fulls) if t.dtype != buf.dtype}
+            outs = [torch.empty_like(t, dtype=buf.dtype) if i in odd else t for i, t in enumerate(fulls)]
+            shard_copy.all_gather_copy_out(buf, outs)
+            for i in odd:
+                fulls[i].copy_(outs[i])
+            self._give_back(buf)
+            for sp in members:
+                sp.is_unsharded = True
 
     def reshard(self) -> None:
         """Free the full parameters' storage (the shards stay)."""

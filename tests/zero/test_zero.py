@@ -628,6 +628,35 @@ def test_a_unit_of_float32_and_bfloat16_parameters(stage, scalar_first):
         assert worst < 1e-6, worst
 
 
+def _lora_like_unit(rank, ws):
+    """A LoRA layer of a bfloat16 model: a frozen bfloat16 base weight beside float32 adapters
+    (peft's autocast_adapter_dtype); the dtype and elements of each all-gather of one step."""
+    from parallel_layers.zero import _group
+
+    torch.manual_seed(0)
+    base = nn.Linear(32, 32, bias=False).to(torch.bfloat16).requires_grad_(False)
+    lora_a, lora_b = nn.Linear(32, 4, bias=False), nn.Linear(4, 32, bias=False)
+    model = nn.ModuleDict({"base": base, "a": lora_a, "b": lora_b})
+    zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=3, wrap=lambda m: False)
+    gathered = []
+    copy_in = _group.shard_copy.all_gather_copy_in
+    _group.shard_copy.all_gather_copy_in = lambda shards, world, rank, dtype, **k: (
+        gathered.append((str(dtype).removeprefix("torch."), sum(t.numel() for t in shards))),
+        copy_in(shards, world, rank, dtype, **k))[1]
+    before = base.weight.detach().clone()
+    zero.root_group.refresh_full()
+    _group.shard_copy.all_gather_copy_in = copy_in
+    return gathered, torch.equal(base.weight, before)
+
+
+def test_a_unit_of_a_bfloat16_base_and_float32_adapters_gathers_each_in_its_dtype():
+    """Note [mixed dtypes in a group]: one all-gather per dtype - the base's 512 elements a rank
+    in bfloat16, the adapters' 64 + 64 in float32; gathered in the widest, the base moved as
+    float32 (twice its bytes) and came back through a float32 temporary."""
+    for gathered, same in run_distributed(_lora_like_unit, 2):
+        assert gathered == [("bfloat16", 512), ("float32", 128)] and same, gathered
+
+
 class _WithCounts(nn.Module):
     def __init__(self):
         super().__init__()
