@@ -97,8 +97,10 @@ def _sum_of_squares(grads: list[Tensor], device) -> Tensor:
     and dtype (a pow and a sum per gradient before)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for grads_of_a_kind in _by_device_and_dtype(grads).values():
-        norms = torch._foreach_norm(grads_of_a_kind, 2, dtype=torch.float32)
-        sq += torch.stack(norms).to(device).pow(2).sum()
+        # float32 at least: linalg's norm refuses a narrowing dtype (float64 gradients)
+        dtype = torch.promote_types(grads_of_a_kind[0].dtype, torch.float32)
+        norms = torch._foreach_norm(grads_of_a_kind, 2, dtype=dtype)
+        sq += torch.stack(norms).to(device).pow(2).sum().float()
     return sq
 
 

@@ -192,9 +192,15 @@ class _ZeroGradThrough:
         elif model is not None:  # the ZeRO was dropped: the model's own again
             nn.Module.zero_grad(model, set_to_none)
 
+    def __reduce__(self):  # pickled (torch.save(model)): no ZeRO comes back, the model's own zero_grad does
+        return functools.partial, (nn.Module.zero_grad, self._model())
+
     def __deepcopy__(self, memo):
         copied = memo.get(id(self._model()))  # the model being copied (registered before its attributes)
-        return self if copied is None else functools.partial(nn.Module.zero_grad, copied)
+        if copied is None:
+            return self
+        owner = memo.get(id(self._owner()))  # the ZeRO copied with it (deepcopy(zero)): route to the copy
+        return _ZeroGradThrough(copied, owner) if owner is not None else functools.partial(nn.Module.zero_grad, copied)
 
 
 def route_zero_grad(model: nn.Module, owner: nn.Module) -> None:
