@@ -36,9 +36,14 @@ _SIDE_STREAMS: dict = {}
 
 # Note [gloo reduce-scatter]: gloo's reduce_scatter_tensor clones its whole input, all-reduces
 # the clone and copies this rank's slot out (two copies of the [W, S] buffer, measured as ~4% of
-# a Llama ZeRO-3 step on 2 CPU ranks). The buffer is ours and dead after the collective, so on
-# gloo ZeRO all-reduces it in place and reads its slot: the same sums, no copies. NCCL's
-# reduce-scatter moves half the data of an all-reduce and is used there.
+# a Llama ZeRO-3 step on 2 CPU ranks). An in-place all-reduce of the buffer (what ZeRO did next)
+# avoids the copies but moves twice a reduce-scatter's bytes: every rank gets every slot's sum
+# and reads one (ZeRO-3 sent ~112 MB a step a rank on the benchmarks' Llama where 82 MB are
+# needed; helper-68). So on gloo ZeRO sends row r of its [W, S] buffer to rank r and receives
+# every other rank's copy of its own row into a [W - 1, S] buffer (point to point, all posted at
+# once, on a tag of its own, as Note [gloo all-gather] does), and `finish_reduce` adds them to its
+# row: a reduce-scatter's bytes, no extra copy, the receive buffer from the pool. NCCL's
+# reduce-scatter is used there.
 
 
 def _all_gather_stream(device: torch.device):
@@ -63,6 +68,7 @@ def _all_gather_stream(device: torch.device):
 # one tag in order, so two gathers in flight cannot mix. Gloo keeps point-to-point slots
 # apart from its collectives'. NCCL's all-gather is in place and uses no extra copy.
 _GATHER_TAG = 0x2E60
+_REDUCE_TAG = 0x2E61  # Note [gloo reduce-scatter]: apart from the gathers'
 
 # Whether ZeRO on gloo takes the copy-free paths of Note [gloo all-gather] and Note [gloo
 # reduce-scatter] (True), or issues the collectives NCCL runs, all_gather_single and
@@ -156,7 +162,8 @@ class ParamGroup:
         self.offload = first.offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
         self.keep_full = first.keep_full  # False: the full parameters are freed between uses (ZeRO-3)
         self._inflight = None  # [(buffer, work handle, members)] of the all-gathers started by prefetch
-        self._reducing = None  # (output, work handle, input, members) of a reduce-scatter not yet finished
+        # (output, work handle, input, gloo receive buffer, members) of a reduce-scatter not yet finished
+        self._reducing = None
         self._gloo = dist.get_backend(self.group) == "gloo"
         self._direct = self._gloo and GLOO_DIRECT
         self.pool = pool  # Note [CPU buffer reuse]; None: every buffer is new
@@ -315,19 +322,26 @@ class ParamGroup:
         if free_full_grads:  # buf holds their copy
             for sp in members:
                 sp.full.grad = None
-        handle = None
+        handle, recv = None, None
         if self.world > 1:
             fault.check_agreement(f"ZeRO reduce_scatter of {self.name}", buf, self.group)
             with fault.collective(f"ZeRO reduce_scatter of {self.name}", self.group):
                 if self._direct:  # Note [gloo reduce-scatter]
                     out = buf[self.rank]
-                    handle = dist.all_reduce(buf, group=self.group, async_op=True)
+                    empty = self._empty(buf.device) or torch.empty
+                    recv = empty((self.world - 1, buf.shape[1]), dtype=buf.dtype, device=buf.device)
+                    peers = [peer for peer in range(self.world) if peer != self.rank]
+                    handle = _Works(dist.batch_isend_irecv(
+                        [dist.P2POp(dist.isend, buf[peer], group=self.group, group_peer=peer, tag=_REDUCE_TAG)
+                         for peer in peers]
+                        + [dist.P2POp(dist.irecv, recv[j], group=self.group, group_peer=peer, tag=_REDUCE_TAG)
+                           for j, peer in enumerate(peers)]))
                 else:
                     out = buf.new_empty(buf.shape[1])  # [S]: this rank's slot
                     handle = dist.reduce_scatter_single(out, buf.view(-1), group=self.group, async_op=True)
         else:
             out = buf[0]
-        self._reducing = (out, handle, buf, members)  # buf stays alive until the collective is done
+        self._reducing = (out, handle, buf, recv, members)  # buf stays alive until the collective is done
         if not async_op:
             self.finish_reduce()
 
@@ -336,9 +350,12 @@ class ParamGroup:
         rank's slot into the shard gradients."""
         if self._reducing is None:
             return
-        out, handle, buf, members = self._reducing
+        out, handle, buf, recv, members = self._reducing
         self._reducing = None
         fault.wait(handle, f"ZeRO reduce_scatter of {self.name}", self.group)
+        if recv is not None:  # Note [gloo reduce-scatter]: the other ranks' parts of this rank's row
+            out.add_(recv[0] if len(recv) == 1 else recv.sum(0))
+            self._give_back(recv)
         if self.offload:
             out = out.to("cpu")
         # frozen members get no shard gradient, so the optimizer (weight decay) skips them

@@ -518,9 +518,10 @@ def test_cpu_gather_and_reduce_buffers_are_reused():
     """Note [CPU buffer reuse]: 4 equal layers' gathers and reductions, 3 steps (a fresh buffer
     per collective would be 9 a step, 27 in all). A backward's end keeps the two gather buffers
     the next forward needs and frees the rest, so each later step makes anew only what its
-    reductions take beyond those (at most the two in flight)."""
+    reductions take beyond those: at most the two in flight, each with its receive buffer (Note
+    [gloo reduce-scatter]; 3 a step were seen)."""
     for made, idle, layer in run_distributed(_buffers_made, 2):
-        assert made[0] <= 6 and 0 < made[1] - made[0] == made[2] - made[1] <= 2, made
+        assert made[0] <= 8 and 0 < made[1] - made[0] == made[2] - made[1] <= 4, made
         assert idle == [2 * layer * 4] * 3, (idle, layer)  # two float32 [2, layer / 2] buffers
 
 
