@@ -498,14 +498,21 @@ def _lora_run(rank, ws, directory, tp, zero):
     adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n and ".layers.0." in n)
     if not zero:
         return layer0, adapters, None
+    from parallel_layers.zero import _group
+
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(rank))
+    gathered = []  # bytes of each all-gather's whole buffer (every rank's shards)
+    copy_in = _group.shard_copy.all_gather_copy_in
+    _group.shard_copy.all_gather_copy_in = lambda shards, world, r, dtype, **k: (
+        gathered.append(world * sum(t.numel() for t in shards) * dtype.itemsize), copy_in(shards, world, r, dtype, **k))[1]
     par.forward_backward(ids, ids)
     after_backward = par.module.memory_bytes()
     par.step()
+    _group.shard_copy.all_gather_copy_in = copy_in
     m = par.module.memory_bytes()
     states = {"params": m["params"] + m["master_shards"],
               "grads": max(after_backward["grads"] + after_backward["shard_grads"], m["shard_grads"]),
-              "optimizer": m["optimizer_state"]}
+              "optimizer": m["optimizer_state"], "gathered": sum(gathered)}
     return layer0, adapters, states
 
 
@@ -543,9 +550,17 @@ def test_lora_states_match_a_real_run(tmp_path, zero):
     adapters = plan.lora_layer_params(spec, LORA_R)
     units = 2 * (plan.cost._decoder_layer_params(spec, 1) * 2 + adapters * 4) if zero == 3 else 0
     in_flight = adapters * 8 if zero >= 2 else 0
+    # a step's all-gathers: ZeRO-1 the adapters after the step (not the frozen base: Note [gather what
+    # the step changed]); ZeRO-3 each decoder layer for its forward and backward, its bfloat16 base in
+    # bfloat16 beside its float32 adapters (Note [mixed dtypes in a group]: helper-69 saw the whole unit
+    # gathered in float32, 1.8x the plan's bytes), the embedding once (Note [backward without
+    # parameters]) and the untied head twice; the root (the final norm) is kept
+    vocab_matrix = spec.vocab * spec.hidden * 2
+    gathers = (spec.layers * adapters * 4 if zero == 1 else
+               2 * spec.layers * units / 2 + vocab_matrix + 2 * vocab_matrix - 2 * spec.hidden * 2)
     for _, _, m in run_distributed(_lora_run, 2, args=(str(tmp_path), 1, zero)):
         for part, want in (("params", est.params - units), ("grads", est.grads - in_flight),
-                           ("optimizer", est.optimizer)):
+                           ("optimizer", est.optimizer), ("gathered", gathers)):
             assert m[part] == pytest.approx(want, rel=0.01), (part, m[part], want, m)
 
 
