@@ -32,5 +32,5 @@ from parallel_layers.plan.cli import format_plan, main
 
 __all__ = ["DP_ONLY_SLACK", "GB", "GPU_PRESETS", "HF_FAMILIES", "MLP_KINDS", "RECOMPUTE", "ClusterSpec", "Estimate", "Layout",
            "ModelSpec", "TrainSpec", "activation_bytes", "candidates", "estimate", "format_plan", "hf_config_spec",
-           "launch_args", "lora_layer_params", "loss_temporaries", "main", "parse_size", "reason_kind", "recommend", "stage_layers",
-           "step_flops", "TIE"]
+           "launch_args", "lora_layer_params", "loss_temporaries", "main", "parse_size", "reason_kind", "recommend",
+           "stage_layers", "step_flops", "TIE"]
