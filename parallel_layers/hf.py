@@ -594,9 +594,8 @@ def load_pretrained(directory: str, model, *, device: torch.device | str | None 
     Tensors on the meta device first get storage on `device` (default: the `Parallelized`'s
     device, else cuda:LOCAL_RANK with GPUs, else the CPU; parallel_layers/meta.py). Values are
     cast to the dtype the model holds (ZeRO: its float32 masters; a frozen parameter's own
-    dtype). Buffers the files lack
-    (rotary `inv_freq`) are computed by the model's constructor (Note [buffers not in the
-    files]). A missing tensor, a shape mismatch or a directory without safetensors raises on
+    dtype). Buffers the files lack (rotary `inv_freq`) are computed by the model's constructor
+    (Note [buffers not in the files]). A missing tensor, a shape mismatch or a directory without safetensors raises on
     every rank, naming them; tensors the files hold and the model does not are warned about.
 
     A model adapted by peft (the PeftModel, or its base model with LoRA layers inside) gets its
