@@ -95,7 +95,8 @@ class BufferPool:
     copy-in) costs more than the copy: ~5% of a Llama ZeRO-3 step at hidden 1024 on 2 CPU
     ranks. The decoder layers' groups are all one size, so a few buffers serve every layer:
     at most `keep` per size are kept during a backward, as many as are in use at once there
-    (two gathers and two reductions in flight). At the end of backward (`trim`) the pool keeps
+    (two gathers and two reductions in flight, each reduction with its gloo receive buffer of
+    [W - 1, S]: Note [gloo reduce-scatter]). At the end of backward (`trim`) the pool keeps
     only the two gather buffers the next forward needs (the gathered group and the prefetched
     one): the reduce buffers would otherwise sit idle through the next forward and its
     activations' peak, which the planner does not count (measured: 35 MB over the prediction
