@@ -185,18 +185,20 @@ def _hf_parity(rank, ws, kind, steps, directory=None, plan_free=False):
 # qk_layernorm: q, k, v and fc1 one each, and the weight and bias of q_layernorm and k_layernorm
 # (head_dim each, summed: Note [per-head parameters]) per layer, and the untied head's.
 BACKWARD_ALL_REDUCES = {"gpt2": 4, "llama": 4, "llama_unfused": 4, "llama_vocab": 5, "plan_free": 5, "qwen3": 8,
-                        "qwen3_plan_free": 9, "gemma3_plan_free": 14, "gemma3_untied_plan_free": 15,
+                        "qwen3_plan_free": 9,
                         "cohere_qk_norm_plan_free": 8, "phi_qk_norm_plan_free": 17,
                         # with a region layout (hf_sequence_parallel.FAMILIES): two a layer, + the untied head's
                         "gemma_plan_free": 4, "smollm3_plan_free": 4, "olmo_plan_free": 5, "nemotron_plan_free": 5,
                         "exaone4_plan_free": 9,  # + q_norm and k_norm's sums
+                        # Gemma 2, Gemma 3 (with regions since session 38): + Gemma 3's q_norm and
+                        # k_norm sums (+ the untied head's); without them they took 10, 14 and 15
+                        "gemma2_plan_free": 4, "gemma3_plan_free": 8, "gemma3_untied_plan_free": 9,
                         # GLM, GLM-4, OLMo 2: their regions gather their column layers' outputs, and share
                         # one input all-reduce all the same (q, k, v's; gate_up_proj's or the fused MLP's)
                         "glm_plan_free": 5, "glm4_plan_free": 5, "olmo2_plan_free": 5,
                         "phi3_plan_free": 5,  # packed qkv_proj and gate_up_proj: one each
                         "llama_xielu_plan_free": 9,  # Llama's 5, + alpha_p and alpha_n's sums in each layer
                         # without one: each column layer's own (q, k, v; the MLP's one), + the head's
-                        "gemma2_plan_free": 10,  # GeGLU: gate and up apart
                         "granite_plan_free": 9, "starcoder2_plan_free": 8,
                         "gpt_neox_plan_free": 5,  # packed qkv: one
                         # mixtures of experts: the experts' two, their inputs' (the hidden states' and the
