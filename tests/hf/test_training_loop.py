@@ -19,9 +19,10 @@ transformers = pytest.importorskip("transformers")
 
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
 # a partial fine-tune: frozen embedding, head, final norm, one attention block (with its q/k/v
-# biases) and one down projection
+# biases), one down projection and one gate projection whose up projection trains (the fused MLP
+# packs the two in one allocation: a frozen and a trained parameter sharing storage)
 FROZEN = ("model.embed_tokens.", "model.layers.0.self_attn.", "model.layers.0.mlp.down_proj.", "lm_head.",
-          "model.norm.")
+          "model.norm.", "model.layers.1.mlp.gate_proj.")
 
 
 def _by_name(named):
@@ -124,7 +125,7 @@ def _compare(tmp_path, layout, recipe):
     return results
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2-zero3"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2-zero1", "dp2-zero3"])
 def test_frozen_parameters_stay_frozen(tmp_path, layout):
     """Review finding: tensor parallelism built its shards as new parameters that required grad:
     at tp=2 a frozen embedding, head, attention block and down projection all trained (the
