@@ -77,6 +77,26 @@ _REDUCE_TAG = 0x2E61  # Note [gloo reduce-scatter]: apart from the gathers'
 GLOO_DIRECT = True
 
 
+# Note [CPU parameter storage reuse]: ZeRO-3 frees a full parameter by resizing its storage to
+# zero and refills it for the next use (Note [ZeRO sharded parameter] in _param.py). On the CPU
+# that is a free and a fresh allocation each time, and glibc serves allocations over its mmap
+# threshold (at most 32 MB) with new pages, which the all-gather's copy-out then faults in one
+# by one: a 45 MB Mixtral expert weight took 23-27 ms to copy into fresh memory against 5 ms
+# into memory already touched, on this project's 2-core CPU (~240 ms of copies a ZeRO-3 step at
+# hidden 512, 1.5 s in all; DDP, whose parameters stay, pays none of it). So the repeated
+# blocks' groups (the ones sharing a BufferPool) hand a freed storage's memory to the pool
+# instead (`_swap_data_ptr_`: the storage object stays - autograd's saved references and the
+# views of it are untouched - and is left with no bytes, exactly as resize_(0) leaves it), and
+# the next refill of the same size takes it back. The pool keeps at most two units' worth of
+# each size (`expect_units`): in a forward, the unit just used gives its memory to the one
+# prefetched next, and at the end of a backward the first two units' memory waits for the next
+# forward's first two gathers, which take it back - while a freed unit's memory was returned
+# to the system before, so up to two units' full parameters stay allocated between those
+# points. CUDA's caching allocator already does this on a GPU, where none of it applies. Torch
+# builds without `_swap_data_ptr_` free and allocate as before.
+SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 class _Works:
     """The work handles of one gloo all-gather's sends and receives, waited on as one."""
 
@@ -104,13 +124,19 @@ class BufferPool:
     share use it (the repeated blocks: ZeRO's `_pooled`): the root, ZeRO-1/2 and the
     vocabulary units gather and reduce once or twice a step, where a kept buffer would be
     memory held idle for a whole step to save a fault or two. CUDA's caching allocator already
-    reuses device memory: there, buffers are plain torch.empty."""
+    reuses device memory: there, buffers are plain torch.empty.
+
+    The full parameters' own storage is kept the same way (Note [CPU parameter storage reuse])."""
 
     def __init__(self, keep: int = 4, keep_between_steps: int = 2):
         self.keep, self.keep_between_steps = keep, keep_between_steps
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._gather_keys: set[tuple] = set()  # the sizes and dtypes the gathers take
         self.allocated = 0  # buffers made so far (the rest of the requests were served from _free)
+        # Note [CPU parameter storage reuse]: memory of freed full parameters, by byte size
+        self._blocks: dict[tuple, list[torch.UntypedStorage]] = {}
+        self.keep_blocks: dict[tuple, int] = {}  # (byte size, device) -> at most this many kept (`expect_units`)
+        self.refills_reused = self.refills_new = 0  # refills served from kept memory, and allocated anew
 
     @staticmethod
     def _key(shape, dtype: torch.dtype, device) -> tuple:
@@ -138,7 +164,46 @@ class BufferPool:
 
     @property
     def idle_bytes(self) -> int:
+        """Bytes of the [W, S] buffers kept (not the parameter storage: `idle_storage_bytes`)."""
         return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+
+    # ---- the full parameters' storage (Note [CPU parameter storage reuse]) ----------------------
+    def expect_units(self, units: list[list[ShardedParam]]) -> None:
+        """Keep up to two units' worth of each storage size: the full parameters' storages of
+        `units` (the pooled groups' members), each counted once however many members share it."""
+        for members in units:
+            count: dict[tuple, int] = {}
+            for key in {sp.full.untyped_storage()._cdata: (sp._storage_nbytes, sp.full.device)
+                        for sp in members}.values():
+                count[key] = count.get(key, 0) + 1
+            for key, c in count.items():
+                self.keep_blocks[key] = max(self.keep_blocks.get(key, 0), 2 * c)
+
+    def free_storage(self, storage: torch.UntypedStorage) -> None:
+        """Take `storage`'s memory away (it is left with none, as resize_(0) leaves it), kept
+        for the next refill of its size while fewer than `keep_blocks` of that size are."""
+        key = storage.nbytes(), storage.device
+        blocks = self._blocks.setdefault(key, [])
+        if SWAPS_STORAGE and storage.device.type == "cpu" and len(blocks) < self.keep_blocks.get(key, 0):
+            block = torch.UntypedStorage(0)
+            storage._swap_data_ptr_(block)  # storage: no bytes; block: its memory
+            blocks.append(block)
+        else:
+            storage.resize_(0)
+
+    def refill_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give `storage` (freed) `nbytes` of memory: kept memory of that size if there is any."""
+        blocks = self._blocks.get((nbytes, storage.device))
+        if blocks:
+            storage._swap_data_ptr_(blocks.pop())
+            self.refills_reused += 1
+        else:
+            storage.resize_(nbytes)
+            self.refills_new += 1
+
+    @property
+    def idle_storage_bytes(self) -> int:
+        return sum(b.nbytes() for blocks in self._blocks.values() for b in blocks)
 
 
 def _settings(sp: ShardedParam) -> tuple:
@@ -260,7 +325,7 @@ class ParamGroup:
             index = inflight[0][0].device.index
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
         for buf, _, members in inflight:
-            fulls = [sp.refill_full() for sp in members]
+            fulls = [sp.refill_full(self.pool) for sp in members]
             # of the buffer's dtype but under param_dtype, where a member kept another (a cast
             # through a temporary of the buffer's dtype)
             odd = {i for i, t in enumerate(fulls) if t.dtype != buf.dtype}
@@ -275,7 +340,7 @@ class ParamGroup:
     def reshard(self) -> None:
         """Free the full parameters' storage (the shards stay)."""
         for sp in self.members:
-            sp.free_full()
+            sp.free_full(self.pool)
 
     def refresh_full(self) -> None:
         """Make every member's full parameter match its shard (after a checkpoint load wrote the shards)."""

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers.ops import shard_copy
-from parallel_layers.zero._group import ParamGroup
+from parallel_layers.zero._group import BufferPool, ParamGroup
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the shard-copy kernels take
 
@@ -233,22 +233,29 @@ class ShardedParam:
         return self._part(t, self.shard.dtype).to(self.shard.device)
 
     # ---- the full parameter's storage ------------------------------------------------------
-    def free_full(self) -> None:
+    def free_full(self, pool: BufferPool | None = None) -> None:
         """Resize the full parameter's storage to zero (the shard stays); reading it until the
-        next refill raises (Note [reading a freed parameter])."""
+        next refill raises (Note [reading a freed parameter]). With a pool, its memory is kept
+        there for the next refill (Note [CPU parameter storage reuse] in _group.py)."""
         storage = self.full.untyped_storage()
         if storage.nbytes():  # shared within the group: the first member frees it for all
-            storage.resize_(0)
+            if pool is not None:
+                pool.free_storage(storage)
+            else:
+                storage.resize_(0)
             _poison(storage)
         self.is_unsharded = False
 
-    def refill_full(self) -> Tensor:
-        """Give the full parameter its storage back (values still to be written); returns the
-        tensor the all-gather's copy-out writes."""
+    def refill_full(self, pool: BufferPool | None = None) -> Tensor:
+        """Give the full parameter its storage back (values still to be written; from the pool's
+        kept memory where it has some); returns the tensor the all-gather's copy-out writes."""
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0 and self._storage_nbytes:  # shared: the first member refills it for all
             _unpoison(storage)
-            storage.resize_(self._storage_nbytes)
+            if pool is not None:
+                pool.refill_storage(storage, self._storage_nbytes)
+            else:
+                storage.resize_(self._storage_nbytes)
         return self.full.data
 
     # ---- what the collectives read and write -----------------------------------------------

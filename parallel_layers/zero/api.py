@@ -284,8 +284,10 @@ class ZeRO(LocalAccumulation, nn.Module):
         self.root_group = param_group("<root>", rest, root=True) if rest else None
         if self.root_group is not None:
             self.groups.append(self.root_group)
-        for g in _pooled(self.groups) if stage == 3 else ():
+        pooled = _pooled(self.groups) if stage == 3 else []
+        for g in pooled:
             g.pool = pool
+        pool.expect_units([g.members for g in pooled])
         self._stepped = False
         self.optimizer = _optimizer.build_over_shards(  # Note [an optimizer over shards] in _optimizer.py
             optimizer_factory, [(sp.full, sp.shard, sp.cut) for g in self.groups for sp in g.members], "ZeRO",
