@@ -162,6 +162,8 @@ class ZeROHooks:
             self._install_grad_hooks(self.alone + self.replicated)  # the latter: to queue the end of backward
         if stage == 3:
             self._install_module_hooks(module, module_group)
+            self.marking = True  # Note [reading a freed parameter] in _param.py
+            self.handles.append(module.register_forward_pre_hook(self._profiler_check))
 
     # ---- reductions (Note [agreed reduction order]) --------------------------------------
     def defer_reduction(self) -> None:
@@ -329,6 +331,15 @@ class ZeROHooks:
             self.handles.append(m.register_forward_pre_hook(
                 lambda m, args, kwargs, g=g: self._pre_forward(g, args, kwargs), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._make_post_forward(g)))
+
+    def _profiler_check(self, *_) -> None:
+        """Freed parameters unmarked while a profiler runs (Note [reading a freed parameter])."""
+        marking = not torch._C._autograd._profiler_enabled()
+        if marking != self.marking:
+            self.marking = marking
+            for g in self.groups:
+                for sp in g.members:
+                    sp.set_marking(marking)
 
     def _neighbour(self, g: ParamGroup, step: int) -> ParamGroup | None:
         """The group `step` places after g in forward order, to prefetch (Note [ZeRO prefetch]);

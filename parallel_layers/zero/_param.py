@@ -78,6 +78,13 @@ def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> 
 # asks for the pointer: shapes, dtype, device, `numel()`, `zeros_like`, views and autograd's
 # saved references are untouched. The mark costs well under a microsecond a parameter. Older
 # torch builds without the two private functions keep the crash (the test skips there).
+# torch.profiler's Python tracer (`with_stack=True`) asks for the data pointer of every
+# parameter of each module it sees called - before the module's hooks have gathered them - and
+# raised the mark's error in the first profiled forward (session 39: ZeRO-3 could not be
+# profiled with stacks). So the marks are off while a profiler runs: ZeRO-3 looks at the start
+# of each forward (`ZeROHooks._profiler_check`) and clears the marks of freed parameters when a
+# profiler is on, setting them again once it is off; a freed parameter then reads as an empty
+# storage, as without the marks.
 _FREED_MESSAGE = (
     "this parameter's full values are not in memory: ZeRO-3 (parallel_layers' zero_stage=3) keeps only this "
     "rank's shard between uses. Read the full parameters through ZeRO on every rank - "
@@ -157,6 +164,7 @@ class ShardedParam:
         # before it, a bfloat16 parameter was refilled at its float32 size, twice what it needs)
         self._storage_nbytes = param.untyped_storage().nbytes()
         self.is_unsharded = True  # `full` holds the current values (False: freed, or stale after a step)
+        self.mark_when_freed = True  # Note [reading a freed parameter]: False while a profiler runs
         self._alone: ParamGroup | None = None  # the group of one behind unshard / reduce_grad
         if not keep_full and not self.storage_shared:  # shared: freed by ZeRO once every member has its shard
             self.free_full()
@@ -243,8 +251,17 @@ class ShardedParam:
                 pool.free_storage(storage)
             else:
                 storage.resize_(0)
-            _poison(storage)
+            if self.mark_when_freed:
+                _poison(storage)
         self.is_unsharded = False
+
+    def set_marking(self, on: bool) -> None:
+        """Mark freed storage from now on (on) or not, and (un)mark it now if it is freed (Note
+        [reading a freed parameter])."""
+        self.mark_when_freed = on
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0 and self._storage_nbytes:
+            (_poison if on else _unpoison)(storage)
 
     def refill_full(self, pool: BufferPool | None = None) -> Tensor:
         """Give the full parameter its storage back (values still to be written; from the pool's
