@@ -424,6 +424,11 @@ class ParamGroup:
             self._give_back(recv)
         if self.offload:
             out = out.to("cpu")
-        # frozen members get no shard gradient, so the optimizer (weight decay) skips them
-        shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad() for sp in members], accumulate=True)
+        # frozen members get no shard gradient, so the optimizer (weight decay) skips them. The
+        # first reduction after zero_grad(set_to_none=True) writes the shard gradients it makes
+        # rather than filling them with zeros and adding (a pass less over them, and none over
+        # fresh pages: 58 ms of a Mixtral's 1.2 s ZeRO-3 step on the CPU went to those fills).
+        fresh = all(sp.shard.grad is None for sp in members)
+        shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad(overwritten=fresh) for sp in members],
+                                           accumulate=not fresh)
         self._give_back(buf)  # out, a view of it or a tensor of its own, is read by now

@@ -297,10 +297,11 @@ class ShardedParam:
         self.master_dtype, self.aliases_full = torch.float32, False
         return True
 
-    def shard_grad(self) -> Tensor:
-        """The shard's gradient, which the reduce-scatter's copy-out accumulates into."""
+    def shard_grad(self, overwritten: bool = False) -> Tensor:
+        """The shard's gradient, which the reduce-scatter's copy-out accumulates into; made
+        uninitialized where there is none and the copy-out will overwrite it (`overwritten`)."""
         if self.shard.grad is None:
-            self.shard.grad = torch.zeros_like(self.shard)
+            self.shard.grad = (torch.empty_like if overwritten else torch.zeros_like)(self.shard)
             self.grad_made = True
         return self.shard.grad
 
