@@ -99,7 +99,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from parallel_layers import fault, placement
+from parallel_layers import _peft, fault, placement
 from parallel_layers.tensor_parallel.experts import (Experts, JoinedToInputs, is_tensor_parallel_experts, layout_problem,
                                                      unreached_weights)
 
@@ -144,13 +144,32 @@ def check(model: nn.Module, ep: int, flag=True) -> list[tuple[str, nn.Module]]:
                          "intermediate, hidden] and down_proj [experts, hidden, intermediate], as transformers 5's "
                          "Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE hold them)")
     over = f"dp={ep} ranks" if flag is True else f"ep={ep} data-parallel ranks"
+    modules = dict(model.named_modules())
     for name, module in found:
+        # peft's ParamWrapper adapts the stacked expert weights in place (peft 0.21's LoRA on
+        # "all-linear" does): its lora_A / lora_B hold every expert's adapter, interleaved, and it
+        # adds their product to the whole [experts, ...] weight, which a rank holding some experts
+        # no longer has (it failed inside peft with "The expanded size of the tensor ... must match").
+        wrapped = [n for n in _ancestors(name) if _peft.is_lora_layer(modules[n])]
+        if wrapped:
+            raise ValueError(f"parallelize: expert_parallel={flag!r} cannot split {name}: peft adapts its stacked "
+                             f"expert weights ({wrapped[-1]} is a {type(modules[wrapped[-1]]).__qualname__}, whose "
+                             f"LoRA factors cover every expert), and expert parallelism keeps some experts per rank. "
+                             f"Train this LoRA model with expert_parallel=False (ZeRO 1-3 shard it over dp instead), "
+                             f"or leave the experts out of the adapter (a peft LoraConfig whose target_modules do not "
+                             f"match them)")
         problem = layout_problem(module, Experts(split="experts"), ep)
         if problem is not None:
             problem = problem.replace("tensor-parallel", "expert-parallel (data-parallel)")
             problem = problem.replace("tp=", "dp=" if flag is True else "ep=")
             raise ValueError(f"parallelize: expert_parallel={flag!r} over {over} cannot split {name}: {problem}")
     return found
+
+
+def _ancestors(name: str) -> list[str]:
+    """The dotted names of the modules holding module `name`, outermost first (the model: "")."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
 
 
 def check_tensor_parallel(model: nn.Module, names: list[str]) -> None:

@@ -325,7 +325,11 @@ def _refusals(rank, world, directory):
     ctx = init_parallel(dp=world, device="cpu")
     messages = []
     mixtral = _load(directory, "mixtral")
-    for model, flag in ((_tiny_llama(), True), (mixtral, 1.5), (mixtral, 2), (mixtral, 3), (mixtral, True)):
+    import peft
+
+    adapted = peft.get_peft_model(_load(directory, "mixtral"), peft.LoraConfig(r=2, target_modules="all-linear"))
+    for model, flag in ((_tiny_llama(), True), (mixtral, 1.5), (mixtral, 2), (mixtral, 3), (mixtral, True),
+                        (adapted, True)):
         try:
             parallelize(model, ctx, optimizer=_sgd, loss_fn=_loss, expert_parallel=flag)
         except (TypeError, ValueError) as e:
@@ -345,7 +349,7 @@ def test_expert_parallel_refusals_name_the_values(tmp_path):
     _tiny.save_tiny_mixtral(tmp_path)
     messages = run_distributed(_refusals, 3, args=(str(tmp_path),))
     assert messages[0] == messages[1] == messages[2]  # every rank raises
-    no_experts, not_a_degree, not_dividing_dp, experts_indivisible, indivisible = messages[0]
+    no_experts, not_a_degree, not_dividing_dp, experts_indivisible, indivisible, lora = messages[0]
     assert no_experts.startswith("parallelize: expert_parallel=True found no mixture-of-experts module in "
                                  "LlamaForCausalLM")
     assert not_a_degree == ("expert_parallel must be True (the experts over all dp=3 ranks), False, or the number of "
@@ -361,6 +365,13 @@ def test_expert_parallel_refusals_name_the_values(tmp_path):
         "parallelize: expert_parallel=True over dp=3 ranks cannot split model.layers.0.mlp.experts: MixtralExperts "
         "has 4 experts (num_experts = 4); Experts(split='experts') needs num_experts to match and to divide by dp=3; "
         "valid expert-parallel (data-parallel) sizes for it are [1, 2, 4]")
+    # peft's LoRA on "all-linear" adapts the stacked expert weights (a ParamWrapper): it failed inside peft
+    # ("The expanded size of the tensor (4) must match the existing size (2)") at the first forward
+    assert lora.startswith(
+        "parallelize: expert_parallel=True cannot split base_model.model.model.layers.0.mlp.experts.base_layer."
+        "base_layer: peft adapts its stacked expert weights (base_model.model.model.layers.0.mlp.experts.base_layer "
+        "is a ParamWrapper, whose LoRA factors cover every expert), and expert parallelism keeps some experts per "
+        "rank. Train this LoRA model with expert_parallel=False"), lora
     # under tensor parallelism each expert must be split as its MLP (Experts()), not whole experts
     from parallel_layers.tensor_parallel import Experts, parallelize, published_plan
 
