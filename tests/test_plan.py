@@ -564,6 +564,51 @@ def test_lora_states_match_a_real_run(tmp_path, zero):
             assert m[part] == pytest.approx(want, rel=0.01), (part, m[part], want, m)
 
 
+def test_lora_on_a_mixture_of_experts_as_peft_adapts_it(tmp_path):
+    """peft's "all-linear" on a Mixtral adapts its router and its stacked expert weights
+    (ParamWrapper: gate_up_proj at rank 2r, down_proj at r, per expert): the counts equal peft's.
+    Each layer's forward merges the expert adapters into a whole copy of its expert weights,
+    which autograd keeps for backward: the activations autograd saves grow by one layer's expert
+    weights a layer, as the plan counts (Note [LoRA in the plan]). Tensor and expert parallelism,
+    which parallelize refuses for such a model, are rejected layouts."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    spec = ModelSpec.from_hf_config(str(tmp_path), seq=32)
+    saved = {}
+    for targets in (["q_proj", "k_proj", "v_proj", "o_proj"], "all-linear"):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                    peft.LoraConfig(r=LORA_R, target_modules=targets))
+        layer0 = {n: p.numel() for n, p in model.named_parameters() if "lora_" in n and ".layers.0." in n}
+        sizes = {}
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: sizes.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t,
+                lambda t: t):
+            model(torch.randint(0, 256, (1, 32))).logits.sum()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved[targets if isinstance(targets, str) else "attention"] = sum(
+            b for ptr, b in sizes.items() if ptr not in params)
+    assert sum(layer0.values()) == plan.lora_layer_params(spec, LORA_R), layer0
+    assert any("experts" in n for n in layer0) and any(".gate." in n for n in layer0), sorted(layer0)
+    merged = spec.experts * spec.mlp_params * 4  # float32
+    # (seen: 2101248 bytes more against the 1966080 counted; the rest is the adapters' own small tensors)
+    assert saved["all-linear"] - saved["attention"] == pytest.approx(spec.layers * merged, rel=0.1), saved
+    lora = TrainSpec(global_batch=2, lora_rank=LORA_R)
+    cluster = ClusterSpec(2, 2, 1e12)
+    with_merge = plan.estimate(spec, cluster, dataclasses.replace(lora, precision="fp32"), Layout(2, 1, 1, 3, 1))
+    assert with_merge.activations >= spec.layers * merged, with_merge
+    _, rejected = recommend(spec, cluster, lora)
+    reasons = {(e.layout.tp, e.layout.ep): e.reason for e in rejected}
+    assert "peft adapts the stacked expert weights" in reasons[(2, 1)], reasons
+    forced = dataclasses.replace(lora, expert_parallel=True)
+    _, rejected = recommend(spec, cluster, forced)
+    assert any(e.layout.ep == 2 and "expert parallelism keeps some per rank" in (e.reason or "") for e in rejected)
+
+
 def test_lora_flops_and_traffic(capsys):
     """Frozen matrices' backward computes input gradients only (4 flops a parameter and token,
     not 6); only the adapters' gradients cross data parallelism at ZeRO-0/1/2, while ZeRO-3 still

@@ -68,9 +68,21 @@ frozen parameter's ZeRO shard keeps it, Note [frozen shards keep their dtype] in
 zero/_param.py), whole at ZeRO-0/1/2 (a ZeRO-1/2 shard is a view of it) and sharded at ZeRO-3,
 whose units are still gathered for every forward and backward; nothing of it is reduced or
 gathered after the step. Backward computes the frozen matrices' input gradients only: 4 flops
-per parameter and token where training all of them takes 6 (the adapters 6). A mixture's
-experts and the head stay frozen; the activations are counted as without adapters (their
-[tokens, r] intermediates aside, the inputs they keep are the base layers' own).
+per parameter and token where training all of them takes 6 (the adapters 6). The head stays
+frozen; the activations are counted as without adapters (their [tokens, r] intermediates
+aside, the inputs they keep are the base layers' own).
+A mixture of experts is adapted as peft 0.21's "all-linear" adapts transformers 5's (session
+39, counted against peft): its router, an nn.Linear, as the other linear layers, and its
+stacked expert weights through peft's ParamWrapper: per expert, gate_up_proj at rank 2r
+(peft's rank pattern for the packed pair) and down_proj at rank r. ParamWrapper runs no adapter
+per token: each forward adds every expert's low-rank product to the whole expert weight (one
+batched GEMM) and the tokens go through that merged weight, which autograd keeps for backward
+(measured: one layer's expert weights more saved per layer and microbatch) and whose weight
+gradient backward computes (6 flops per active expert parameter and token, not 4; one layer's
+merged weight and its gradient at a time besides). So ZeRO-3 gathers and frees the frozen
+experts but each layer's merged copy stays until its backward; the merge's own GEMMs (about a
+hundredth of a layer's flops at 4096 tokens) are not counted. Tensor and expert parallelism
+do not split those adapters: parallelize refuses both (a structural reason here).
 """
 
 from __future__ import annotations
@@ -87,14 +99,30 @@ def stage_layers(model: ModelSpec, pp: int, v: int = 1) -> int:
     return -(-model.layers // (pp * v)) * v
 
 
-def lora_layer_params(model: ModelSpec, r: int, tp: int = 1) -> float:
-    """One decoder layer's LoRA adapter parameters per tp rank (Note [LoRA in the plan]); with
-    tp = 1 all of them."""
+def _lora_layer_parts(model: ModelSpec, r: int, tp: int = 1) -> tuple[float, float]:
+    """(adapters that act on each token, a mixture's expert adapters) of one decoder layer per
+    tp rank (Note [LoRA in the plan])."""
     h, q, kv, f = model.hidden, model.q_width, model.kv_width, model.ffn_width
     dense = not model.experts
     columns = [(h, q), (h, kv), (h, kv)] + ([(h, f)] * (2 if model.mlp == "swiglu" else 1) if dense else [])
     rows = [(q, h)] + ([(f, h)] if dense else [])
-    return r * (sum(i + o / tp for i, o in columns) + sum(i / tp + o for i, o in rows))
+    per_token = r * (sum(i + o / tp for i, o in columns) + sum(i / tp + o for i, o in rows))
+    if dense:
+        return per_token, 0.0
+    up = 2 * (h + 2 * f) if model.mlp == "swiglu" else h + f  # gate_up_proj at rank 2r; an up_proj at r
+    return per_token + r * (h + model.experts), model.experts * r * (up + f + h)
+
+
+def lora_layer_params(model: ModelSpec, r: int, tp: int = 1) -> float:
+    """One decoder layer's LoRA adapter parameters per tp rank (Note [LoRA in the plan]); with
+    tp = 1 all of them."""
+    return sum(_lora_layer_parts(model, r, tp))
+
+
+def _merged_experts(model: ModelSpec, train: TrainSpec) -> float:
+    """Parameters of one layer's merged expert weights under LoRA (Note [LoRA in the plan]), 0
+    without a mixture or LoRA."""
+    return model.experts * model.mlp_params if train.lora_rank and model.experts else 0.0
 
 
 def _decoder_layer_params(model: ModelSpec, tp: int, held_apart: float = 0.0) -> float:
@@ -176,8 +204,10 @@ def _token_flops(model: ModelSpec, train: TrainSpec, recompute: str) -> tuple[fl
     attention_forward = 4 * model.seq * model.q_width
     # a frozen matrix's backward computes its input's gradient only (Note [LoRA in the plan])
     base = 4 if train.lora_rank else 6
-    adapters = lora_layer_params(model, train.lora_rank) if train.lora_rank else 0.0
-    layer = base * model.active_layer_params + 6 * adapters + 3 * attention_forward
+    adapters = _lora_layer_parts(model, train.lora_rank)[0] if train.lora_rank else 0.0
+    # a mixture's merged expert weights get their weight gradient too
+    merged_grad = 2 * model.experts_per_token * model.mlp_params if _merged_experts(model, train) else 0.0
+    layer = base * model.active_layer_params + merged_grad + 6 * adapters + 3 * attention_forward
     if recompute == "full":  # one more forward of the layer (not of the head)
         layer += 2 * (model.active_layer_params + adapters) + attention_forward
     elif recompute == "selective" and not train.flash_attention:  # QK^T, softmax, AV again
@@ -267,6 +297,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     in_flight = pp * (1 + (pp - 1) / (pp * v) if v > 1 else 1)  # stage 0's microbatches (Korthikanti 4.2.3)
     first = activation_bytes(model, train, tp, tokens * in_flight, n_layers, head=pp == 1, recompute=rc)
     last = activation_bytes(model, train, tp, tokens, n_layers, head=True, recompute=rc)
+    merged = _merged_experts(model, train) * pb  # Note [LoRA in the plan]: kept per layer and microbatch
+    if merged:  # and one layer's gradient of it in backward
+        first += merged * (1 if rc == "full" else n_layers * in_flight) + merged
+        last += merged * (1 if rc == "full" else n_layers) + merged
     acts = max(first, last)
     if rc == "full":  # the layer being recomputed holds its activations until its backward is done
         acts += tokens * _layer_token_bytes(model, train, tp, "none")

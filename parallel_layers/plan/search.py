@@ -21,6 +21,9 @@ def _structural_reason(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     if not model.tied and model.vocab % tp:  # a tied head stays replicated; the embedding pads its rows
         return (f"vocab {model.vocab} not divisible by tp={tp} (the untied head is column-parallel over the "
                 "vocabulary, and parallelize refuses a split that leaves rows over)")
+    if train.lora_rank and model.experts and tp > 1:  # Note [LoRA in the plan]
+        return (f"tp={tp} with LoRA on a mixture of experts: peft adapts the stacked expert weights (its "
+                "ParamWrapper), which tensor parallelism does not split (parallelize refuses it)")
     if model.layers < pp * v:  # PipelineStages cuts unevenly (balanced), but every stage needs a layer
         return f"layers {model.layers} < pp={pp} x v={v} stages: every pipeline stage needs at least one layer"
     if model.seq % (2 * cp) and cp > 1:
@@ -126,7 +129,7 @@ def _expert_parallel_choices(model: ModelSpec, train: TrainSpec, dp: int, cp: in
     dp for True; a degree that does not divide them gets a reason) or only without, where it
     applies."""
     asked = train.expert_parallel
-    if not model.experts or dp == 1 or cp > 1 or asked is False:
+    if not model.experts or dp == 1 or cp > 1 or asked is False or (train.lora_rank and asked is None):
         return [1]
     if asked is True:
         return [dp]
@@ -139,6 +142,9 @@ def _best_of_layout(model, cluster, train, dp, tp, pp, zero, cp, v, ep=1) -> Est
     reason = _structural_reason(model, cluster, train, dp, tp, pp, zero, cp, v)
     if reason is None and dp % ep:
         reason = f"dp={dp} not divisible by ep={ep} (expert parallelism spreads the experts over groups of ep dp ranks)"
+    elif reason is None and ep > 1 and train.lora_rank:  # Note [LoRA in the plan]
+        reason = (f"ep={ep} with LoRA: peft's adapters of the stacked expert weights cover every expert, and expert "
+                  "parallelism keeps some per rank (parallelize refuses it)")
     elif reason is None and model.experts % ep:
         over = f"dp={dp} (expert parallelism spreads them over dp)" if ep == dp else f"ep={ep}"
         reason = f"experts {model.experts} not divisible by {over}"
