@@ -626,6 +626,70 @@ def _profile_zero3_with_stacks(rank, ws):
     return profiled, losses == pytest.approx(reference, abs=1e-6), _error(lambda: model[0].weight.norm())
 
 
+def _profile_a_pipeline_with_stacks(rank, ws, directory):
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    from parallel_layers import parallelize as parallelize_model
+    from parallel_layers.pipeline.hf import causal_lm_loss_sum, causal_lm_tokens
+    from tests.hf import _tiny
+
+    ctx = init_parallel(pp=2, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = parallelize_model(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), loss_fn=causal_lm_loss_sum,
+                            token_count=causal_lm_tokens, zero_stage=3, pipeline_layers="auto", microbatches=2)
+    losses = []
+
+    def step(ids):
+        losses.append(float(par.forward_backward(ids, ids)))
+        par.step()
+        par.zero_grad()
+
+    batches = _tiny.token_batches(3, 4, 16, 128)
+    step(batches[0])  # the stages' units are freed (and marked) by now
+    try:
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True):
+            step(batches[1])
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    step(batches[2])
+    return losses
+
+
+def _read_under_a_profiler_without_stacks(rank, ws):
+    from torch.profiler import ProfilerActivity, profile
+
+    ctx = init_parallel(dp=2, device="cpu")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, group=ctx.dp_group,
+                wrap=lambda m: isinstance(m, nn.Linear))
+    zero(torch.randn(2, 4)).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]):  # no Python tracer: the marks stay
+        zero(torch.randn(2, 4)).sum().backward()
+        return _error(lambda: model[1].weight.norm())
+
+
+def test_a_zero3_step_profiled_with_stacks_under_a_pipeline(tmp_path):
+    """A pipeline calls its stages directly, so ZeRO's check at the model's forward never ran and
+    the tracer raised at stage 0's embedding (review finding, helper-70): the pipeline's step
+    checks first. The profiled step trains as the unprofiled ones (the same losses as plain);
+    a profiler without stacks leaves the marks on: a freed parameter read under it still raises
+    (it crashed with SIGSEGV while the marks were off for every profiler)."""
+    import transformers
+
+    from tests.hf import _tiny
+
+    _tiny.save_tiny_llama(tmp_path)
+    results = run_distributed(_profile_a_pipeline_with_stacks, 2, args=(str(tmp_path),))
+    assert all(not isinstance(r, str) for r in results), results
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain = _tiny.plain_losses(model, opt, _tiny.token_batches(3, 4, 16, 128))
+    assert results[1] == pytest.approx(plain, abs=1e-5), (results, plain)  # the last stage's losses
+    for read in run_distributed(_read_under_a_profiler_without_stacks, 2):
+        assert read.startswith("RuntimeError: this parameter's full values are not in memory"), read
+
+
 def test_a_zero3_step_profiled_with_stacks():
     """torch.profiler's Python tracer (with_stack=True) reads the data pointer of each called
     module's parameters before ZeRO-3's hooks gather them, and the mark of a freed parameter

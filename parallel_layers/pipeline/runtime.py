@@ -203,6 +203,9 @@ class PipelineParallel:
         inputs on pipeline rank 0, for pipelines whose layers take it (Note [side inputs]).
         position_ids: [batch, seq] or [1, seq], given with the inputs on pipeline rank 0, for
         pipelines whose layers take them (else each stage's arange(seq))."""
+        check = getattr(self.data_parallel, "profiler_check", None)  # ZeRO-3's stages are called directly
+        if check is not None:
+            check()
         role = (inputs if self.rank == 0 else None, targets if self.rank == self.last_rank else None,
                 attention_mask if self.rank == 0 else None,
                 position_ids if self.rank == 0 else None)  # what this rank's stages read

@@ -134,8 +134,10 @@ class BufferPool:
         self._gather_keys: set[tuple] = set()  # the sizes and dtypes the gathers take
         self.allocated = 0  # buffers made so far (the rest of the requests were served from _free)
         # Note [CPU parameter storage reuse]: memory of freed full parameters, by byte size
-        self._blocks: dict[tuple, list[torch.UntypedStorage]] = {}
-        self.keep_blocks: dict[tuple, int] = {}  # (byte size, device) -> at most this many kept (`expect_units`)
+        self._blocks: dict[int, list[torch.UntypedStorage]] = {}  # CPU memory only
+        # byte size -> at most this many kept (`expect_units`); by size alone: a model built on the
+        # meta device gets its CPU storage after the pool was told its sizes (review finding)
+        self.keep_blocks: dict[int, int] = {}
         self.refills_reused = self.refills_new = 0  # refills served from kept memory, and allocated anew
 
     @staticmethod
@@ -172,19 +174,17 @@ class BufferPool:
         """Keep up to two units' worth of each storage size: the full parameters' storages of
         `units` (the pooled groups' members), each counted once however many members share it."""
         for members in units:
-            count: dict[tuple, int] = {}
-            for key in {sp.full.untyped_storage()._cdata: (sp._storage_nbytes, sp.full.device)
-                        for sp in members}.values():
-                count[key] = count.get(key, 0) + 1
-            for key, c in count.items():
-                self.keep_blocks[key] = max(self.keep_blocks.get(key, 0), 2 * c)
+            count: dict[int, int] = {}
+            for nbytes in {sp.full.untyped_storage()._cdata: sp._storage_nbytes for sp in members}.values():
+                count[nbytes] = count.get(nbytes, 0) + 1
+            for nbytes, c in count.items():
+                self.keep_blocks[nbytes] = max(self.keep_blocks.get(nbytes, 0), 2 * c)
 
     def free_storage(self, storage: torch.UntypedStorage) -> None:
         """Take `storage`'s memory away (it is left with none, as resize_(0) leaves it), kept
         for the next refill of its size while fewer than `keep_blocks` of that size are."""
-        key = storage.nbytes(), storage.device
-        blocks = self._blocks.setdefault(key, [])
-        if SWAPS_STORAGE and storage.device.type == "cpu" and len(blocks) < self.keep_blocks.get(key, 0):
+        blocks = self._blocks.setdefault(storage.nbytes(), [])
+        if SWAPS_STORAGE and storage.device.type == "cpu" and len(blocks) < self.keep_blocks.get(storage.nbytes(), 0):
             block = torch.UntypedStorage(0)
             storage._swap_data_ptr_(block)  # storage: no bytes; block: its memory
             blocks.append(block)
@@ -193,7 +193,7 @@ class BufferPool:
 
     def refill_storage(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give `storage` (freed) `nbytes` of memory: kept memory of that size if there is any."""
-        blocks = self._blocks.get((nbytes, storage.device))
+        blocks = self._blocks.get(nbytes) if storage.device.type == "cpu" else None
         if blocks:
             storage._swap_data_ptr_(blocks.pop())
             self.refills_reused += 1

@@ -93,6 +93,7 @@ import torch.utils._pytree
 
 from parallel_layers import fault
 from parallel_layers.zero._group import ParamGroup
+from parallel_layers.zero._param import python_tracer_on
 
 
 @dataclasses.dataclass
@@ -151,6 +152,7 @@ class ZeROHooks:
         self.callback_queued = False
         self.reducing: ParamGroup | None = None  # Note [overlapped reduce-scatter]
         self.handles = []
+        self.marking = True  # freed parameters are marked (Note [reading a freed parameter] in _param.py)
         if stage == 2:
             self._install_grad_hooks(self.order)
         # stage 2 reduces at the end of backward, which a parameter's hook queues: with no
@@ -162,8 +164,7 @@ class ZeROHooks:
             self._install_grad_hooks(self.alone + self.replicated)  # the latter: to queue the end of backward
         if stage == 3:
             self._install_module_hooks(module, module_group)
-            self.marking = True  # Note [reading a freed parameter] in _param.py
-            self.handles.append(module.register_forward_pre_hook(self._profiler_check))
+            self.handles.append(module.register_forward_pre_hook(lambda *_: self.profiler_check()))
 
     # ---- reductions (Note [agreed reduction order]) --------------------------------------
     def defer_reduction(self) -> None:
@@ -303,6 +304,7 @@ class ZeROHooks:
                 g.reshard()
         for pool in {id(g.pool): g.pool for g in self.groups if g.pool is not None}.values():
             pool.trim()  # Note [CPU buffer reuse] in _group.py
+        self.profiler_check()  # marks back as soon as the tracer is off (Note [reading a freed parameter])
 
     # ---- stage 2: a group is done when all its params' gradients arrived -----------------
     def _install_grad_hooks(self, groups: list[ParamGroup]) -> None:
@@ -332,10 +334,11 @@ class ZeROHooks:
                 lambda m, args, kwargs, g=g: self._pre_forward(g, args, kwargs), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._make_post_forward(g)))
 
-    def _profiler_check(self, *_) -> None:
-        """Freed parameters unmarked while a profiler runs (Note [reading a freed parameter])."""
-        marking = not torch._C._autograd._profiler_enabled()
-        if marking != self.marking:
+    def profiler_check(self) -> None:
+        """Freed parameters unmarked while torch.profiler's Python tracer runs (Note [reading a
+        freed parameter] in _param.py)."""
+        marking = not python_tracer_on()
+        if self.stage == 3 and marking != self.marking:
             self.marking = marking
             for g in self.groups:
                 for sp in g.members:

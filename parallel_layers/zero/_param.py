@@ -46,6 +46,8 @@ of one.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -81,10 +83,12 @@ def check_dtypes(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> 
 # torch.profiler's Python tracer (`with_stack=True`) asks for the data pointer of every
 # parameter of each module it sees called - before the module's hooks have gathered them - and
 # raised the mark's error in the first profiled forward (session 39: ZeRO-3 could not be
-# profiled with stacks). So the marks are off while a profiler runs: ZeRO-3 looks at the start
-# of each forward (`ZeROHooks._profiler_check`) and clears the marks of freed parameters when a
-# profiler is on, setting them again once it is off; a freed parameter then reads as an empty
-# storage, as without the marks.
+# profiled with stacks). So the marks are off while that tracer runs (it installs its
+# TraceContext as the thread's profile function: `python_tracer_on`): ZeRO-3 looks at the start
+# of each forward, of each pipeline step and at the end of each backward
+# (`ZeROHooks.profiler_check`), clears the marks of freed parameters while the tracer is on
+# and sets them again once it is off. Meanwhile a freed parameter read directly crashes, as
+# without the marks; a profiler without stacks leaves the marks alone.
 _FREED_MESSAGE = (
     "this parameter's full values are not in memory: ZeRO-3 (parallel_layers' zero_stage=3) keeps only this "
     "rank's shard between uses. Read the full parameters through ZeRO on every rank - "
@@ -93,6 +97,12 @@ _FREED_MESSAGE = (
 _MARK = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
 _UNMARK = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
 MARKS_FREED = _MARK is not None and _UNMARK is not None
+
+
+def python_tracer_on() -> bool:
+    """Whether torch.profiler's Python tracer (with_stack=True) runs in this thread (Note
+    [reading a freed parameter])."""
+    return type(sys.getprofile()).__name__ == "TraceContext"
 
 
 def _poison(storage: torch.UntypedStorage) -> None:

@@ -48,6 +48,11 @@ def materialize(zero: ZeRO, device) -> None:
         for sp in g.members:
             sp.materialize(device)
     materialize_module(zero.module, device)  # what is left: buffers
+    # the storage sizes the pool keeps memory of, now that the parameters have storage (on the
+    # meta device a fused MLP's gate and up had none to share; review finding: nothing was kept)
+    for pool in {id(g.pool): g.pool for g in zero.groups if g.pool is not None}.values():
+        pool.keep_blocks.clear()
+        pool.expect_units([g.members for g in zero.groups if g.pool is pool])
 
 
 def full_state_dict(zero: ZeRO) -> dict[str, torch.Tensor]:

@@ -326,6 +326,12 @@ class ZeRO(LocalAccumulation, nn.Module):
         self._hooks.reduce_remaining()
         return clip_grad_norm_(self.module, max_norm, data_parallel=self, tp_group=tp_group, pp_group=pp_group)
 
+    def profiler_check(self) -> None:
+        """Called where a step starts without a forward of the wrapped model (a pipeline calls its
+        stages): freed parameters unmarked while torch.profiler's Python tracer runs (Note
+        [reading a freed parameter] in _param.py)."""
+        self._hooks.profiler_check()
+
     def step(self) -> None:
         if not self._stepped:  # once: a meta-built model's optimizer state (the step would fail obscurely)
             _optimizer.check_state_has_storage(self.optimizer, "ZeRO.step")

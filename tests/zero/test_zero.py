@@ -525,13 +525,21 @@ def test_cpu_gather_and_reduce_buffers_are_reused():
         assert idle == [2 * layer * 4] * 3, (idle, layer)  # two float32 [2, layer / 2] buffers
 
 
-def _storage_refills(rank, ws, reuse):
+def _storage_refills(rank, ws, reuse, meta=False):
     from parallel_layers.zero import _group
 
     _group.SWAPS_STORAGE = reuse
     torch.manual_seed(0)
     ref = _EqualLayers()
-    zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS["sgd"], stage=3, wrap=lambda m: isinstance(m, nn.Linear))
+    if meta:  # built on the meta device, given storage by materialize, the values loaded as shards
+        with torch.device("meta"):
+            model = _EqualLayers()
+        zero = ZeRO(model, OPTIMIZERS["sgd"], stage=3, wrap=lambda m: isinstance(m, nn.Linear))
+        zero.materialize("cpu")
+        zero.load_sharded_state_dict(ZeRO(copy.deepcopy(ref), OPTIMIZERS["sgd"], stage=3,
+                                          wrap=lambda m: isinstance(m, nn.Linear)).sharded_state_dict())
+    else:
+        zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS["sgd"], stage=3, wrap=lambda m: isinstance(m, nn.Linear))
     opt_ref = OPTIMIZERS["sgd"](ref.parameters())
     pool = zero.groups[0].pool
     g = torch.Generator().manual_seed(1)
@@ -567,6 +575,11 @@ def test_cpu_parameter_storage_is_reused():
         assert err < 1e-6, err
     for fresh, reused, idle, err in run_distributed(_storage_refills, 2, args=(False,)):
         assert reused == [0] * 3 and fresh[0] > 2 and idle == [0] * 3, (fresh, reused, idle)
+        assert err < 1e-6, err
+    # a model built on the meta device: the pool's sizes are taken again once it has storage (review
+    # finding, helper-70: they were the meta tensors', and no refill found kept memory)
+    for fresh, reused, idle, err in run_distributed(_storage_refills, 2, args=(True, True)):
+        assert fresh == [2] * 3 and reused[0] > 0, (fresh, reused)
         assert err < 1e-6, err
 
 
