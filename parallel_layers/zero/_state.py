@@ -143,8 +143,12 @@ def memory_bytes(zero: ZeRO) -> dict[str, int]:
         storage = sp.full.untyped_storage()
         if storage.nbytes():
             storages[storage.data_ptr()] = storage.nbytes()
+    pools = {id(g.pool): g.pool for g in zero.groups if g.pool is not None}.values()
     return {"params": sum(storages.values()),
             "grads": sum(_bytes(sp.full.grad) for sp in members),
             "master_shards": masters,
             "shard_grads": sum(_bytes(sp.shard.grad) for sp in members),
-            "optimizer_state": opt}
+            "optimizer_state": opt,
+            # kept for reuse on the CPU: gather / reduce buffers and freed parameters' memory (Note
+            # [CPU buffer reuse], Note [CPU parameter storage reuse] in _group.py)
+            "pooled": sum(pool.idle_bytes + pool.idle_storage_bytes for pool in pools)}

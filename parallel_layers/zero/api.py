@@ -410,7 +410,8 @@ class ZeRO(LocalAccumulation, nn.Module):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: full params, full grads, master shards (not counting those
-        that are views of full params), shard grads, optimizer state."""
+        that are views of full params), shard grads, optimizer state, and the CPU memory kept
+        for reuse (`pooled`: buffers and freed parameters' memory)."""
         return _state.memory_bytes(self)
 
 

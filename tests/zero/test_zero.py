@@ -551,6 +551,7 @@ def _storage_refills(rank, ws, reuse, meta=False):
         opt_ref.zero_grad()
         zero(x.chunk(ws)[rank]).square().mean().backward()
         idle.append(pool.idle_storage_bytes)
+        assert zero.memory_bytes()["pooled"] == pool.idle_bytes + pool.idle_storage_bytes
         zero.step()
         zero.zero_grad()
         fresh.append(pool.refills_new)
