@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,7 +85,7 @@ GLOO_DIRECT = True
 # by one: a 45 MB Mixtral expert weight took 23-27 ms to copy into fresh memory against 5 ms
 # into memory already touched, on this project's 2-core CPU (~240 ms of copies a ZeRO-3 step at
 # hidden 512, 1.5 s in all; DDP, whose parameters stay, pays none of it). So the repeated
-# blocks' groups (the ones sharing a BufferPool) hand a freed storage's memory to the pool
+# blocks' groups (the ones sharing a BufferPool) hand such a freed storage's memory to the pool
 # instead (`_swap_data_ptr_`: the storage object stays - autograd's saved references and the
 # views of it are untouched - and is left with no bytes, exactly as resize_(0) leaves it), and
 # the next refill of the same size takes it back. The pool keeps at most two units' worth of
@@ -94,7 +95,15 @@ GLOO_DIRECT = True
 # to the system before, so up to two units' full parameters stay allocated between those
 # points. CUDA's caching allocator already does this on a GPU, where none of it applies. Torch
 # builds without `_swap_data_ptr_` free and allocate as before.
+# Only storages glibc would map afresh are kept: those of at least its mmap threshold, which
+# starts at 128 KiB and rises with what is freed up to 32 MiB, where it stops (on 64-bit), or
+# MALLOC_MMAP_THRESHOLD_ where that fixes it (`plan --verify` sets 64 KiB). Smaller ones come
+# back from glibc's heap already touched, and keeping them here instead took that memory from
+# the activations and gradients allocated meanwhile: the Llama of bench_hf (tensors of 1-6 MB)
+# measured 1.147 -> 1.114 of DDP's step with them left to glibc (3 process pairs each way), the
+# Mixtral 1.27 either way (1.38 without the pool).
 SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+POOL_MIN_BYTES = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", 32 * 2**20))
 
 
 class _Works:
@@ -184,7 +193,8 @@ class BufferPool:
         """Take `storage`'s memory away (it is left with none, as resize_(0) leaves it), kept
         for the next refill of its size while fewer than `keep_blocks` of that size are."""
         blocks = self._blocks.setdefault(storage.nbytes(), [])
-        if SWAPS_STORAGE and storage.device.type == "cpu" and len(blocks) < self.keep_blocks.get(storage.nbytes(), 0):
+        if SWAPS_STORAGE and storage.device.type == "cpu" and storage.nbytes() >= POOL_MIN_BYTES and \
+                len(blocks) < self.keep_blocks.get(storage.nbytes(), 0):
             block = torch.UntypedStorage(0)
             storage._swap_data_ptr_(block)  # storage: no bytes; block: its memory
             blocks.append(block)

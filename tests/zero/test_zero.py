@@ -529,6 +529,7 @@ def _storage_refills(rank, ws, reuse, meta=False):
     from parallel_layers.zero import _group
 
     _group.SWAPS_STORAGE = reuse
+    _group.POOL_MIN_BYTES = 0  # these layers are small: keep every size (glibc's threshold aside)
     torch.manual_seed(0)
     ref = _EqualLayers()
     if meta:  # built on the meta device, given storage by materialize, the values loaded as shards
@@ -582,6 +583,25 @@ def test_cpu_parameter_storage_is_reused():
     for fresh, reused, idle, err in run_distributed(_storage_refills, 2, args=(True, True)):
         assert fresh == [2] * 3 and reused[0] > 0, (fresh, reused)
         assert err < 1e-6, err
+
+
+def test_cpu_parameter_storage_kept_only_from_the_mmap_threshold():
+    """Note [CPU parameter storage reuse]: memory glibc would map afresh (32 MiB and up by default)
+    is kept; smaller storage goes back to glibc's heap, as before."""
+    from parallel_layers.zero import _group
+
+    if not _group.SWAPS_STORAGE:
+        pytest.skip("this torch build lacks UntypedStorage._swap_data_ptr_")
+    pool = _group.BufferPool()
+    big, small = _group.POOL_MIN_BYTES, 4096
+    pool.keep_blocks = {big: 2, small: 2}
+    for nbytes in (big, small):
+        storage = torch.UntypedStorage(nbytes)
+        pool.free_storage(storage)
+        assert storage.nbytes() == 0
+        pool.refill_storage(storage, nbytes)
+        assert storage.nbytes() == nbytes
+    assert (pool.refills_reused, pool.refills_new) == (1, 1)  # the large one came back from the pool
 
 
 def _frozen(rank, ws, stage):
