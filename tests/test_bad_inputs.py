@@ -435,10 +435,7 @@ def test_a_second_parallelize_and_a_misspelt_tp_plan_are_refused_on_every_rank()
 
 
 def _state_dict_of_zero3(rank, ws):
-    ctx = init_parallel(dp=2, device="cpu")
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, group=ctx.dp_group,
-                wrap=lambda m: isinstance(m, nn.Linear))
+    model, _, zero = _two_layers_at_zero3()
     zero(torch.randn(2, 4)).sum().backward()
     zero.step()
     full = zero.full_state_dict()  # gathers first: allowed
@@ -537,10 +534,9 @@ def test_the_model_given_to_zero3_is_refused_where_its_wrapper_is_needed(tmp_pat
         assert len(errors) == 3 and all(problem in e for e in errors), errors
 
 
-def _read_freed_zero3_parameters(rank, ws):
+def _two_layers_at_zero3():
+    """(model, a plain copy of it, ZeRO-3 over it with each layer a unit) at dp=2."""
     import copy
-
-    from parallel_layers.zero._param import MARKS_FREED
 
     ctx = init_parallel(dp=2, device="cpu")
     torch.manual_seed(0)
@@ -548,6 +544,15 @@ def _read_freed_zero3_parameters(rank, ws):
     plain = copy.deepcopy(model)
     zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, group=ctx.dp_group,
                 wrap=lambda m: isinstance(m, nn.Linear))
+    return model, plain, zero
+
+
+def _read_freed_zero3_parameters(rank, ws):
+    import copy
+
+    from parallel_layers.zero._param import MARKS_FREED
+
+    model, plain, zero = _two_layers_at_zero3()
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))  # one batch on both ranks: the plain model's
     losses, reads = [], []
     for step in range(2):
@@ -593,16 +598,9 @@ def test_reading_a_freed_zero3_parameter_raises_and_training_goes_on():
 
 
 def _profile_zero3_with_stacks(rank, ws):
-    import copy
-
     from torch.profiler import ProfilerActivity, profile
 
-    ctx = init_parallel(dp=2, device="cpu")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-    plain = copy.deepcopy(model)
-    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, group=ctx.dp_group,
-                wrap=lambda m: isinstance(m, nn.Linear))
+    model, plain, zero = _two_layers_at_zero3()
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
 
@@ -659,10 +657,7 @@ def _profile_a_pipeline_with_stacks(rank, ws, directory):
 def _read_under_a_profiler_without_stacks(rank, ws):
     from torch.profiler import ProfilerActivity, profile
 
-    ctx = init_parallel(dp=2, device="cpu")
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-    zero = ZeRO(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3, group=ctx.dp_group,
-                wrap=lambda m: isinstance(m, nn.Linear))
+    model, _, zero = _two_layers_at_zero3()
     zero(torch.randn(2, 4)).sum().backward()
     with profile(activities=[ProfilerActivity.CPU]):  # no Python tracer: the marks stay
         zero(torch.randn(2, 4)).sum().backward()
