@@ -136,8 +136,9 @@ class Parallelized:
         mode (no dropout) and no gradient kept, at any layout: a validation step, as torchtitan's
         validator runs one. With a pipeline it runs the schedule's forwards and their messages only
         (`schedule.forward_only`; no gradient message, no gradient reduced), so every pipeline rank
-        gets the loss;
-        `module(inputs)` there would return a stage's activations. The optimizer is not touched."""
+        gets the loss; `module(inputs)` there would return a stage's activations. A batch the
+        microbatches do not divide (a validation set's last) is split into fewer equal parts
+        (Note [evaluating any batch] in pipeline/runtime.py). The optimizer is not touched."""
         self._check_batch(inputs, targets, attention_mask, position_ids)
         was_training = self.module.training
         self.module.eval()

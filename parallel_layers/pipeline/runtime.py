@@ -8,7 +8,8 @@
     model.step(); model.zero_grad()
 
 `inputs` are needed on the rank of the first stage, `targets` on the rank of the last; both
-are split on dim 0 into `microbatches` equal parts. A padded batch's `attention_mask=` goes
+are split on dim 0 into `microbatches` equal parts (an evaluation's batch into fewer where
+they do not divide it: Note [evaluating any batch]). A padded batch's `attention_mask=` goes
 with the inputs, to the layers that take it (Note [side inputs] in stages.py). The loss is normalised once for the whole
 batch: `loss_fn` returns a microbatch mean and is scaled by 1 / m, or, with
 `token_count=fn`, returns a microbatch sum and is divided by the sum of `token_count(target)`
@@ -45,6 +46,23 @@ from parallel_layers.pipeline.schedule import (BATCH, FORWARD, RECV_B, RECV_F, S
                                                forward_only, validate)
 from parallel_layers.pipeline import stage_random
 from parallel_layers.pipeline.stages import PipelineStages
+
+
+# Note [evaluating any batch]: a training step splits its batch into `microbatches` equal
+# parts, and refuses a batch they do not divide (unequal parts would weigh their microbatch
+# means unequally, and every part of a step keeps one boundary shape, Note [stage boundary
+# contract] in _p2p.py). An evaluation (a step under no_grad: Parallelized.evaluate) is often
+# handed what is left at the end of a validation set, so it splits a batch of n into the
+# largest count of equal parts that divides n and is at most `microbatches` (7 rows at
+# microbatches=4: one part of 7; 6 rows: 3 parts of 2) and runs the forwards of the same
+# schedule built for that count. Equal parts keep the loss what one batch gives: the mean of
+# equal microbatches' means, or the token count's sum over all of them. Every rank derives the
+# count from rank 0's batch size, which the batch check all-gathers, so no rank needs more.
+def evaluation_microbatches(batch: int, microbatches: int) -> int:
+    """The microbatch count of an evaluation of `batch` rows (Note [evaluating any batch])."""
+    if batch < 1:  # nothing to split: as a training step splits it
+        return microbatches
+    return next(m for m in range(min(batch, microbatches), 0, -1) if batch % m == 0)
 
 
 class PipelineParallel:
@@ -84,12 +102,21 @@ class PipelineParallel:
             (p.device for p in stages.parameters()), torch.device("cpu"))
         self.actions = build_schedule(schedule, self.ranks, microbatches, stages.virtual)  # validated
         # under no_grad (evaluate): the forwards and their messages only, checked by the same rules
-        self.forward_actions = forward_only(self.actions)
-        validate(self.forward_actions, self.ranks, microbatches, stages.virtual, kinds=(FORWARD,))
+        self._forward_lists = {microbatches: forward_only(self.actions)}  # by microbatch count
+        validate(self._forward_lists[microbatches], self.ranks, microbatches, stages.virtual, kinds=(FORWARD,))
         self.last_rank = (self.num_stages - 1) % self.ranks
         self.messenger = Messenger(self.group, self.device)
         if self.ranks > 1:  # Note [a random stream per pipeline stage]
             stage_random.seed(self.rank, self.device)
+
+    def _forward_actions(self, microbatches: int) -> list[list]:
+        """Every rank's forwards and their messages for `microbatches` (Note [evaluating any
+        batch]), built once per count and checked as the training schedule is."""
+        if microbatches not in self._forward_lists:
+            lists = forward_only(build_schedule(self.schedule, self.ranks, microbatches, self.stages.virtual))
+            validate(lists, self.ranks, microbatches, self.stages.virtual, kinds=(FORWARD,))
+            self._forward_lists[microbatches] = lists
+        return self._forward_lists[microbatches]
 
     # ---- one step -------------------------------------------------------------------------
     def _check_batch(self, inputs: Tensor | None, targets: Tensor | None, mask: Tensor | None,
@@ -137,7 +164,7 @@ class PipelineParallel:
         if n_in != n_tgt:
             raise ValueError(f"the batch has {n_in} inputs and {n_tgt} targets (sizes on dim 0): a step's inputs and "
                              "targets must be as many")
-        if n_in % m:
+        if n_in % m and torch.is_grad_enabled():  # an evaluation splits it otherwise (Note [evaluating any batch])
             raise ValueError(f"the batch of {n_in} must divide into microbatches={m}; {n_in} % {m} = {n_in % m}; "
                              f"valid batch sizes are multiples of {m}")
         sig = tuple(sizes[0][3:3 + _HEADER])
@@ -177,11 +204,11 @@ class PipelineParallel:
         if not ok:
             raise ValueError(f"{name} must be {what}; got shape {got} and dtype {dtype or 'unsupported'}")
 
-    def _side_inputs(self, given: dict[str, Tensor | None], sigs: dict[str, tuple], batch: int) -> list[dict]:
-        """Each microbatch's side inputs - the attention mask, the position ids - each sent from
-        pipeline rank 0 to every pipeline rank (each stage's layers need them, Note [side
-        inputs]); [1, seq] position ids are expanded to the batch first."""
-        m = self.microbatches
+    def _side_inputs(self, given: dict[str, Tensor | None], sigs: dict[str, tuple], batch: int,
+                     m: int) -> list[dict]:
+        """Each of the m microbatches' side inputs - the attention mask, the position ids - each
+        sent from pipeline rank 0 to every pipeline rank (each stage's layers need them, Note
+        [side inputs]); [1, seq] position ids are expanded to the batch first."""
         parts: list[dict] = [{} for _ in range(m)]
         for name, sig in sigs.items():
             if sig[0] < 0:
@@ -233,9 +260,9 @@ class PipelineParallel:
         # replicas' gradient buckets (gloo aborted; review finding).
         grads = torch.is_grad_enabled()
         self._agree_on_batches(refused, replicas=self._replicas() if grads else 1)
+        m = self.microbatches if grads else evaluation_microbatches(sig[2], self.microbatches)
         side = self._side_inputs({"attention_mask": attention_mask, "position_ids": position_ids},
-                                 {"attention_mask": mask_sig, "position_ids": pos_sig}, sig[2])
-        m = self.microbatches
+                                 {"attention_mask": mask_sig, "position_ids": pos_sig}, sig[2], m)
         x_mb = list(inputs.chunk(m)) if self.rank == 0 else None
         y_mb = list(targets.chunk(m)) if self.rank == self.last_rank else None
         msg = self.messenger
@@ -259,7 +286,8 @@ class PipelineParallel:
         with sync:
             if grads:
                 self.stages.scale_tied_grads_before_step()  # Note [tied gradients accumulate] in stages.py
-            run = _StepRun(self, msg, x_mb, y_mb, scale, side)
+            actions = self.actions if grads else self._forward_actions(m)
+            run = _StepRun(self, msg, actions[self.rank], x_mb, y_mb, scale, side)
             total = run.run()
             if grads:
                 self.stages.sync_tied_grads()
@@ -351,9 +379,9 @@ class PipelineParallel:
 class _StepRun:
     """One step's walk through this rank's actions, and what it holds meanwhile."""
 
-    def __init__(self, pipe: PipelineParallel, msg: Messenger, x_mb, y_mb, scale, side: list[dict]):
+    def __init__(self, pipe: PipelineParallel, msg: Messenger, actions: list, x_mb, y_mb, scale, side: list[dict]):
         self.pipe, self.msg, self.x_mb, self.y_mb, self.scale, self.side = pipe, msg, x_mb, y_mb, scale, side
-        self.actions = (pipe.actions if torch.is_grad_enabled() else pipe.forward_actions)[pipe.rank]
+        self.actions = actions  # this rank's, from the full schedule or its forwards alone (evaluate)
         self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output or scaled loss)
         self.handed: dict[tuple, Tensor] = {}  # passed between stages of this rank (p = 1): ("act"|"grad", stage, mb)
         self.broken: set[tuple] = set()  # (stage, mb) whose output broke the boundary contract (zeros were sent)

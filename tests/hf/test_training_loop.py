@@ -178,9 +178,16 @@ def test_a_parameter_unfrozen_after_parallelize(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
-def _probe():
-    """A batch no step trains on, as many rows as a training batch (the pipeline's microbatches divide it)."""
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+def _probe(rows=BATCH):
+    """A batch no step trains on, by default as many rows as a training batch (the pipeline's
+    microbatches divide it)."""
+    return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+# what evaluate is given: a training batch's rows, and a validation set's last batches, which the
+# pipeline's microbatches (4 at pp2, 2 at pp2-dp2-first-replica) do not divide (Note [evaluating
+# any batch] in pipeline/runtime.py)
+PROBE_ROWS = (BATCH, 6, 3)
 
 
 def _evaluate_between_steps(rank, world, directory, out, layout):
@@ -195,12 +202,12 @@ def _evaluate_between_steps(rank, world, directory, out, layout):
                       **({"microbatches": 2} if layout == "pp2-dp2-first-replica" else {}))  # 2 rows a replica
     dp_rank, dp = ctx.coordinate("dp"), ctx.dims.dp
     first, second = (ids.chunk(dp)[dp_rank] for ids in _tiny.token_batches(2, BATCH, SEQ, VOCAB))
-    probe = _probe()
     losses = [par.forward_backward(first, first).item()]
     par.step()
     par.zero_grad()
     # the first replica alone validates (Note [evaluation on one replica] in pipeline/runtime.py)
-    evaluated = par.evaluate(probe, probe).item() if layout != "pp2-dp2-first-replica" or dp_rank == 0 else None
+    evaluated = [par.evaluate(probe, probe).item() for probe in map(_probe, PROBE_ROWS)] \
+        if layout != "pp2-dp2-first-replica" or dp_rank == 0 else None
     training = par.module.training
     losses.append(par.forward_backward(second, second).item())
     par.step()
@@ -215,7 +222,8 @@ def test_evaluate_between_steps(tmp_path, layout):
     validation loss at every layout (the plain model's in eval mode under no_grad), and training
     goes on as if it had not run. At pp2 x dp2 the first replica alone evaluates, as it may
     without a pipeline: the pipeline's flag all-reduces over dp met the other replica's gradient
-    buckets and gloo aborted (review finding, helper-54)."""
+    buckets and gloo aborted (review finding, helper-54). Batches of 6 and 3 rows, which the
+    pipeline's microbatches do not divide, evaluate as the plain model's do."""
     _tiny.save_tiny_qwen2(tmp_path / "src")
     world = 4 if layout == "pp2-dp2-first-replica" else 2
     results = run_distributed(_evaluate_between_steps, world,
@@ -223,14 +231,13 @@ def test_evaluate_between_steps(tmp_path, layout):
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").train()
     opt = _sgd(plain.parameters())
     first, second = _tiny.token_batches(2, BATCH, SEQ, VOCAB)
-    probe = _probe()
     losses = [plain(first, labels=first).loss]
     losses[0].backward()
     opt.step()
     opt.zero_grad()
     plain.eval()
     with torch.no_grad():
-        expected = plain(probe, labels=probe).loss.item()
+        expected = [plain(probe, labels=probe).loss.item() for probe in map(_probe, PROBE_ROWS)]
     plain.train()
     losses.append(plain(second, labels=second).loss)
     losses[1].backward()
