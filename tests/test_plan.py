@@ -160,6 +160,20 @@ def test_recommendation_follows_the_rules(case):
         assert tp16 and all("TP only within a node" in e.reason for e in tp16)
 
 
+def test_a_small_models_sub_millisecond_steps_are_compared_not_tied():
+    """Review finding (helper-71): the tie-break rounded step times to 1 ms and traffic to 1 MB,
+    so every layout of a small model tied and candidate order chose: a DDP layout of 9.2e-7 s
+    was recommended over a pipeline of 4.9e-7 s, which was rejected as "same est. step"."""
+    model = ModelSpec(params=None, layers=2, hidden=64, seq=32, heads=4, kv_heads=2, ffn=256, vocab=512,
+                      mlp="swiglu", tied=False, dropout=False)
+    best, rejected = recommend(model, ClusterSpec(2, 2, 2 * GB), TrainSpec(global_batch=8))
+    fits = [e for e in rejected if plan.reason_kind(e.reason) in ("tie", "slower")] + [best]
+    assert best.step_time < 1e-3 and best.step_time == min(e.step_time for e in fits), best
+    for e in rejected:
+        if plan.reason_kind(e.reason) == "tie":
+            assert e.step_time <= (1 + plan.search.TIE) * best.step_time, (e.layout, e.reason)
+
+
 def test_nothing_fits_is_reported():
     best, rejected = recommend(ModelSpec(175e9, 96, 12288, 2048, heads=96), ClusterSpec(8, 8, 80 * GB),
                                TrainSpec(global_batch=64))

@@ -240,8 +240,13 @@ def recommend(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec = TrainSp
                             "while other layouts reach m >= 4p")
         ok = wide
     # Ties on time (DP traffic hidden under backward) go to less traffic, then the simpler
-    # layout: the lower ZeRO stage, no interleaving, no recomputation, no offload.
-    key = lambda e: (round(e.step_time, 3), round(sum(e.comm.values()) / GB, 3), e.layout.zero,  # noqa: E731
+    # layout: the lower ZeRO stage, no interleaving, no recomputation, no offload. Time and
+    # traffic tie within 0.1% of the fastest step and of the most traffic: 1 ms and 1 MB had
+    # been the grain, which made every layout of a small model tie, so that candidate order
+    # chose (a 2x slower DDP over pp2; review finding, helper-71).
+    most_traffic = max((sum(e.comm.values()) for e in ok), default=0.0) or 1.0
+    key = lambda e: (round(e.step_time / (fastest or 1.0), 3),  # noqa: E731
+                     round(sum(e.comm.values()) / most_traffic, 3), e.layout.zero,
                      e.layout.virtual, RECOMPUTE.index(e.layout.recompute), e.layout.offload)
     best = min(ok, key=key) if ok else None
     if best is not None and not pure_dp:  # ties between model-parallel layouts (see TIE)
@@ -261,9 +266,10 @@ def recommend(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec = TrainSp
                         f"{best.layout}, which leaves more memory headroom ({best.memory / GB:.0f} vs "
                         f"{e.memory / GB:.0f} GB per GPU; the model omits fragmentation and temporary buffers)")
         else:
-            e.reason = (f"same est. step {e.step_time:.3g} s as {best.layout}, with {sum(e.comm.values()) / GB:.1f} "
-                        f"vs {sum(best.comm.values()) / GB:.1f} GB/step of communication and ZeRO-{e.layout.zero} vs "
-                        f"{best.layout.zero}: the lower stage, less traffic and the simpler layout win")
+            e.reason = (f"same est. step (within {TIE:.0%}): {e.step_time:.3g} s vs {best.step_time:.3g} s for "
+                        f"{best.layout}, with {sum(e.comm.values()) / GB:.3g} vs {sum(best.comm.values()) / GB:.3g} "
+                        f"GB/step of communication and ZeRO-{e.layout.zero} vs {best.layout.zero}: the faster step, "
+                        "then less traffic and the simpler layout win")
     for e in all_:
         if e is not best and e.reason is None:  # unreachable guard: every loser must say why
             raise AssertionError(f"{e.layout} was neither recommended nor given a reason")
