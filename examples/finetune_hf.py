@@ -27,7 +27,8 @@ random token with a random stride, so there is something to learn; a fixed seed 
 dp rank taking its rows of the global batch.
 
 At the end: `checkpoint.save` (a DCP checkpoint named like the plain model's state_dict),
-`hf.save_pretrained` (a directory plain transformers loads), then rank 0 trains the plain
+`hf.save_pretrained` (a directory plain transformers loads; the source's tokenizer, if it has
+one, is saved beside it), then rank 0 trains the plain
 transformers model from the same directory on the same global batches in one process and
 prints PASS if
 (1) the losses agree at every step (the training is the reference's), and
@@ -119,6 +120,15 @@ def parallel_logits(par, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Te
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, every, dst=0)
     return [pair for records in every for pair in records] if every is not None else []
+
+
+def save_tokenizer(model_dir: str, export_dir: str) -> None:
+    """The source's tokenizer beside the export, so that `AutoTokenizer.from_pretrained(export)`
+    works: a model's save_pretrained (transformers' or hf.save_pretrained) writes no tokenizer."""
+    import transformers
+
+    if any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(export_dir)
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -258,6 +268,8 @@ def main():
     saved = checkpoint.save(os.path.join(work, "checkpoints"), args.steps, par.module, par.optimizer,
                             prefix=par.prefix, extra={"losses": losses})
     export_dir = hf.save_pretrained(par.module, os.path.join(work, "export"))
+    if rank == 0:
+        save_tokenizer(model_dir, export_dir)
     probe = global_batch(args.steps, args, vocab)  # a batch no step trained on
     trained = parallel_logits(par, probe.chunk(dp)[ctx.coordinate("dp")])
 

@@ -123,6 +123,7 @@ def test_finetune_hf_other_families(tmp_path, family, model, flags):
     from tests.hf import _tiny
 
     getattr(_tiny, f"save_tiny_{family}")(tmp_path / "pretrained")
+    _tiny.save_tiny_tokenizer(tmp_path / "pretrained")  # the job saves it beside its export
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                         str(ROOT / "examples" / "finetune_hf.py"), "--model-dir", str(tmp_path / "pretrained"),
@@ -131,5 +132,10 @@ def test_finetune_hf_other_families(tmp_path, family, model, flags):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"model: {model} from " in r.stdout, r.stdout
     assert re.search(r"parity vs plain transformers: .*: PASS", r.stdout), r.stdout
+    # the export is a model directory a user can tokenize with (review finding, helper-71)
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "work" / "export")
+    assert tokenizer("t1 t5 t99")["input_ids"] == [1, 5, 99]
     assert re.search(r"export .* reloaded by from_pretrained: logits vs the trained parallel model's own on an "
                      r"unseen batch, .*: PASS", r.stdout), r.stdout

@@ -177,3 +177,15 @@ def plain_losses(model, optimizer, batches) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def save_tiny_tokenizer(directory, vocab: int = 128) -> None:
+    """A word-level tokenizer of `vocab` tokens ("t0" ... ), saved with save_pretrained beside a
+    tiny model: built here from the `tokenizers` library, nothing downloaded."""
+    import tokenizers
+    import transformers
+
+    words = {f"t{i}": i for i in range(vocab - 1)} | {"<unk>": vocab - 1}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(directory)
