@@ -8,6 +8,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -110,7 +111,22 @@ def machine() -> dict:
             "fp32_cpu_gemm": parallel_layers._C._fp32_cpu_gemm()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    info.update(_code_version())
     return info
+
+
+def _code_version() -> dict:
+    """The commit the benchmark ran at and whether the tree had uncommitted changes, so that a
+    results file says which code it measured (review finding, helper-72); {} outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git_commit": commit, "git_dirty": bool(dirty)}
 
 
 def write_json(name: str, payload: dict) -> Path:

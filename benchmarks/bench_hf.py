@@ -22,7 +22,8 @@ advises:
   dp=2  zero3:      parallelize(model, init_parallel(dp=2), zero_stage=3): its default units, the
                     decoder layers, the embedding and the head (Note [vocabulary units])
         fsdp2:      torch.distributed.fsdp.fully_shard on each decoder layer, then on the root
-                    (reshard_after_forward=True, its default)
+                    (reshard_after_forward at its default, None: True for the layers, False for
+                    the root, which backward uses first)
         ddp:        torch.nn.parallel.DistributedDataParallel
         and, so that the kernels and the data parallelism are measured apart (review finding,
         helper-62: zero3 and ours run parallelize's fused kernels by default, fused_kernels=True,
@@ -38,12 +39,14 @@ together in a pair of processes and timed round-robin, one step of each per roun
 axis's; each of --trials is a fresh pair of processes; a ratio
 is the median over trials of the ratio within each trial. --dtypes: float32, or bfloat16.
 bfloat16 at tp=2: both models loaded in bfloat16 (TP keeps no master copy). bfloat16 at dp=2,
---bf16 mixed (the default): every variant computes in bfloat16 and keeps float32 weights,
-float32 gradient reductions and a float32 AdamW, as each one's documentation advises for
+--bf16 mixed (the default): every variant keeps float32 weights, float32 gradient reductions
+and a float32 AdamW, and runs its GEMMs in bfloat16, as each one's documentation advises for
 mixed precision: ZeRO over the model loaded in bfloat16 (its shards are float32 masters,
 reduce_dtype float32), FSDP2 over the float32 model with MixedPrecisionPolicy(param_dtype=
-bfloat16, reduce_dtype=float32) (torchtitan's default), DDP over the float32 model under
-torch.autocast(bfloat16). --bf16 pure: FSDP2 and DDP over the model loaded in bfloat16 (bfloat16
+bfloat16, reduce_dtype=float32) (torchtitan's default), both computing everything in bfloat16;
+DDP over the float32 model under torch.autocast(bfloat16), which runs only autocast's listed ops
+(the GEMMs) in bfloat16 and keeps the residual stream, norms and embedding in float32 and casts
+the weights at each use - not the same work as the others (review finding, helper-72). --bf16 pure: FSDP2 and DDP over the model loaded in bfloat16 (bfloat16
 weights, reductions and AdamW state: less work, and less accurate, than ZeRO, which has no
 such mode and still keeps float32 masters).
 --adamw: torch.optim.AdamW's implementation, the same for every variant: `fused` (the default
