@@ -61,7 +61,9 @@ class LossScale:
             for p in group["params"]:
                 if p.grad is not None:
                     by_place.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        device = next(iter(by_place))[0] if by_place else _default_device()
+        # the collective's device, not the first gradient's: under ZeRO-Offload the shard gradients
+        # are on the CPU, which an NCCL process group does not take (review finding, helper-74)
+        device = _default_device()
         found = torch.zeros((), dtype=torch.float32, device=device)
         for (place, _), grads in by_place.items():
             found_here = torch.zeros((), dtype=torch.float32, device=place)

@@ -35,17 +35,23 @@ _NONE, _NOT_TENSOR = -1, -2
 _GOLDEN, _PRIME = 0x9E3779B1, 2**31 - 1  # a multiplicative hash of the position, in [1, 2^31)
 
 
+def _scalar(value: int, device: torch.device) -> Tensor:
+    """An int64 scalar on `device` by a fill: `torch.tensor(value, device="cuda")` copies from
+    the host and synchronizes the stream (review finding, helper-74: 4-5 host syncs a step)."""
+    return torch.full((), value, dtype=torch.int64, device=device)
+
+
 def _digest(t, device: torch.device) -> list[Tensor]:
     if t is None:
-        return [torch.tensor(_NONE, device=device)] * 2
+        return [_scalar(_NONE, device)] * 2
     if not isinstance(t, Tensor):
-        return [torch.tensor(_NOT_TENSOR, device=device)] * 2
+        return [_scalar(_NOT_TENSOR, device)] * 2
     size = t.element_size()
     word = torch.int64 if size % 8 == 0 else torch.int32 if size % 4 == 0 else torch.int16 if size % 2 == 0 \
         else torch.uint8  # the tensor's bytes, read as whole words where they allow (ids: one int64 each)
     data = t.detach().contiguous().view(-1).view(word).to(device=device, dtype=torch.int64)
     weights = torch.arange(data.numel(), device=device, dtype=torch.int64) * _GOLDEN % _PRIME + 1
-    return [(data * weights).sum(), torch.tensor(t.numel(), device=device)]
+    return [(data * weights).sum(), _scalar(t.numel(), device)]
 
 
 def _device(group) -> torch.device:
@@ -73,7 +79,7 @@ def check(tensors: Sequence, names: Sequence[str], group, what: str,
     first = torch.where(given, torch.arange(len(every), device=device)[:, None], len(every)).amin(0)
     reader = first.clamp(max=len(every) - 1)  # device tensors throughout: no host sync on a GPU
     if readers is not None:
-        fixed = torch.tensor([-1 if r is None else r for r in readers], device=device)
+        fixed = torch.stack([_scalar(-1 if r is None else r, device) for r in readers])
         reader = torch.where(fixed >= 0, fixed, reader)
     column = torch.arange(len(tensors), device=device)
     ref = table[reader, column]  # [tensor, 2]
