@@ -77,32 +77,6 @@ _REDUCE_TAG = 0x2E61  # Note [gloo reduce-scatter]: apart from the gathers'
 # set it False in their workers, so that NCCL's calls and their order are exercised on the CPU.
 GLOO_DIRECT = True
 
-# Note [gloo direct members]: a member's shard is a contiguous slice of its flattened full
-# parameter (Note [ZeRO sharded parameter] in _param.py), and of its flattened full gradient:
-# rank q's is elements [q * s, q * s + s) of it, padding cut off. So on gloo's point-to-point
-# path the [W, S] buffer is not needed for a large member: its all-gather receives every peer's
-# shard straight into that peer's slice of the refilled full parameter (and copies its own shard
-# into its own slice), and its reduce-scatter sends each peer that peer's slice of the full
-# gradient and adds what it receives into its own slice's average. What that saves a step: the
-# all-gather's copy-out of every full parameter and the reduce-scatter's copy-in of every full
-# gradient, ~60 ms of ~1.1 s (profiled, 4 ZeRO-3 steps of bench_hf's Llama at hidden 512, fp32,
-# on this project's 2-core CPU), for one message per peer and member instead of one per unit.
-# Members under GLOO_DIRECT_MIN_BYTES (norm weights, biases, small projections) stay in the
-# buffer, where many share one message. Which members go direct depends only on their shapes,
-# dtypes and layout, the same on every rank, and every rank posts a unit's messages in the same
-# order (the buffer's first, then the members' in order), which gloo matches pair by pair.
-# Only where the full parameters are freed between uses (ZeRO-3's units): there the gather
-# writes into storage nobody reads until `unshard` returns; a kept full parameter (ZeRO-1/2,
-# the root) takes the buffer. NCCL keeps its collectives, which copy nothing anyway.
-# PARALLEL_LAYERS_GLOO_DIRECT_MIN_BYTES sets it (0: every member of a ZeRO-3 unit; the tests'
-# models are far smaller than the default).
-GLOO_DIRECT_MIN_BYTES = int(os.environ.get("PARALLEL_LAYERS_GLOO_DIRECT_MIN_BYTES", 1 << 20))
-
-
-def _real(numel: int, shard: int, rank: int) -> int:
-    """Elements of rank `rank`'s shard that are the parameter's, not padding."""
-    return max(0, min(shard, numel - rank * shard))
-
 
 # Note [CPU parameter storage reuse]: ZeRO-3 frees a full parameter by resizing its storage to
 # zero and refills it for the next use (Note [ZeRO sharded parameter] in _param.py). On the CPU
@@ -318,61 +292,23 @@ class ParamGroup:
         inflight = []
         with _all_gather_stream(device):
             for dtype, members in kinds.items():
-                direct = [sp for sp in members if self._gathers_direct(sp, dtype)]  # Note [gloo direct members]
-                members = [sp for sp in members if not any(sp is d for d in direct)]
-                if members:
-                    shards = [sp.gather_input(device) for sp in members]
-                    if len({t.dtype for t in shards}) > 1:  # frozen shards beside float32 masters (Note [frozen shards keep their dtype])
-                        shards = [t if t.dtype == dtype else t.to(dtype) for t in shards]
-                    buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
-                                                        empty=self._empty(device, gather=True))
-                    inflight.append((buf, self._launch_all_gather(buf), members))
-                if direct:
-                    inflight.append((None, self._launch_direct_gather(direct, dtype, device), direct))
+                shards = [sp.gather_input(device) for sp in members]
+                if len({t.dtype for t in shards}) > 1:  # frozen shards beside float32 masters (Note [frozen shards keep their dtype])
+                    shards = [t if t.dtype == dtype else t.to(dtype) for t in shards]
+                buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
+                                                    empty=self._empty(device, gather=True))
+                inflight.append((buf, self._launch_all_gather(buf), members))
         self._inflight = inflight
-
-    def _gathers_direct(self, sp: ShardedParam, dtype: torch.dtype) -> bool:
-        """Whether `sp` is gathered straight into its full parameter (Note [gloo direct members])."""
-        full = sp.full
-        return (self._direct and not self.keep_full and self.world > 1 and full.device.type == "cpu"
-                and full.dtype == dtype and full.is_contiguous()
-                and full.numel() * full.element_size() >= GLOO_DIRECT_MIN_BYTES)
-
-    def _launch_direct_gather(self, members: list[ShardedParam], dtype: torch.dtype, device: torch.device) -> _Works:
-        """Refill `members`' full parameters, copy this rank's shards into their slices and start
-        receiving every peer's into theirs (Note [gloo direct members])."""
-        ops = []
-        for sp in members:
-            flat = sp.refill_full(self.pool).view(-1)
-            n, s = flat.numel(), sp.shard_numel
-            mine = flat[self.rank * s:self.rank * s + _real(n, s, self.rank)]
-            mine.copy_(sp.gather_input(device)[:mine.numel()])
-            for peer in range(self.world):
-                theirs = flat[peer * s:peer * s + _real(n, s, peer)]
-                if peer == self.rank:
-                    continue
-                if mine.numel():
-                    ops.append(dist.P2POp(dist.isend, mine, group=self.group, group_peer=peer, tag=_GATHER_TAG))
-                if theirs.numel():
-                    ops.append(dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=peer, tag=_GATHER_TAG))
-        name = f"ZeRO all_gather of {self.name} (direct)"
-        fault.check_agreement(name, torch.empty(sum(sp.full.numel() for sp in members), dtype=dtype,
-                                                device="meta"), self.group)
-        with fault.collective(name, self.group):
-            return _Works(dist.batch_isend_irecv(ops) if ops else [])
 
     def _launch_all_gather(self, buf: torch.Tensor):
         """Start the all-gather of `buf` ([world, S], this rank's row filled); its work handle."""
         if self.world == 1:
             return None
-        # gloo's point-to-point calls hand the transport the tensor's pointer as it is: host memory
-        # only; gloo's collectives stage a CUDA tensor through the host (review finding, helper-74)
-        direct = self._direct and buf.device.type == "cpu"
         # NCCL all-gathers in place from this rank's row; gloo's collective wants a separate input.
-        mine = buf[self.rank].clone() if self._gloo and not direct else buf[self.rank]
+        mine = buf[self.rank].clone() if self._gloo and not self._direct else buf[self.rank]
         fault.check_agreement(f"ZeRO all_gather of {self.name}", mine, self.group)
         with fault.collective(f"ZeRO all_gather of {self.name}", self.group):  # an NCCL launch can raise
-            if direct:  # Note [gloo all-gather]
+            if self._direct:  # Note [gloo all-gather]
                 return _Works(dist.batch_isend_irecv(
                     [dist.P2POp(op, buf[row], group=self.group, group_peer=peer, tag=_GATHER_TAG)
                      for peer in range(self.world) if peer != self.rank
@@ -382,13 +318,9 @@ class ParamGroup:
     def drop_prefetch(self) -> None:
         """Discard a prefetched all-gather (its data predates an optimizer step)."""
         if self._inflight is not None:
-            for buf, work, members in self._inflight:
+            for buf, work, _ in self._inflight:
                 fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
-                if buf is None:  # gathered into the full parameters: free them again
-                    for sp in members:
-                        sp.free_full(self.pool)
-                else:
-                    self._give_back(buf)
+                self._give_back(buf)
             self._inflight = None
 
     def unshard(self) -> None:
@@ -399,14 +331,10 @@ class ParamGroup:
         inflight, self._inflight = self._inflight, None
         for buf, work, _ in inflight:
             fault.wait(work, f"ZeRO all_gather of {self.name}", self.group)
-        if inflight[0][0] is not None and inflight[0][0].is_cuda:  # Note [ZeRO streams]: the copy-out below
-            index = inflight[0][0].device.index                     # reads what the side stream wrote
+        if inflight[0][0].is_cuda:  # Note [ZeRO streams]: the copy-out below reads what the side stream wrote
+            index = inflight[0][0].device.index
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
         for buf, _, members in inflight:
-            if buf is None:  # received straight into the full parameters (Note [gloo direct members])
-                for sp in members:
-                    sp.is_unsharded = True
-                continue
             fulls = [sp.refill_full(self.pool) for sp in members]
             # of the buffer's dtype but under param_dtype, where a member kept another (a cast
             # through a temporary of the buffer's dtype)
@@ -421,10 +349,6 @@ class ParamGroup:
 
     def reshard(self) -> None:
         """Free the full parameters' storage (the shards stay)."""
-        if self._inflight is not None and any(buf is None for buf, _, _ in self._inflight):
-            # a gather in flight receives straight into that storage (Note [gloo direct members]):
-            # wait for it and drop it before the memory goes (a backward that raised left one)
-            self.drop_prefetch()
         for sp in self.members:
             sp.free_full(self.pool)
 
@@ -466,29 +390,19 @@ class ParamGroup:
         for sp in members:  # Note [a parameter no rank used] in api.py
             sp.used = sp.used or sp.full.grad is not None
         grads = [sp.grad_to_reduce() for sp in members]
-        direct = self._launch_direct_reduce(members, grads)  # Note [gloo direct members]
-        if free_full_grads:  # the buffer below holds a copy, the direct reduction its own references
-            for sp in members:
-                sp.full.grad = None
-        if direct is not None:
-            kept = {id(sp) for sp, _, _ in direct[1]}
-            grads = [g for sp, g in zip(members, grads) if id(sp) not in kept]
-            members = [sp for sp in members if id(sp) not in kept]
-        if not members:
-            self._reducing = (None, None, None, None, [], direct)
-            if not async_op:
-                self.finish_reduce()
-            return
         widest = functools.reduce(torch.promote_types, [g.dtype for g in grads])
         grads = [g if g.dtype == widest else g.to(widest) for g in grads]  # one dtype a call: the widest
         buf = shard_copy.reduce_scatter_copy_in(grads, self.world, self.reduce_dtype, pre_scale=1.0 / self.world,
                                                 empty=self._empty(grads[0].device))
         del grads
+        if free_full_grads:  # buf holds their copy
+            for sp in members:
+                sp.full.grad = None
         handle, recv = None, None
         if self.world > 1:
             fault.check_agreement(f"ZeRO reduce_scatter of {self.name}", buf, self.group)
             with fault.collective(f"ZeRO reduce_scatter of {self.name}", self.group):
-                if self._direct and buf.device.type == "cpu":  # Note [gloo reduce-scatter]: host memory only
+                if self._direct:  # Note [gloo reduce-scatter]
                     out = buf[self.rank]
                     empty = self._empty(buf.device) or torch.empty
                     recv = empty((self.world - 1, buf.shape[1]), dtype=buf.dtype, device=buf.device)
@@ -503,82 +417,28 @@ class ParamGroup:
                     handle = dist.reduce_scatter_single(out, buf.view(-1), group=self.group, async_op=True)
         else:
             out = buf[0]
-        self._reducing = (out, handle, buf, recv, members, direct)  # buf stays alive until the collective is done
+        self._reducing = (out, handle, buf, recv, members)  # buf stays alive until the collective is done
         if not async_op:
             self.finish_reduce()
-
-    def _launch_direct_reduce(self, members: list[ShardedParam], grads: list[torch.Tensor]):
-        """Start the reduce-scatter of the members whose full gradients are sent as they are (Note
-        [gloo direct members]): each peer's slice to it, its slices of ours received into a [W - 1,
-        n] buffer per member. Returns (work handle, [(member, full gradient, receive buffer)]) or None."""
-        chosen = [(sp, g) for sp, g in zip(members, grads)
-                  if self._direct and self.world > 1 and g.device.type == "cpu" and g.dtype == self.reduce_dtype
-                  and g.is_contiguous() and g.numel() * g.element_size() >= GLOO_DIRECT_MIN_BYTES]
-        if not chosen:
-            return None
-        ops, parts = [], []
-        empty = self._empty(chosen[0][1].device) or torch.empty
-        for sp, g in chosen:
-            flat, n, s = g.view(-1), g.numel(), sp.shard_numel
-            recv = empty((self.world - 1, _real(n, s, self.rank)), dtype=g.dtype, device=g.device)
-            peers = [peer for peer in range(self.world) if peer != self.rank]
-            for j, peer in enumerate(peers):
-                theirs = flat[peer * s:peer * s + _real(n, s, peer)]
-                if theirs.numel():
-                    ops.append(dist.P2POp(dist.isend, theirs, group=self.group, group_peer=peer, tag=_REDUCE_TAG))
-                if recv.shape[1]:
-                    ops.append(dist.P2POp(dist.irecv, recv[j], group=self.group, group_peer=peer, tag=_REDUCE_TAG))
-            parts.append((sp, g, recv))
-        name = f"ZeRO reduce_scatter of {self.name} (direct)"
-        fault.check_agreement(name, torch.empty(sum(g.numel() for _, g in chosen), dtype=self.reduce_dtype,
-                                                device="meta"), self.group)
-        with fault.collective(name, self.group):
-            return _Works(dist.batch_isend_irecv(ops) if ops else []), parts
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter `reduce_grads` launched, if any, and accumulate this
         rank's slot into the shard gradients."""
         if self._reducing is None:
             return
-        out, handle, buf, recv, members, direct = self._reducing
+        out, handle, buf, recv, members = self._reducing
         self._reducing = None
-        # frozen members get no shard gradient, so the optimizer (weight decay) skips them. The
-        # first reduction after zero_grad(set_to_none=True) writes the shard gradients it makes
-        # rather than filling them with zeros and adding (a pass less over them, and none over
-        # fresh pages: 58 ms of a Mixtral's 1.2 s ZeRO-3 step on the CPU went to those fills).
-        fresh = all(sp.shard.grad is None for sp in members + ([sp for sp, _, _ in direct[1]] if direct else []))
-        if direct is not None:
-            self._finish_direct_reduce(*direct, fresh)
-        if out is None:  # every member went direct
-            return
         fault.wait(handle, f"ZeRO reduce_scatter of {self.name}", self.group)
         if recv is not None:  # Note [gloo reduce-scatter]: the other ranks' parts of this rank's row
             out.add_(recv[0] if len(recv) == 1 else recv.sum(0))
             self._give_back(recv)
         if self.offload:
             out = out.to("cpu")
+        # frozen members get no shard gradient, so the optimizer (weight decay) skips them. The
+        # first reduction after zero_grad(set_to_none=True) writes the shard gradients it makes
+        # rather than filling them with zeros and adding (a pass less over them, and none over
+        # fresh pages: 58 ms of a Mixtral's 1.2 s ZeRO-3 step on the CPU went to those fills).
+        fresh = all(sp.shard.grad is None for sp in members)
         shard_copy.reduce_scatter_copy_out(out, [sp.shard_grad(overwritten=fresh) for sp in members],
                                            accumulate=not fresh)
         self._give_back(buf)  # out, a view of it or a tensor of its own, is read by now
-
-    def _finish_direct_reduce(self, handle: _Works, parts: list, fresh: bool) -> None:
-        """This rank's slice of each direct member's gradient, averaged over the ranks, into its
-        shard gradient: its own part and the peers', each scaled by 1 / W and summed in the
-        buffer path's order (Note [gloo direct members])."""
-        fault.wait(handle, f"ZeRO reduce_scatter of {self.name} (direct)", self.group)
-        scale = 1.0 / self.world
-        for sp, g, recv in parts:
-            s, n = sp.shard_numel, recv.shape[1]
-            part = g.view(-1)[self.rank * s:self.rank * s + n] * scale
-            if n:
-                recv.mul_(scale)
-                part.add_(recv[0] if len(recv) == 1 else recv.sum(0))
-            if self.offload:
-                part = part.to("cpu")
-            grad = sp.shard_grad(overwritten=fresh)
-            if fresh:
-                grad[:n].copy_(part)
-                grad[n:].zero_()
-            else:
-                grad[:n].add_(part)
-            self._give_back(recv)

@@ -13,11 +13,6 @@ import torch.nn.functional as F
 from parallel_layers.zero import ShardedParam, ZeRO
 from tests.dist_harness import run_distributed
 
-try:
-    import transformers
-except ImportError:  # the Hugging Face test below is skipped
-    transformers = None
-
 BATCH = 24  # divides by every world size (1-4) times 2 micro-batches
 RTOL = 1e-5  # float32: ranks sum gradients in another order than one big batch
 
@@ -46,12 +41,7 @@ OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2), "sgd": lambda 
               "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)}
 
 
-def _zero_parity(rank, ws, stage, micro, opt="adamw", prefetch=True, offload=False, zero_grad="zero",
-                 direct_min_bytes=None):
-    if direct_min_bytes is not None:  # Note [gloo direct members]: this test's members are far under 1 MiB
-        from parallel_layers.zero import _group
-
-        _group.GLOO_DIRECT_MIN_BYTES = direct_min_bytes
+def _zero_parity(rank, ws, stage, micro, opt="adamw", prefetch=True, offload=False, zero_grad="zero"):
     torch.manual_seed(0)
     ref = Net()
     zero = ZeRO(copy.deepcopy(ref), OPTIMIZERS[opt], stage=stage, wrap=lambda m: isinstance(m, nn.Linear),
@@ -113,21 +103,6 @@ def test_zero_matches_single_process_fused_adamw(stage):
     # them as it takes the reference's parameters (both sides fused: its rounding differs from
     # the for-loop's).
     for rank, worst in enumerate(run_distributed(_zero_parity, 2, args=(stage, 2, "adamw_fused"))):
-        bad = {k: v for k, v in worst.items() if not v < RTOL}
-        assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
-
-
-# Note [gloo direct members]: members gathered straight into their full parameters and reduced
-# from their full gradients, all of them (0 bytes and up) or the larger ones beside a buffer
-# (the weights of a and b, 105 and 45 elements, over 100 bytes; biases and c under), with the
-# shards' padding at 3 and 4 ranks, gradient accumulation, and SGD, whose steps show a wrong
-# average where AdamW's would not.
-@pytest.mark.parametrize("direct_min_bytes", [0, 100])
-@pytest.mark.parametrize("stage,ws,micro,opt", [(3, 2, 2, "adamw"), (3, 3, 1, "sgd"), (3, 4, 2, "adamw"),
-                                                (2, 3, 2, "sgd"), (1, 4, 1, "adamw")])
-def test_zero_members_gathered_and_reduced_directly_match_single_process(stage, ws, micro, opt, direct_min_bytes):
-    for rank, worst in enumerate(run_distributed(_zero_parity, ws, args=(stage, micro, opt, True, False, "zero",
-                                                                         direct_min_bytes))):
         bad = {k: v for k, v in worst.items() if not v < RTOL}
         assert not bad, f"rank {rank}: relative errors above {RTOL}: {bad}"
 
@@ -973,12 +948,9 @@ class _BoomNet(nn.Module):
         return self.c(torch.tanh(self.b(_Boom.apply(torch.tanh(self.a(x))))))
 
 
-def _after_a_backward_that_raised(rank, ws, kind, direct_min_bytes=None):
+def _after_a_backward_that_raised(rank, ws, kind):
     from parallel_layers.data_parallel import DataParallel
-    from parallel_layers.zero import _group
 
-    if direct_min_bytes is not None:  # Note [gloo direct members]: a prefetch in flight into the full parameters
-        _group.GLOO_DIRECT_MIN_BYTES = direct_min_bytes
     torch.manual_seed(0)
     ref = _BoomNet()
     net = copy.deepcopy(ref)
@@ -1014,44 +986,3 @@ def test_training_goes_on_after_a_backward_that_raised(kind):
     averaged again (0.5-0.9 off the average) and ZeRO-2/3 never reduced (1.1 off the plain
     model after two steps), silently. Caught, the gradients zeroed, training goes on as plain."""
     assert max(run_distributed(_after_a_backward_that_raised, 2, args=(kind,))) < RTOL
-
-
-def test_training_goes_on_after_a_backward_that_raised_with_a_direct_gather_in_flight():
-    """Note [gloo direct members]: the failed backward left a prefetch receiving straight into a
-    layer's full parameters; the recovery freed that storage under it, and the next forward found
-    a parameter marked gathered with no storage ("out of bounds for storage of size 0")."""
-    assert max(run_distributed(_after_a_backward_that_raised, 2, args=("3", 0))) < RTOL
-
-
-def _hf_zero3_direct(rank, world, directory, out):
-    from parallel_layers import hf, init_parallel, parallelize
-    from parallel_layers.pipeline.hf import causal_lm_loss
-    from parallel_layers.zero import _group
-    from tests.hf import _tiny
-
-    _group.GLOO_DIRECT_MIN_BYTES = 0  # every member of the decoder layers' units (Note [gloo direct members])
-    ctx = init_parallel(dp=2, device="cpu")
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).train()
-    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), loss_fn=causal_lm_loss,
-                      zero_stage=3)
-    losses = _tiny.parallel_losses(par, ctx, _tiny.token_batches(3, 4, 16, 128))
-    hf.save_pretrained(par, out)
-    return losses
-
-
-@pytest.mark.skipif(transformers is None, reason="needs transformers")
-def test_a_llama_at_zero3_with_every_member_gathered_directly_trains_as_plain(tmp_path):
-    """Note [gloo direct members] on a transformers Llama: the fused MLP's gate and up share one
-    allocation, filled by two members' receives; the decoder layers' units share the CPU pools."""
-    from tests.hf import _tiny
-
-    _tiny.save_tiny_llama(tmp_path / "src")
-    results = run_distributed(_hf_zero3_direct, 2, args=(str(tmp_path / "src"), str(tmp_path / "out")))
-    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").train()
-    batches = _tiny.token_batches(3, 4, 16, 128)
-    expected = _tiny.plain_losses(plain, torch.optim.SGD(plain.parameters(), lr=0.5), batches)
-    # each replica's loss is over its half of the rows, as many tokens as the other's: their mean is the batch's
-    assert [(a + b) / 2 for a, b in zip(*results)] == pytest.approx(expected, abs=1e-5)
-    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
-    for name, tensor in plain.state_dict().items():
-        assert torch.allclose(trained[name], tensor, atol=1e-5), (name, (trained[name] - tensor).abs().max())
