@@ -304,11 +304,14 @@ class ParamGroup:
         """Start the all-gather of `buf` ([world, S], this rank's row filled); its work handle."""
         if self.world == 1:
             return None
+        # gloo's point-to-point calls hand the transport the tensor's pointer as it is: host memory
+        # only; gloo's collectives stage a CUDA tensor through the host (review finding, helper-74)
+        direct = self._direct and buf.device.type == "cpu"
         # NCCL all-gathers in place from this rank's row; gloo's collective wants a separate input.
-        mine = buf[self.rank].clone() if self._gloo and not self._direct else buf[self.rank]
+        mine = buf[self.rank].clone() if self._gloo and not direct else buf[self.rank]
         fault.check_agreement(f"ZeRO all_gather of {self.name}", mine, self.group)
         with fault.collective(f"ZeRO all_gather of {self.name}", self.group):  # an NCCL launch can raise
-            if self._direct:  # Note [gloo all-gather]
+            if direct:  # Note [gloo all-gather]
                 return _Works(dist.batch_isend_irecv(
                     [dist.P2POp(op, buf[row], group=self.group, group_peer=peer, tag=_GATHER_TAG)
                      for peer in range(self.world) if peer != self.rank
@@ -402,7 +405,7 @@ class ParamGroup:
         if self.world > 1:
             fault.check_agreement(f"ZeRO reduce_scatter of {self.name}", buf, self.group)
             with fault.collective(f"ZeRO reduce_scatter of {self.name}", self.group):
-                if self._direct:  # Note [gloo reduce-scatter]
+                if self._direct and buf.device.type == "cpu":  # Note [gloo reduce-scatter]: host memory only
                     out = buf[self.rank]
                     empty = self._empty(buf.device) or torch.empty
                     recv = empty((self.world - 1, buf.shape[1]), dtype=buf.dtype, device=buf.device)
