@@ -106,6 +106,49 @@ def test_plain_dcp_checkpoint_loads_into_our_layouts(tmp_path, layout):
             assert torch.equal(torch.tensor(state[k]), v), k
 
 
+def _load_plain_dcp_into_parallelized(rank, world, directory, ckpt):
+    import warnings
+
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(dp=2, device="cpu")
+    par = parallelize(transformers.AutoModelForCausalLM.from_pretrained(directory), ctx, optimizer=_adamw,
+                      loss_fn=causal_lm_loss, zero_stage=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = checkpoint.load(ckpt, par)  # its own optimizer, which the checkpoint has no state for
+    said = [str(w.message) for w in caught if "holds no optimizer state" in str(w.message)]
+    logits = _logits(par.module, ctx).tolist()
+    ids = _ids(3)  # and it trains on from there, its optimizer as it was
+    loss = par.forward_backward(ids, ids).item()
+    par.step()
+    return extra, said, logits, loss
+
+
+def test_plain_dcp_checkpoint_loads_into_a_parallelized_model_with_its_own_optimizer(tmp_path):
+    """Review finding (helper-75): `checkpoint.load(path, par)` of a model-only checkpoint failed
+    with "pass optimizer=None to load the model only", which a Parallelized (it brings its own
+    optimizer) could not follow. The model loads, the optimizer keeps its state, and rank 0 warns."""
+    save_tiny_llama(tmp_path / "hf")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    torch.distributed.checkpoint.save({"model": plain.state_dict()}, checkpoint_id=str(tmp_path / "dcp"),
+                                      no_dist=True)
+    with torch.no_grad():
+        want = plain(input_ids=_ids()).logits
+        ids = _ids(3)  # each replica's batch in the worker: the loaded model's loss on it
+        want_loss = torch.nn.functional.cross_entropy(plain(input_ids=ids).logits[:, :-1].flatten(0, 1),
+                                                      ids[:, 1:].flatten()).item()
+    results = run_distributed(_load_plain_dcp_into_parallelized, 2, args=(str(tmp_path / "hf"), str(tmp_path / "dcp")))
+    for rank, (extra, said, logits, loss) in enumerate(results):
+        assert extra == {} and len(said) == (1 if rank == 0 else 0), (rank, said)
+        assert torch.allclose(torch.tensor(logits), want, rtol=1e-5, atol=1e-5)
+        assert loss == pytest.approx(want_loss, abs=1e-5)
+
+
 def _train_and_save(rank, world, directory, root, layout):
     model, wrapped, opt, ctx = _build(directory, **layout)
     for step in range(2):
