@@ -227,7 +227,13 @@ def diagnose(name: str, ranks: list[int], count: int, wait_s: float = 2.5 * HEAR
         elif point_to_point and b["current"].get("p2p") and b["current"]["ranks"] == ranks:
             # Ranks of a pipeline issue different numbers of sends and receives: no order to compare.
             lines.append(f"rank {r}: alive and in point-to-point traffic of this group ({_where(b)})")
-        elif (b["current"]["name"], b["current"]["ranks"], b["current"]["count"]) != (name, ranks, count):
+        elif b["current"]["ranks"] != ranks:
+            # in a collective of another group: held up there by a rank of that group (a hung or
+            # dead rank elsewhere), not out of order - each group's own order is compared apart
+            # (review finding, helper-76: tp2 x dp2 with one rank hung blamed the order)
+            lines.append(f"rank {r}: alive but {_where(b)}, another group's - it is waiting there (look at that "
+                         "group's ranks above or in their own errors)")
+        elif (b["current"]["name"], b["current"]["count"]) != (name, count):
             lines.append(f"rank {r}: alive but {_where(b)} - the ranks disagree on the order of collectives")
         else:
             lines.append(f"rank {r}: alive and in this same collective")

@@ -1,6 +1,7 @@
 """A dead, hung or out-of-step peer turns into an error naming the collective and the rank
 (Note [collective watchdog] in parallel_layers/fault.py), within the process group's timeout."""
 
+import datetime
 import os
 import signal
 import time
@@ -73,6 +74,34 @@ def test_ranks_in_different_collectives_are_reported():
     assert "the ranks disagree on the order of collectives" in message
     # Rank 1 fails too; whether it still sees rank 0 alive depends on who gives up first.
     assert peer_message.startswith("all_gather #2 of group [0, 1] failed on rank 1") and "rank 0" in peer_message
+
+
+def _held_up_in_another_group(rank, world):
+    import torch.distributed as dist
+
+    from parallel_layers.tensor_parallel import comm
+
+    timeout = datetime.timedelta(seconds=4)
+    pair_01, pair_12 = dist.new_group([0, 1], timeout=timeout), dist.new_group([1, 2], timeout=timeout)
+    comm.all_reduce(torch.ones(4), None)  # every rank alive: heartbeats start
+    if rank == 2:
+        time.sleep(14)  # hangs in its own code
+        return None
+    if rank == 1:  # waits for rank 2 in their group (from 1 s to its diagnosis' end, ~7.5 s) ...
+        time.sleep(1)
+        return _survivor_message(lambda: comm.all_reduce(torch.ones(4), pair_12))
+    # ... while rank 0 waits for rank 1 in theirs, times out at ~4 s and looks at rank 1 until ~6.5 s
+    return _survivor_message(lambda: comm.all_reduce(torch.ones(4), pair_01))
+
+
+def test_a_rank_held_up_in_another_groups_collective_is_not_called_out_of_order():
+    """Review finding (helper-76): at tp2 x dp2 with one rank hung, a rank whose peer waited on it
+    in another group's collective was told "the ranks disagree on the order of collectives"."""
+    (message, _), (peer_message, _), _ = run_distributed(_held_up_in_another_group, 3, collective_timeout_s=4)
+    assert message.startswith("all_reduce #1 of group [0, 1] failed on rank 0"), message
+    assert "rank 1: alive but in all_reduce #1 of group [1, 2]" in message and "another group's" in message
+    assert "disagree on the order" not in message
+    assert "rank 2: alive but outside any collective" in peer_message
 
 
 def _mismatched_replicas(rank, world):
