@@ -70,6 +70,7 @@ from parallel_layers import activation_checkpointing as activation_checkpointing
 from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
+from parallel_layers._token_ids import check_token_ids
 from parallel_layers._loss_scale import LossScale
 from parallel_layers.checkpoint import _dist
 from parallel_layers.data_parallel import DataParallel
@@ -200,6 +201,8 @@ class Parallelized:
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
+        if self.pipeline is None and isinstance(inputs, Tensor) and hasattr(_innermost(self.module), "config"):
+            check_token_ids(inputs, _innermost(self.module))  # Note [token ids in range] in _token_ids.py
         if (self.pipeline is None and isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
                 and hasattr(_innermost(self.module), "config")):

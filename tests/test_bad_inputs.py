@@ -722,3 +722,41 @@ def test_optimizer_state_left_on_the_meta_device_is_named_at_the_first_step():
                 "state), build the model for real, or use an optimizer that creates its state at the first step (SGD, "
                 "Adam, AdamW)")
     assert run_distributed(_meta_adagrad, 2) == [expected, expected]
+
+
+def _token_id_errors(rank, ws, directory, layout):
+    import transformers
+
+    from parallel_layers import parallelize as compose
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    pp = 2 if layout == "pp2" else 1
+    ctx = init_parallel(pp=pp, dp=ws // pp, device="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    par = compose(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=causal_lm_loss,
+                  zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    bad = ids.clone()
+    bad[1, 3], bad[2, 5] = 130, -1  # the same batch on every rank: every rank raises
+    errors = [_error(lambda: par.forward_backward(bad, ids)), _error(lambda: par.evaluate(ids.float(), ids))]
+    return errors, par.forward_backward(ids, ids).item()  # and training goes on
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero3", "dp2", "pp2"])
+def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
+    """Review finding (helper-76): without tensor parallelism a transformers model's embedding
+    raised torch's "index out of range in self" (no value, no range), and a float batch an error
+    about argument #1 'indices' (Note [token ids in range] in parallel_layers/_token_ids.py).
+    Under a pipeline rank 0's ids are checked on every pipeline rank."""
+    from tests.hf import _tiny
+
+    _tiny.save_tiny_llama(tmp_path)
+    expected = "token ids must be in [0, 128) (the model's input embedding has 128 rows), got values in [-1, 130]"
+    for errors, loss in run_distributed(_token_id_errors, 2, args=(str(tmp_path), layout)):
+        if layout == "pp2":
+            assert errors[0] == f"ValueError: {expected}"
+            assert errors[1].startswith("ValueError: a pipelined Llama decoder takes token ids [batch, seq] (int64)")
+        else:
+            assert errors == [f"IndexError: {expected}", "TypeError: forward_backward needs token ids (an integer "
+                              "tensor, torch.int64) as the inputs of a transformers model; got torch.float32"]
+        assert 0 < loss < 10  # a next-token loss of a 128-token vocabulary, ~ln(128) = 4.85

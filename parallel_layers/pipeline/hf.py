@@ -156,6 +156,12 @@ class Embedding(_Layer):
 
     pipeline_side_inputs = ("position_ids",)  # GPT-2's learned positions read them
 
+    @property
+    def pipeline_vocab_size(self) -> int:
+        """Rows of the input embedding: the pipeline's batch check refuses ids outside them on
+        every rank (Note [token ids in range] in parallel_layers/_token_ids.py)."""
+        return self.get_submodule(f"{self.base}.{'wte' if self.gpt2 else 'embed_tokens'}").num_embeddings
+
     def forward(self, ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         m = self.get_submodule(self.base)
         if not self.gpt2:

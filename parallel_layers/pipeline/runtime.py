@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel_layers import _same_batch, fault
+from parallel_layers._token_ids import token_ids_problem
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
@@ -138,6 +139,13 @@ class PipelineParallel:
                             signature(positions if not not_tensor[3] else None) + [int(u) for u in unread] +
                             [int(tp_refused is not None)],
                             dtype=torch.int64, device=self.device)
+        # the inputs' smallest and largest id (0, -1: none to check), before the TP flag, which stays
+        # last (Note [token ids in range] in parallel_layers/_token_ids.py); on the device, no host sync
+        ids = inputs if isinstance(inputs, Tensor) and inputs.numel() and self.stages.input_vocab is not None \
+            and inputs.dtype in (torch.int64, torch.int32) else None
+        ids_range = torch.stack(torch.aminmax(ids)).to(self.device, torch.int64) if ids is not None else \
+            torch.tensor([0, -1], dtype=torch.int64, device=self.device)
+        mine = torch.cat([mine[:-1], ids_range, mine[-1:]])
         sizes = [mine]
         if self.ranks > 1:
             sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
@@ -170,6 +178,9 @@ class PipelineParallel:
         sig = tuple(sizes[0][3:3 + _HEADER])
         problem = self.stages.input_problem(tuple(sig[2:2 + sig[0]]), _DTYPES[sig[1]]) \
             if self.stages.input_problem is not None and sig[1] >= 0 else None
+        low, high = sizes[0][-3], sizes[0][-2]
+        if not problem and high >= low:  # rank 0's ids against the first layer's table, on every rank
+            problem = token_ids_problem(self.stages.input_vocab, low, high)
         if problem:  # the first layer's own check, on every rank (pipeline/hf.py)
             raise ValueError(problem)
         mask_sig = tuple(sizes[0][3 + _HEADER:3 + 2 * _HEADER])

@@ -127,6 +127,8 @@ class PipelineStages(nn.Module):
         # The first layer may refuse inputs it cannot take (pipeline/hf.py's embedding: token ids
         # [batch, seq]); every rank keeps the check, so that the runtime's batch check raises it on all.
         self.input_problem = getattr(layers[0], "pipeline_input_problem", None) if layers else None
+        # and the token ids it takes (Note [token ids in range] in parallel_layers/_token_ids.py)
+        self.input_vocab = getattr(layers[0], "pipeline_vocab_size", None) if layers else None
         self.group = group
         self.ranks = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0

@@ -1,0 +1,49 @@
+"""Token ids checked against the input embedding before a step (Note [token ids in range])."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+# Note [token ids in range]: a transformers model's nn.Embedding given an id outside its table
+# raises "IndexError: index out of range in self", naming neither the value nor the table's size,
+# and a float tensor of ids an error about argument #1 'indices' (review finding, helper-76, at
+# dp=2 and pp=2). The step checks the ids first, as VocabParallelEmbedding does under tensor
+# parallelism (tensor_parallel/vocab.py, which keeps its own check): on the CPU one min / max pass
+# over the batch's ids, and an error naming them and the valid range; on a GPU a device-side
+# assert with that message (Note [range checks on a device] there), since reading the values back
+# would stall the host every step. Without a pipeline it is raised on the rank given the batch
+# (docs/errors.md, "Known gaps"); under a pipeline rank 0's range travels in the batch check's
+# all-gather and every pipeline rank raises it (pipeline/runtime.py).
+
+
+def token_ids_problem(vocab: int, low: int, high: int) -> str | None:
+    """Why ids in [low, high] cannot index a table of `vocab` rows, or None."""
+    if 0 <= low and high < vocab:
+        return None
+    return (f"token ids must be in [0, {vocab}) (the model's input embedding has {vocab} rows), got values in "
+            f"[{low}, {high}]")
+
+
+def check_token_ids(ids: Tensor, model: nn.Module) -> None:
+    """Raise (CPU) or assert on the device (CUDA) unless `ids` are integer ids within `model`'s
+    input embedding (a transformers model's `get_input_embeddings()`)."""
+    from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding, _assert_on_device
+
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"forward_backward needs token ids (an integer tensor, torch.int64) as the inputs of a "
+                        f"transformers model; got {ids.dtype}")
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a model of the user's own, or one without the accessor
+        return
+    if not isinstance(embedding, nn.Embedding) or isinstance(embedding, VocabParallelEmbedding) or not ids.numel():
+        return  # VocabParallelEmbedding checks its ids itself
+    vocab = embedding.num_embeddings
+    _assert_on_device(ids, lambda: (ids >= 0) & (ids < vocab), f"token ids must be in [0, {vocab})")
+    if ids.device.type == "cpu":
+        low, high = (int(v) for v in torch.aminmax(ids))
+        problem = token_ids_problem(vocab, low, high)
+        if problem:
+            raise IndexError(problem)
