@@ -15,7 +15,14 @@ from torch import Tensor
 # assert with that message (Note [range checks on a device] there), since reading the values back
 # would stall the host every step. Without a pipeline it is raised on the rank given the batch
 # (docs/errors.md, "Known gaps"); under a pipeline rank 0's range travels in the batch check's
-# all-gather and every pipeline rank raises it (pipeline/runtime.py).
+# all-gather and every pipeline rank raises it (pipeline/runtime.py). Every layout raises a
+# TokenIdError, both an IndexError and a ValueError.
+
+
+class TokenIdError(IndexError, ValueError):
+    """Token ids outside the input embedding: an IndexError, as nn.Embedding's and
+    VocabParallelEmbedding's, and a ValueError, as the pipeline's batch refusals are, so that one
+    `except` catches it at every layout (review finding, helper-77)."""
 
 
 def token_ids_problem(vocab: int, low: int, high: int) -> str | None:
@@ -46,4 +53,4 @@ def check_token_ids(ids: Tensor, model: nn.Module) -> None:
         low, high = (int(v) for v in torch.aminmax(ids))
         problem = token_ids_problem(vocab, low, high)
         if problem:
-            raise IndexError(problem)
+            raise TokenIdError(problem)

@@ -135,7 +135,11 @@ class Parallelized:
                  position_ids: Tensor | None = None) -> Tensor:
         """The loss of this replica's batch as forward_backward returns it, with the model in eval
         mode (no dropout) and no gradient kept, at any layout: a validation step, as torchtitan's
-        validator runs one. With a pipeline it runs the schedule's forwards and their messages only
+        validator runs one. With `token_count` that is this replica's loss sum over the batch's
+        token count averaged over the dp replicas - a collective over dp, so every replica calls
+        it - whose mean over the replicas is the global token mean; replicas given batches of
+        unequal token counts get unequal shares of it, not each its own mean (review finding,
+        helper-77). With a pipeline it runs the schedule's forwards and their messages only
         (`schedule.forward_only`; no gradient message, no gradient reduced), so every pipeline rank
         gets the loss; `module(inputs)` there would return a stage's activations. A batch the
         microbatches do not divide (a validation set's last) is split into fewer equal parts

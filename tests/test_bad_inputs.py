@@ -259,7 +259,7 @@ def _vocab_errors(rank, ws):
 def test_out_of_vocabulary_ids_and_targets_raise_on_every_tp_rank():
     expected = ["IndexError: vocab_parallel_cross_entropy: targets must be in [0, 10) or ignore_index (-100), got "
                 "values in [1, 12]",
-                "IndexError: VocabParallelEmbedding: ids must be in [0, 10), got values in [3, 10]"]
+                "TokenIdError: VocabParallelEmbedding: ids must be in [0, 10), got values in [3, 10]"]  # an IndexError
     assert run_distributed(_vocab_errors, 2) == [expected, expected]
 
 
@@ -744,7 +744,7 @@ def _token_id_errors(rank, ws, directory, layout):
 
 @pytest.mark.parametrize("layout", ["dp2-zero3", "dp2", "pp2"])
 def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
-    """Review finding (helper-76): without tensor parallelism a transformers model's embedding
+    """Review findings (helper-76, helper-77): without tensor parallelism a transformers model's embedding
     raised torch's "index out of range in self" (no value, no range), and a float batch an error
     about argument #1 'indices' (Note [token ids in range] in parallel_layers/_token_ids.py).
     Under a pipeline rank 0's ids are checked on every pipeline rank."""
@@ -753,10 +753,18 @@ def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
     _tiny.save_tiny_llama(tmp_path)
     expected = "token ids must be in [0, 128) (the model's input embedding has 128 rows), got values in [-1, 130]"
     for errors, loss in run_distributed(_token_id_errors, 2, args=(str(tmp_path), layout)):
+        assert errors[0] == f"TokenIdError: {expected}"  # an IndexError and a ValueError at every layout
         if layout == "pp2":
-            assert errors[0] == f"ValueError: {expected}"
             assert errors[1].startswith("ValueError: a pipelined Llama decoder takes token ids [batch, seq] (int64)")
         else:
-            assert errors == [f"IndexError: {expected}", "TypeError: forward_backward needs token ids (an integer "
-                              "tensor, torch.int64) as the inputs of a transformers model; got torch.float32"]
+            assert errors[1] == ("TypeError: forward_backward needs token ids (an integer tensor, torch.int64) as the "
+                                 "inputs of a transformers model; got torch.float32")
         assert 0 < loss < 10  # a next-token loss of a 128-token vocabulary, ~ln(128) = 4.85
+
+
+def test_a_token_id_error_is_an_index_error_and_a_value_error():
+    """One `except` catches it at every layout: nn.Embedding's and VocabParallelEmbedding's are
+    IndexErrors, the pipeline's batch refusals ValueErrors (review finding, helper-77)."""
+    from parallel_layers._token_ids import TokenIdError
+
+    assert issubclass(TokenIdError, IndexError) and issubclass(TokenIdError, ValueError)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel_layers import _same_batch, fault
-from parallel_layers._token_ids import token_ids_problem
+from parallel_layers._token_ids import TokenIdError, token_ids_problem
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
@@ -178,11 +178,12 @@ class PipelineParallel:
         sig = tuple(sizes[0][3:3 + _HEADER])
         problem = self.stages.input_problem(tuple(sig[2:2 + sig[0]]), _DTYPES[sig[1]]) \
             if self.stages.input_problem is not None and sig[1] >= 0 else None
-        low, high = sizes[0][-3], sizes[0][-2]
-        if not problem and high >= low:  # rank 0's ids against the first layer's table, on every rank
-            problem = token_ids_problem(self.stages.input_vocab, low, high)
         if problem:  # the first layer's own check, on every rank (pipeline/hf.py)
             raise ValueError(problem)
+        low, high = sizes[0][-3], sizes[0][-2]
+        problem = token_ids_problem(self.stages.input_vocab, low, high) if high >= low else None
+        if problem:  # rank 0's ids against the first layer's table, on every rank
+            raise TokenIdError(problem)
         mask_sig = tuple(sizes[0][3 + _HEADER:3 + 2 * _HEADER])
         pos_sig = tuple(sizes[0][3 + 2 * _HEADER:3 + 3 * _HEADER])
         for k, (name, side_sig) in enumerate((("attention_mask", mask_sig), ("position_ids", pos_sig))):

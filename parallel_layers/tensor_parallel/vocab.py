@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers import fault
+from parallel_layers._token_ids import TokenIdError
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import check_size, keep_requires_grad, sharded_parameter
 
@@ -74,7 +75,7 @@ class VocabParallelEmbedding(nn.Module):
         _assert_on_device(ids, lambda: (ids >= 0) & (ids < self.num_embeddings),
                           f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings})")
         if ids.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
-            raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got values in "
+            raise TokenIdError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got values in "
                              f"[{ids.min().item()}, {ids.max().item()}]")
         local_pad = self._local_padding_idx()
         if comm.group_size(self.tp_group) == 1:
