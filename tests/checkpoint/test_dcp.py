@@ -85,15 +85,22 @@ def _load_plain_dcp(rank, world, directory, ckpt, layout):
     return _logits(wrapped, ctx).tolist(), _full_state(model, wrapped, ctx)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_plain_dcp_checkpoint_loads_into_our_layouts(tmp_path, layout):
+def _plain_dcp_of_other_weights(tmp_path, layout: str):
+    """The tiny model of `layout` saved to tmp_path/hf, then its weights moved and saved by plain
+    DCP to tmp_path/dcp (other weights than the pretrained ones the ranks start from); the moved model."""
     _save_tiny(layout, tmp_path / "hf")
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    with torch.no_grad():  # other weights than the pretrained ones the ranks start from
+    with torch.no_grad():
         for p in plain.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     torch.distributed.checkpoint.save({"model": plain.state_dict()}, checkpoint_id=str(tmp_path / "dcp"),
                                       no_dist=True)
+    return plain
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_plain_dcp_checkpoint_loads_into_our_layouts(tmp_path, layout):
+    plain = _plain_dcp_of_other_weights(tmp_path, layout)
     with torch.no_grad():
         want = plain(input_ids=_ids()).logits
     ws = LAYOUTS[layout]["tp"] * LAYOUTS[layout]["dp"]
@@ -130,13 +137,7 @@ def test_plain_dcp_checkpoint_loads_into_a_parallelized_model_with_its_own_optim
     """Review finding (helper-75): `checkpoint.load(path, par)` of a model-only checkpoint failed
     with "pass optimizer=None to load the model only", which a Parallelized (it brings its own
     optimizer) could not follow. The model loads, the optimizer keeps its state, and rank 0 warns."""
-    save_tiny_llama(tmp_path / "hf")
-    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    with torch.no_grad():
-        for p in plain.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    torch.distributed.checkpoint.save({"model": plain.state_dict()}, checkpoint_id=str(tmp_path / "dcp"),
-                                      no_dist=True)
+    plain = _plain_dcp_of_other_weights(tmp_path, "tp2")  # a Llama
     with torch.no_grad():
         want = plain(input_ids=_ids()).logits
         ids = _ids(3)  # each replica's batch in the worker: the loaded model's loss on it
