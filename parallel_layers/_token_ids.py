@@ -13,8 +13,9 @@ from torch import Tensor
 # parallelism (tensor_parallel/vocab.py, which keeps its own check): on the CPU one min / max pass
 # over the batch's ids, and an error naming them and the valid range; on a GPU a device-side
 # assert with that message (Note [range checks on a device] there), since reading the values back
-# would stall the host every step. Without a pipeline it is raised on the rank given the batch
-# (docs/errors.md, "Known gaps"); under a pipeline rank 0's range travels in the batch check's
+# would stall the host every step. Without a pipeline the refusal, or the device's flag, is
+# reduced over the data-parallel replicas, so that every replica raises (Note [a refusal on every
+# replica] in _replica_refusal.py); under a pipeline rank 0's range travels in the batch check's
 # all-gather and every pipeline rank raises it (pipeline/runtime.py). Every layout raises a
 # TokenIdError, both an IndexError and a ValueError.
 
@@ -33,24 +34,29 @@ def token_ids_problem(vocab: int, low: int, high: int) -> str | None:
             f"[{low}, {high}]")
 
 
-def check_token_ids(ids: Tensor, model: nn.Module) -> None:
-    """Raise (CPU) or assert on the device (CUDA) unless `ids` are integer ids within `model`'s
-    input embedding (a transformers model's `get_input_embeddings()`)."""
-    from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding, _assert_on_device
-
+def check_token_ids(ids: Tensor, model: nn.Module) -> tuple[Tensor, str] | None:
+    """Raise unless `ids` are integer ids within `model`'s input embedding (a transformers
+    model's `get_input_embeddings()`, an nn.Embedding or a VocabParallelEmbedding): on the CPU
+    naming the values; on a GPU returns a device flag of ids out of range and the message to
+    assert it with, for the step to reduce over the data-parallel replicas first (Note [a refusal
+    on every replica] in _replica_refusal.py)."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"forward_backward needs token ids (an integer tensor, torch.int64) as the inputs of a "
                         f"transformers model; got {ids.dtype}")
     try:
         embedding = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a model of the user's own, or one without the accessor
-        return
-    if not isinstance(embedding, nn.Embedding) or isinstance(embedding, VocabParallelEmbedding) or not ids.numel():
-        return  # VocabParallelEmbedding checks its ids itself
+        return None
+    from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding  # it imports TokenIdError from here
+
+    # a VocabParallelEmbedding checks its ids too, on its TP group only; its num_embeddings is the whole table's
+    if not isinstance(embedding, (nn.Embedding, VocabParallelEmbedding)) or not ids.numel():
+        return None
     vocab = embedding.num_embeddings
-    _assert_on_device(ids, lambda: (ids >= 0) & (ids < vocab), f"token ids must be in [0, {vocab})")
-    if ids.device.type == "cpu":
-        low, high = (int(v) for v in torch.aminmax(ids))
-        problem = token_ids_problem(vocab, low, high)
-        if problem:
-            raise TokenIdError(problem)
+    if ids.device.type == "cuda":
+        return ((ids < 0) | (ids >= vocab)).any(), f"token ids must be in [0, {vocab})"
+    low, high = (int(v) for v in torch.aminmax(ids))
+    problem = token_ids_problem(vocab, low, high)
+    if problem:
+        raise TokenIdError(problem)
+    return None

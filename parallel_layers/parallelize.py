@@ -70,6 +70,7 @@ from parallel_layers import activation_checkpointing as activation_checkpointing
 from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
+from parallel_layers._replica_refusal import refuse_together
 from parallel_layers._token_ids import check_token_ids
 from parallel_layers._loss_scale import LossScale
 from parallel_layers.checkpoint import _dist
@@ -144,7 +145,7 @@ class Parallelized:
         gets the loss; `module(inputs)` there would return a stage's activations. A batch the
         microbatches do not divide (a validation set's last) is split into fewer equal parts
         (Note [evaluating any batch] in pipeline/runtime.py). The optimizer is not touched."""
-        self._check_batch(inputs, targets, attention_mask, position_ids)
+        self._check_batch(inputs, targets, attention_mask, position_ids, evaluating=True)
         was_training = self.module.training
         self.module.eval()
         try:
@@ -182,7 +183,7 @@ class Parallelized:
     # row attended to each other (0.28 off the per-document logits on a tiny Llama). The pipeline's
     # decoder layers already ran without one (pipeline/hf.py), so the layouts agreed only on
     # unpacked batches. The step passes use_cache=False, as transformers' gradient checkpointing does.
-    def _check_batch(self, inputs, targets, attention_mask, position_ids=None) -> None:
+    def _check_batch(self, inputs, targets, attention_mask, position_ids=None, *, evaluating: bool = False) -> None:
         if not self._materialized:  # once: the first step of a model built on the meta device
             if meta.has_meta(self.module):  # every rank built it so: every rank raises
                 raise RuntimeError(
@@ -192,22 +193,40 @@ class Parallelized:
                     "hf.materialize(par) then checkpoint.load(...); or parallel_layers.meta.materialize(par.module, "
                     "device) and your own initialisation")
             self._materialized = True
+        if self.pipeline is None:  # a pipeline checks its batch itself, over its ranks and the replicas
+            refused, flagged = None, None
+            try:
+                flagged = self._refusals(inputs, targets, attention_mask, position_ids)
+            except (TypeError, ValueError) as e:  # a TokenIdError is a ValueError
+                refused = e
+            # every replica raises what one refused (Note [a refusal on every replica]); an evaluation
+            # only where it is a collective over dp anyway (ZeRO-3's all-gathers, token_count's divisor)
+            together = not evaluating or self.token_count is not None or getattr(self.module, "stage", 0) == 3
+            refuse_together(refused, self.ctx.dp_group if together and self.ctx.dims.dp > 1 else None,
+                            flagged=flagged[0] if flagged else None, flagged_message=flagged[1] if flagged else "",
+                            sync=False)
+        self._warn_mean_over_padding(attention_mask, targets)
+
+    def _refusals(self, inputs, targets, attention_mask, position_ids) -> tuple[Tensor, str] | None:
+        """Raise on a batch this replica cannot take (without a pipeline); on a GPU return the
+        device flag of token ids out of range and its message instead (Note [token ids in range])."""
         # the TP group's ranks compare their batches first: then a bad mask or positions (or a dict
         # for inputs) given to every rank raise on every rank, and one given to some ranks only is a
         # difference
-        if self.ctx.dims.tp > 1 and self.pipeline is None:  # Note [same batch check] (a pipeline checks its own)
+        if self.ctx.dims.tp > 1:  # Note [same batch check] (a pipeline checks its own)
             _same_batch.check((inputs, targets, attention_mask, position_ids),
                               ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
                               "tensor-parallel")
-        if self.pipeline is None and isinstance(inputs, Mapping) and hasattr(_innermost(self.module), "config"):
+        if isinstance(inputs, Mapping) and hasattr(_innermost(self.module), "config"):
             # a tokenizer's output given to a transformers model (which would take it as input_ids); a model
             # of the user's own may take a dict
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
-        if self.pipeline is None and isinstance(inputs, Tensor) and hasattr(_innermost(self.module), "config"):
-            check_token_ids(inputs, _innermost(self.module))  # Note [token ids in range] in _token_ids.py
-        if (self.pipeline is None and isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
+        flagged = None
+        if isinstance(inputs, Tensor) and hasattr(_innermost(self.module), "config"):
+            flagged = check_token_ids(inputs, _innermost(self.module))  # Note [token ids in range] in _token_ids.py
+        if (isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
                 and hasattr(_innermost(self.module), "config")):
             # a transformers model takes a [batch, seq] mask of another width without a word (it
@@ -215,7 +234,7 @@ class Parallelized:
             # pipeline refuses it too (errors.md row 109d). A 4-D mask is the user's own, passed on.
             raise ValueError(f"attention_mask must have the inputs' shape {list(inputs.shape)} (1: a token to attend "
                              f"to, 0: padding); got shape {list(attention_mask.shape)}")
-        if (self.pipeline is None and position_ids is not None and isinstance(inputs, Tensor)
+        if (position_ids is not None and isinstance(inputs, Tensor)
                 and hasattr(_innermost(self.module), "config")
                 and (not isinstance(position_ids, Tensor) or position_ids.is_floating_point()
                      or position_ids.dim() != 2 or position_ids.shape[-1] != inputs.shape[-1]
@@ -224,7 +243,7 @@ class Parallelized:
                    else type(position_ids).__name__)
             raise ValueError(f"position_ids must be an integer tensor of the inputs' shape {list(inputs.shape)} (or [1, "
                              f"{inputs.shape[-1]}]); got {got}")
-        self._warn_mean_over_padding(attention_mask, targets)
+        return flagged
 
     def checkpoint_parts(self) -> tuple[nn.Module, torch.optim.Optimizer, str]:
         """What `checkpoint.save(root, step, par)` / `load(path, par)` save and load: the module as

@@ -730,36 +730,97 @@ def _token_id_errors(rank, ws, directory, layout):
     from parallel_layers import parallelize as compose
     from parallel_layers.pipeline.hf import causal_lm_loss
 
-    pp = 2 if layout == "pp2" else 1
-    ctx = init_parallel(pp=pp, dp=ws // pp, device="cpu")
+    pp, tp = 2 if layout == "pp2" else 1, 2 if layout == "dp2-tp2" else 1
+    ctx = init_parallel(pp=pp, tp=tp, dp=ws // pp // tp, device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     par = compose(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=causal_lm_loss,
-                  zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None)
+                  zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None,
+                  tp_plan="auto" if tp > 1 else None)
+    replica = ctx.coordinate("dp")
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     bad = ids.clone()
     bad[1, 3], bad[2, 5] = 130, -1  # the same batch on every rank: every rank raises
     errors = [_error(lambda: par.forward_backward(bad, ids)), _error(lambda: par.evaluate(ids.float(), ids))]
-    return errors, par.forward_backward(ids, ids).item()  # and training goes on
+    if pp == 1:  # one replica's batch refused: every replica raises (Note [a refusal on every replica])
+        errors += [_error(lambda: par.forward_backward(bad if replica == 1 else ids, ids)),
+                   _error(lambda: par.forward_backward(ids, ids, attention_mask=torch.ones(4, 8 if replica else 16)))]
+    return errors, par.forward_backward(ids, ids).item()  # and training goes on, in step
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero3", "dp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2-zero3", "dp2", "pp2", "dp2-tp2"])
 def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
     """Review findings (helper-76, helper-77): without tensor parallelism a transformers model's embedding
     raised torch's "index out of range in self" (no value, no range), and a float batch an error
     about argument #1 'indices' (Note [token ids in range] in parallel_layers/_token_ids.py).
-    Under a pipeline rank 0's ids are checked on every pipeline rank."""
+    Under a pipeline rank 0's ids are checked on every pipeline rank. A batch one data-parallel
+    replica refuses is refused by every replica (Note [a refusal on every replica]): raised there
+    alone, it left the others waiting in the gradient all-reduce (review finding, session 40)."""
     from tests.hf import _tiny
 
     _tiny.save_tiny_llama(tmp_path)
     expected = "token ids must be in [0, 128) (the model's input embedding has 128 rows), got values in [-1, 130]"
-    for errors, loss in run_distributed(_token_id_errors, 2, args=(str(tmp_path), layout)):
+    results = run_distributed(_token_id_errors, 4 if layout == "dp2-tp2" else 2, args=(str(tmp_path), layout))
+    for rank, (errors, loss) in enumerate(results):
+        replica = rank // 2 if layout == "dp2-tp2" else rank
         assert errors[0] == f"TokenIdError: {expected}"  # an IndexError and a ValueError at every layout
         if layout == "pp2":
             assert errors[1].startswith("ValueError: a pipelined Llama decoder takes token ids [batch, seq] (int64)")
         else:
             assert errors[1] == ("TypeError: forward_backward needs token ids (an integer tensor, torch.int64) as the "
                                  "inputs of a transformers model; got torch.float32")
+            # the replica given a bad batch raises its own error, the other one the same kind naming it
+            assert errors[2] == f"TokenIdError: {expected}" if replica == 1 else \
+                f"TokenIdError: data-parallel replica 1's batch was refused: {expected}"
+            mask = ("attention_mask must have the inputs' shape [4, 16] (1: a token to attend to, 0: padding); got "
+                    "shape ")
+            assert errors[3] == f"ValueError: {mask}[4, 8]" if replica == 1 else \
+                f"ValueError: data-parallel replica 1's batch was refused: {mask}[4, 8]"
         assert 0 < loss < 10  # a next-token loss of a 128-token vocabulary, ~ln(128) = 4.85
+    assert len({loss for _, loss in results}) == 1  # the same batch on every replica, the same weights: in step
+
+
+def _refusals_asserted_on_the_device(rank, ws):
+    from parallel_layers import _replica_refusal
+
+    _replica_refusal._on_device = lambda device, sync: not sync  # a GPU group's path, on gloo's CPU tensors
+    group = dist.group.WORLD
+    flag = torch.tensor(rank == 1)
+    calls = [lambda: _replica_refusal.refuse_together(None, group, flagged=torch.tensor(False),
+                                                      flagged_message="ids out of range", sync=False),
+             lambda: _replica_refusal.refuse_together(None, group, flagged=flag, flagged_message="ids out of range",
+                                                      sync=False),
+             lambda: _replica_refusal.refuse_together(ValueError("a bad mask") if rank == 1 else None, group,
+                                                      sync=False)]
+    return [_error(call) for call in calls]
+
+
+def test_a_refusal_on_a_gpu_group_is_asserted_on_every_replica():
+    """Note [a refusal on every replica]: on a GPU the flags are reduced and asserted on the device
+    (no host sync a step); recorded here with the CPU's assert, which raises at once: one replica's
+    ids out of range or refused batch stops every replica, and no refusal stops none."""
+    results = run_distributed(_refusals_asserted_on_the_device, 2)
+    for rank, (none, ids, mask) in enumerate(results):
+        assert none == "no error"
+        assert ids == "RuntimeError: ids out of range on a data-parallel replica; every replica stops"
+        assert mask == ("ValueError: a bad mask" if rank == 1 else "RuntimeError: a data-parallel replica refused its "
+                        "batch (its rank raised the reason); every replica stops")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_token_ids_on_a_gpu_give_a_device_flag_for_the_replicas_to_reduce():
+    """On a GPU the ids are checked on the device and the flag returned, not asserted on this rank
+    alone (which would stop it before the replicas' all-reduce); with no other replica it is asserted."""
+    from parallel_layers._replica_refusal import refuse_together
+    from parallel_layers._token_ids import check_token_ids
+
+    model = nn.Module()
+    model.get_input_embeddings = lambda: nn.Embedding(128, 4)
+    good = check_token_ids(torch.tensor([[0, 127]], device="cuda"), model)
+    bad = check_token_ids(torch.tensor([[0, 128]], device="cuda"), model)
+    assert good[0].is_cuda and not bool(good[0]) and bool(bad[0])
+    assert bad[1] == "token ids must be in [0, 128)"
+    refuse_together(None, None, flagged=good[0], flagged_message=good[1], sync=False)
+    torch.cuda.synchronize()  # the good flag's assert passed
 
 
 def test_a_token_id_error_is_an_index_error_and_a_value_error():

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel_layers import _same_batch, fault
+from parallel_layers._replica_refusal import refuse_together
 from parallel_layers._token_ids import TokenIdError, token_ids_problem
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
@@ -269,9 +270,10 @@ class PipelineParallel:
         # agree: a step then exchanges nothing over dp (except token_count's divisor, the batch's
         # count over the replicas), and one replica may evaluate while the others train - as
         # evaluate runs without a pipeline. Its flag all-reduces over dp met the training
-        # replicas' gradient buckets (gloo aborted; review finding).
+        # replicas' gradient buckets (gloo aborted; review finding). With token_count every
+        # replica evaluates together (the divisor): then they agree on the batches too.
         grads = torch.is_grad_enabled()
-        self._agree_on_batches(refused, replicas=self._replicas() if grads else 1)
+        self._agree_on_batches(refused, replicas=self._replicas() if grads or self.token_count is not None else 1)
         m = self.microbatches if grads else evaluation_microbatches(sig[2], self.microbatches)
         side = self._side_inputs({"attention_mask": attention_mask, "position_ids": position_ids},
                                  {"attention_mask": mask_sig, "position_ids": pos_sig}, sig[2], m)
@@ -337,23 +339,9 @@ class PipelineParallel:
 
     def _agree_on_batches(self, refused: Exception | None, replicas: int) -> None:
         """Raise `refused` (this pipeline's batch check), or another data-parallel replica's, on
-        every rank: a replica refusing its batch alone would leave the others in the step's
-        collectives (one flag all-reduce over dp a step; the messages only on a refusal)."""
-        if replicas > 1:
-            flag = torch.tensor([float(refused is not None)], device=self.device)
-            with fault.collective("pipeline batch check all_reduce over data parallelism", self._dp_group()):
-                dist.all_reduce(flag, group=self._dp_group())
-            if flag.item() > 0:
-                mine = (type(refused).__name__, str(refused)) if refused is not None else None
-                found = [None] * replicas
-                with fault.collective("pipeline batch check all_gather over data parallelism", self._dp_group()):
-                    dist.all_gather_object(found, mine, group=self._dp_group())
-                if refused is None:
-                    replica, (kind, text) = next((i, e) for i, e in enumerate(found) if e is not None)
-                    raise (TypeError if kind == "TypeError" else ValueError)(
-                        f"data-parallel replica {replica}'s batch was refused: {text}")
-        if refused is not None:
-            raise refused
+        every rank (Note [a refusal on every replica] in parallel_layers/_replica_refusal.py);
+        replicas: 1 where no other replica needs to agree."""
+        refuse_together(refused, self._dp_group() if replicas > 1 else None)
 
     def _raise_failure(self, failed: bool, replicas: int, dp_group) -> None:
         """Every rank raises a failed step's first error: the failing rank its own exception,
