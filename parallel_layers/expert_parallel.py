@@ -236,6 +236,12 @@ def is_expert_parallel_module(module: nn.Module) -> bool:
     return type(module) in _EP_CLASSES.values()
 
 
+def used_in(model: nn.Module) -> bool:
+    """Whether any module of `model` dispatches its tokens by all-to-all (a forward, evaluation
+    included, is then a collective over the expert group)."""
+    return any(is_expert_parallel_module(m) for m in model.modules())
+
+
 def _forward(own_forward):
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         group, local, total = self.expert_group, self.num_experts, self.global_experts

@@ -103,6 +103,7 @@ class Parallelized:
     _warned_mean: bool = dataclasses.field(default=False, init=False, repr=False)
     _read_labels: bool = dataclasses.field(default=False, init=False, repr=False)
     _use_cache_kw: bool | None = dataclasses.field(default=None, init=False, repr=False)
+    _expert_parallel: bool | None = dataclasses.field(default=None, init=False, repr=False)  # None: not looked yet
     # the model as the user holds it (every rank: all of it, another pipeline rank's stages as
     # placeholders), and the parameters it had when parallelized (Note [parameters added after
     # parallelize])
@@ -200,8 +201,12 @@ class Parallelized:
             except (TypeError, ValueError) as e:  # a TokenIdError is a ValueError
                 refused = e
             # every replica raises what one refused (Note [a refusal on every replica]); an evaluation
-            # only where it is a collective over dp anyway (ZeRO-3's all-gathers, token_count's divisor)
-            together = not evaluating or self.token_count is not None or getattr(self.module, "stage", 0) == 3
+            # only where it is a collective over dp anyway (ZeRO-3's all-gathers, token_count's divisor,
+            # expert parallelism's all-to-alls: review finding, helper-78)
+            if self._expert_parallel is None:
+                self._expert_parallel = expert_parallel_module.used_in(self.module)
+            together = (not evaluating or self.token_count is not None or getattr(self.module, "stage", 0) == 3
+                        or self._expert_parallel)
             refuse_together(refused, self.ctx.dp_group if together and self.ctx.dims.dp > 1 else None,
                             flagged=flagged[0] if flagged else None, flagged_message=flagged[1] if flagged else "",
                             sync=False)

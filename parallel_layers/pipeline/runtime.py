@@ -40,6 +40,7 @@ from torch import Tensor
 
 from parallel_layers import _same_batch, fault
 from parallel_layers._replica_refusal import refuse_together
+from parallel_layers.expert_parallel import used_in as expert_parallel_used_in
 from parallel_layers._token_ids import TokenIdError, token_ids_problem
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
@@ -91,6 +92,7 @@ class PipelineParallel:
                 "; ZeRO stage 1 is the usual choice with a pipeline", stacklevel=2)
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.loss_fn, self.token_count, self.data_parallel = loss_fn, token_count, data_parallel
+        self._expert_parallel: bool | None = None  # whether a stage's experts use all-to-alls; looked at once
         # what the last stage multiplies the loss it backpropagates by, not the loss it reports: a
         # float16 loss scale (Note [one loss scale for every rank] in parallel_layers/_loss_scale.py)
         self.grad_scale = 1.0
@@ -270,10 +272,14 @@ class PipelineParallel:
         # agree: a step then exchanges nothing over dp (except token_count's divisor, the batch's
         # count over the replicas), and one replica may evaluate while the others train - as
         # evaluate runs without a pipeline. Its flag all-reduces over dp met the training
-        # replicas' gradient buckets (gloo aborted; review finding). With token_count every
-        # replica evaluates together (the divisor): then they agree on the batches too.
+        # replicas' gradient buckets (gloo aborted; review finding). With token_count (the
+        # divisor) or expert parallelism (the all-to-alls) every replica evaluates together: then
+        # they agree on the batches too.
         grads = torch.is_grad_enabled()
-        self._agree_on_batches(refused, replicas=self._replicas() if grads or self.token_count is not None else 1)
+        if self._expert_parallel is None:
+            self._expert_parallel = expert_parallel_used_in(self.stages)
+        together = grads or self.token_count is not None or self._expert_parallel
+        self._agree_on_batches(refused, replicas=self._replicas() if together else 1)
         m = self.microbatches if grads else evaluation_microbatches(sig[2], self.microbatches)
         side = self._side_inputs({"attention_mask": attention_mask, "position_ids": position_ids},
                                  {"attention_mask": mask_sig, "position_ids": pos_sig}, sig[2], m)
