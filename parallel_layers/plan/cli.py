@@ -178,8 +178,6 @@ def _verify_main(ap: argparse.ArgumentParser, args) -> dict:
     """--verify: plan for this machine (measured) and run the top layouts (parallel_layers/plan/verify.py)."""
     from parallel_layers.plan import verify
 
-    if args.lora is not None:
-        ap.error("--verify runs full fine-tunes only: drop --lora (the LoRA estimate is not measured by --verify)")
     if not args.hf_config:
         ap.error("--verify builds the model from a Hugging Face config: give --hf-config (a config.json or a "
                  "save_pretrained directory)")

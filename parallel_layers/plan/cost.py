@@ -69,8 +69,18 @@ zero/_param.py), whole at ZeRO-0/1/2 (a ZeRO-1/2 shard is a view of it) and shar
 whose units are still gathered for every forward and backward; nothing of it is reduced or
 gathered after the step. Backward computes the frozen matrices' input gradients only: 4 flops
 per parameter and token where training all of them takes 6 (the adapters 6). The head stays
-frozen; the activations are counted as without adapters (their [tokens, r] intermediates
-aside, the inputs they keep are the base layers' own).
+frozen. The activations are those without adapters but for these terms (--verify measured a
+Llama 1.08-1.22 of the estimate without them, helper-79; tests/test_plan_hf.py counts a layer's
+saved tensors): each adapter acting on tokens keeps its lora_A output, r float32 elements a
+token (in float32, the input it keeps is the base layer's own: lora_dropout=0 is an Identity);
+a 16-bit model's adapter casts its input to the adapters' float32 for lora_A (peft's
+_cast_input_dtype), which keeps that copy: 4 bytes an input feature a token, per adapter (q, k
+and v each their own), where the 16-bit input is then kept by nothing (a frozen layer's backward
+needs its weight, not its input: the norms' outputs, the attention's and the MLP's products);
+and a dense SwiGLU MLP whose projections are adapted runs unfused (fuse
+leaves peft's layers alone), keeping 4 ffn-wide tensors a token, not linear_swiglu's 3. Not
+subtracted: the frozen embedding's output needs no gradient, so the first layer keeps about 2h
+elements a token less (measured on a whole 2-layer model; a few % of one layer).
 A mixture of experts is adapted as peft 0.21's "all-linear" adapts transformers 5's (session
 39, counted against peft): its router, an nn.Linear, as the other linear layers, and its
 stacked expert weights through peft's ParamWrapper: per expert, gate_up_proj at rank 2r
@@ -111,6 +121,30 @@ def _lora_layer_parts(model: ModelSpec, r: int, tp: int = 1) -> tuple[float, flo
         return per_token, 0.0
     up = 2 * (h + 2 * f) if model.mlp == "swiglu" else h + f  # gate_up_proj at rank 2r; an up_proj at r
     return per_token + r * (h + model.experts), model.experts * r * (up + f + h)
+
+
+def _lora_token_bytes(model: ModelSpec, train: TrainSpec, tp: int) -> float:
+    """Bytes a token that one decoder layer's adapters keep for backward beyond the base layers'
+    own (Note [LoRA in the plan]): each nn.Linear adapter (q, k, v, o, a dense MLP's, a
+    mixture's router) its float32 lora_A output, r elements, whole on every tp rank
+    (tensor_parallel/lora.py); and where the model is 16-bit, the float32 copy of its input that
+    peft casts to the adapters' dtype for lora_A (a column layer's input whole, a row layer's
+    split over tp)."""
+    h, q, f = model.hidden, model.q_width, model.ffn_width
+    columns, rows = [h, h, h], [q]  # q, k, v; o
+    if model.experts:
+        columns.append(h)  # the router
+    else:
+        columns += [h] * (2 if model.mlp == "swiglu" else 1)
+        rows.append(f)
+    kept = 4 * train.lora_rank * (len(columns) + len(rows))
+    if train.act_bytes != 4:  # the float32 copies, in place of the 16-bit inputs that only frozen
+        # layers read (their backward needs the weight, not the input): the norms' outputs (a
+        # mixture's experts keep theirs) and the attention's and MLP's products
+        outside_tp = tp if train.sequence_parallel else 1
+        kept += 4 * (sum(columns) + sum(rows) / tp)
+        kept -= train.act_bytes * ((h if model.experts else 2 * h) / outside_tp + sum(rows) / tp)
+    return kept
 
 
 def lora_layer_params(model: ModelSpec, r: int, tp: int = 1) -> float:
@@ -165,9 +199,13 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
         return e * h / outside_tp
     m = train.dropout_mask_bytes
     per_token = (e * 4 * h + (2 * h * m if dropout else 0)) / outside_tp + 16
-    swiglu = 3 if train.fused_kernels and not model.experts else 4  # experts run unfused (tensor_parallel/experts.py)
+    # experts run unfused (tensor_parallel/experts.py), and so does an MLP whose projections peft
+    # adapted (fused.py: the LoRA layers keep their own forward; Note [LoRA in the plan])
+    swiglu = 3 if train.fused_kernels and not model.experts and not train.lora_rank else 4
     mlp = (model.mlp_kept or (swiglu if model.mlp == "swiglu" else 2)) * model.ffn_width * max(1, model.experts_per_token)
     per_token += e * (2 * model.q_width + 2 * model.kv_width + mlp) / tp
+    if train.lora_rank:
+        per_token += _lora_token_bytes(model, train, tp)
     if train.flash_attention:
         per_token += 4 * a / tp
     elif recompute == "none":

@@ -18,6 +18,8 @@ The parent (`verify`) launches this module's worker once, under `torchrun --stan
      `parallelize` with `plan.launch_args` (the composing API, as examples/finetune_hf.py
      calls it), `hf.load_pretrained` filling only this rank's part, then a few AdamW steps on
      random tokens. Per rank: the median step time after the first step, and the peak memory.
+     With TrainSpec.lora_rank (--lora R) the meta model is adapted by peft first (`_with_lora`)
+     and load_pretrained draws the adapters' initial values; only they train.
 
 Note [measured peak]: the planner predicts the training state (params, grads, optimizer,
 activations, the loss's temporaries), not the interpreter. On CPU a rank's peak is its resident
@@ -332,10 +334,21 @@ def _build_model(config_dir: str, attention: str):
                                                          attn_implementation=attention)
 
 
-def _save_random_model(config: str, rank: int, directory: str) -> str:
+def _with_lora(model, rank: int):
+    """`model` adapted as the planner's LoRA fine-tune assumes (Note [LoRA in the plan] in
+    plan/cost.py), as examples/finetune_hf.py's `with_lora` adapts it: peft's LoRA of rank `rank`
+    on every linear layer of the decoder, no dropout, the rest frozen."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                                      lora_dropout=0.0))
+
+
+def _save_random_model(config: str, rank: int, directory: str, lora_rank: int | None = None) -> str:
     """Rank 0 writes the model, randomly initialised, as a save_pretrained directory every rank
     then loads its part of (hf.load_pretrained); returns the directory. This also imports
-    transformers and the model's code: imports grow the resident set, and belong to the baseline."""
+    transformers and the model's code (and with LoRA peft's, adapting a meta copy): imports grow
+    the resident set, and belong to the baseline."""
     import torch
     import torch.distributed as dist
 
@@ -344,15 +357,19 @@ def _save_random_model(config: str, rank: int, directory: str) -> str:
 
     if rank == 0:
         _build_model(config, "eager").save_pretrained(directory)
-    else:
-        with torch.device("meta"):
-            _build_model(config, "eager")
+    with torch.device("meta"):
+        model = _build_model(config, "eager")
+        if lora_rank:
+            _with_lora(model, lora_rank)
+    del model
     dist.barrier()
     return directory
 
 
-def _train(config: str, weights: str, attention: str, launch: dict, seq: int, steps: int, ctx, device) -> dict:
-    """Build, parallelize and train one candidate; this rank's measurements."""
+def _train(config: str, weights: str, attention: str, launch: dict, seq: int, steps: int, ctx, device,
+           lora_rank: int | None = None) -> dict:
+    """Build (with `lora_rank`: adapted by peft, `_with_lora`), parallelize and train one
+    candidate; this rank's measurements."""
     import torch
 
     from parallel_layers import hf, parallelize
@@ -364,14 +381,19 @@ def _train(config: str, weights: str, attention: str, launch: dict, seq: int, st
     baseline = _memory_now(device)
     with torch.device("meta"):  # each rank allocates only what it keeps (Note [measured peak])
         model = _build_model(config, attention)
+        if lora_rank:  # the adapters on the meta device too: load_pretrained draws peft's initialization
+            model = _with_lora(model, lora_rank)
     vocab = model.config.vocab_size
+    # a pipeline cuts the transformers model inside peft's wrapper (its LoRA layers with it), as
+    # examples/finetune_hf.py does
+    target = model.get_base_model() if lora_rank and par_kwargs["pipeline_layers"] else model
     # the model's output, or the last pipeline stage's logits
     loss_fn = lambda out, labels: causal_lm_loss(getattr(out, "logits", out), labels)  # noqa: E731
-    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), loss_fn=loss_fn,
+    par = parallelize(target, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), loss_fn=loss_fn,
                       tp_plan="auto" if ctx.dims.tp > 1 else None,  # ZeRO's units and checkpointed blocks: the defaults
                       **par_kwargs)  # pipeline_layers="auto" with a pipeline
-    hf.load_pretrained(weights, par)
-    del model
+    hf.load_pretrained(weights, par, adapter_seed=0)  # the same adapters on every rank and layout
+    del model, target
     gc.collect()
     after_setup = _memory_now(device)
     _reset_peak(device)
@@ -422,7 +444,8 @@ def _run_worker(argv: list[str] | None) -> None:
         dist.all_gather_object(every, mine)
         return every
 
-    weights = _save_random_model(job["config"], rank, os.path.join(os.path.dirname(args.out), "model"))
+    lora_rank = job["train"].get("lora_rank")
+    weights = _save_random_model(job["config"], rank, os.path.join(os.path.dirname(args.out), "model"), lora_rank)
     gc.collect()
     calibration = gather({"baseline": _memory_now(device), "gemm_flops": _gemm_rate(device),
                           "allreduce_bw": _allreduce_bandwidth(device)})
@@ -439,7 +462,7 @@ def _run_worker(argv: list[str] | None) -> None:
     for run in runs:
         sub = init_parallel(**run["launch"]["init_parallel"], device=device, timeout_s=job["timeout_s"])
         run["measured"] = gather(_train(job["config"], weights, job["attention"], run["launch"], job["seq"], job["steps"],
-                                        sub, device))
+                                        sub, device, lora_rank))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"device": device.type, "world": world, "calibration": calibration, "cluster": cluster,
