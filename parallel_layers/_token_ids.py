@@ -21,9 +21,10 @@ from torch import Tensor
 
 
 class TokenIdError(IndexError, ValueError):
-    """Token ids outside the input embedding: an IndexError, as nn.Embedding's and
-    VocabParallelEmbedding's, and a ValueError, as the pipeline's batch refusals are, so that one
-    `except` catches it at every layout (review finding, helper-77)."""
+    """Token ids outside the model's vocabulary (the inputs', or the labels' of a causal-LM
+    loss): an IndexError, as nn.Embedding's, F.cross_entropy's and VocabParallelEmbedding's, and
+    a ValueError, as the pipeline's batch refusals are, so that one `except` catches it at every
+    layout (review finding, helper-77)."""
 
 
 def token_ids_problem(vocab: int, low: int, high: int) -> str | None:
@@ -60,3 +61,29 @@ def check_token_ids(ids: Tensor, model: nn.Module) -> tuple[Tensor, str] | None:
     if problem:
         raise TokenIdError(problem)
     return None
+
+
+# Note [labels in range]: F.cross_entropy given a label outside the logits raises "IndexError:
+# Target 130 is out of bounds." on the CPU (no range) and asserts on a GPU, on the rank given
+# that batch only. For the causal-LM losses of parallel_layers.pipeline.hf the step knows what
+# the loss reads - the labels after the first column, each in [0, vocab) or -100 - and checks
+# them beside the inputs, so that the error names the values and is agreed over the replicas
+# (Note [a refusal on every replica]). A loss of the user's own is left to raise as it does.
+def check_labels(labels: Tensor, vocab: int) -> tuple[Tensor, str] | None:
+    """Raise (CPU) unless the labels a causal-LM loss reads (`labels[:, 1:]`) are -100 or in
+    [0, vocab); on a GPU return their device flag and message, as `check_token_ids` does."""
+    if not isinstance(labels, Tensor) or labels.dim() != 2 or labels.is_floating_point() or \
+            labels.dtype == torch.bool or labels.shape[1] < 2:
+        return None  # not a batch of label rows: the loss refuses it itself
+    read = labels[:, 1:]
+    ignored = read == -100
+    if labels.device.type == "cuda":
+        return (~ignored & ((read < 0) | (read >= vocab))).any(), f"labels must be in [0, {vocab}) or -100"
+    kept = read[~ignored]
+    if not kept.numel():
+        return None
+    low, high = (int(v) for v in torch.aminmax(kept))
+    if 0 <= low and high < vocab:
+        return None
+    raise TokenIdError(f"labels must be in [0, {vocab}) or -100 (ignored) for the causal-LM loss (the model's "
+                       f"vocabulary has {vocab} entries), got values in [{low}, {high}] (labels[:, 0] is not read)")

@@ -55,6 +55,7 @@ because the model's own forward returns a ModelOutput, not the logits that `loss
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import operator
 import warnings
@@ -71,7 +72,7 @@ from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
 from parallel_layers._replica_refusal import refuse_together
-from parallel_layers._token_ids import check_token_ids
+from parallel_layers._token_ids import check_labels, check_token_ids
 from parallel_layers._loss_scale import LossScale
 from parallel_layers.checkpoint import _dist
 from parallel_layers.data_parallel import DataParallel
@@ -214,7 +215,8 @@ class Parallelized:
 
     def _refusals(self, inputs, targets, attention_mask, position_ids) -> tuple[Tensor, str] | None:
         """Raise on a batch this replica cannot take (without a pipeline); on a GPU return the
-        device flag of token ids out of range and its message instead (Note [token ids in range])."""
+        device flag of token ids or labels out of range and its message instead (Note [token ids
+        in range], Note [labels in range])."""
         # the TP group's ranks compare their batches first: then a bad mask or positions (or a dict
         # for inputs) given to every rank raise on every rank, and one given to some ranks only is a
         # difference
@@ -228,9 +230,13 @@ class Parallelized:
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
-        flagged = None
-        if isinstance(inputs, Tensor) and hasattr(_innermost(self.module), "config"):
-            flagged = check_token_ids(inputs, _innermost(self.module))  # Note [token ids in range] in _token_ids.py
+        flags = []
+        model = _innermost(self.module)
+        if isinstance(inputs, Tensor) and hasattr(model, "config"):
+            flags.append(check_token_ids(inputs, model))  # Note [token ids in range] in _token_ids.py
+            vocab = getattr(model.config, "vocab_size", None)
+            if self.loss_fn in (hf_pipeline.causal_lm_loss, hf_pipeline.causal_lm_loss_sum) and isinstance(vocab, int):
+                flags.append(check_labels(targets, vocab))  # Note [labels in range]
         if (isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
                 and hasattr(_innermost(self.module), "config")):
@@ -248,7 +254,10 @@ class Parallelized:
                    else type(position_ids).__name__)
             raise ValueError(f"position_ids must be an integer tensor of the inputs' shape {list(inputs.shape)} (or [1, "
                              f"{inputs.shape[-1]}]); got {got}")
-        return flagged
+        flags = [f for f in flags if f is not None]  # on a GPU: one device flag, and the messages
+        if not flags:
+            return None
+        return functools.reduce(torch.logical_or, [f for f, _ in flags]), "; ".join(m for _, m in flags)
 
     def checkpoint_parts(self) -> tuple[nn.Module, torch.optim.Optimizer, str]:
         """What `checkpoint.save(root, step, par)` / `load(path, par)` save and load: the module as

@@ -746,6 +746,10 @@ def _token_id_errors(rank, ws, directory, layout):
                    _error(lambda: par.forward_backward(ids, ids, attention_mask=torch.ones(4, 8 if replica else 16,
                                                                                  dtype=torch.int64))),
                    _error(lambda: par.evaluate(bad if replica == 1 else ids, ids))]
+    if pp == 1:  # labels out of range for the causal-LM loss, on one replica (Note [labels in range])
+        labels = ids.clone()
+        labels[0, 0], labels[1, 3], labels[2, 2], labels[3, 4] = 999, 128, -100, -7  # column 0 is not read
+        errors.append(_error(lambda: par.forward_backward(ids, labels if replica == 1 else ids)))
     # training goes on in step: one step on the same batch everywhere, as the plain model takes it
     par.forward_backward(ids, ids)
     par.step()
@@ -795,6 +799,11 @@ def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
             alone = layout in ("dp2", "dp2-tp2")
             assert errors[4] == (f"TokenIdError: {expected}" if replica == 1 else "no error" if alone else
                                  f"TokenIdError: data-parallel replica 1's batch was refused: {expected}")
+        if not layout.startswith("pp2"):  # F.cross_entropy's "Target 128 is out of bounds." on one rank before
+            labels = ("labels must be in [0, 128) or -100 (ignored) for the causal-LM loss (the model's vocabulary "
+                      "has 128 entries), got values in [-7, 128] (labels[:, 0] is not read)")
+            assert errors[5] == (f"TokenIdError: {labels}" if replica == 1 else
+                                 f"TokenIdError: data-parallel replica 1's batch was refused: {labels}")
         assert 0 < loss < 10  # a next-token loss of a 128-token vocabulary, ~ln(128) = 4.85
         assert loss == pytest.approx(plain, rel=1e-5)  # no replica a step ahead, no gradient of a refused batch
 
@@ -839,7 +848,7 @@ def test_token_ids_on_a_gpu_give_a_device_flag_for_the_replicas_to_reduce():
     """On a GPU the ids are checked on the device and the flag returned, not asserted on this rank
     alone (which would stop it before the replicas' all-reduce); with no other replica it is asserted."""
     from parallel_layers._replica_refusal import refuse_together
-    from parallel_layers._token_ids import check_token_ids
+    from parallel_layers._token_ids import check_labels, check_token_ids
 
     model = nn.Module()
     model.get_input_embeddings = lambda: nn.Embedding(128, 4)
@@ -849,6 +858,23 @@ def test_token_ids_on_a_gpu_give_a_device_flag_for_the_replicas_to_reduce():
     assert bad[1] == "token ids must be in [0, 128)"
     refuse_together(None, None, flagged=good[0], flagged_message=good[1], sync=False)
     torch.cuda.synchronize()  # the good flag's assert passed
+    labels = torch.tensor([[999, 5, -100], [-1, 127, 0]], device="cuda")  # column 0 is not read
+    flag, message = check_labels(labels, 128)
+    assert not bool(flag) and message == "labels must be in [0, 128) or -100"
+    labels[1, 2] = 128
+    assert bool(check_labels(labels, 128)[0])
+
+
+def test_labels_the_causal_lm_loss_reads_are_checked():
+    """Note [labels in range]: only labels[:, 1:] are read (the shift), -100 is ignored; a tensor
+    that is no batch of label rows is left to the loss."""
+    from parallel_layers._token_ids import TokenIdError, check_labels
+
+    assert check_labels(torch.tensor([[999, 5, -100], [-1, 127, 0]]), 128) is None
+    assert check_labels(torch.full((2, 4), -100), 128) is None
+    assert check_labels(torch.zeros(2, 4), 128) is None and check_labels(torch.tensor([3, 200]), 128) is None
+    with pytest.raises(TokenIdError, match=re.escape("got values in [0, 128] (labels[:, 0] is not read)")):
+        check_labels(torch.tensor([[5, 0, 128], [5, -100, 3]]), 128)
 
 
 def test_a_token_id_error_is_an_index_error_and_a_value_error():
