@@ -68,22 +68,49 @@ def check_token_ids(ids: Tensor, model: nn.Module) -> tuple[Tensor, str] | None:
 # that batch only. For the causal-LM losses of parallel_layers.pipeline.hf the step knows what
 # the loss reads - the labels after the first column, each in [0, vocab) or -100 - and checks
 # them beside the inputs, so that the error names the values and is agreed over the replicas
-# (Note [a refusal on every replica]). A loss of the user's own is left to raise as it does.
+# (Note [a refusal on every replica]); under a pipeline the last rank's range travels in the
+# batch check's all-gather, as rank 0's ids do. A loss of the user's own is left to raise as it does.
 def check_labels(labels: Tensor, vocab: int) -> tuple[Tensor, str] | None:
     """Raise (CPU) unless the labels a causal-LM loss reads (`labels[:, 1:]`) are -100 or in
     [0, vocab); on a GPU return their device flag and message, as `check_token_ids` does."""
     if not isinstance(labels, Tensor) or labels.dim() != 2 or labels.is_floating_point() or \
-            labels.dtype == torch.bool or labels.shape[1] < 2:
+            labels.dtype == torch.bool or labels.shape[1] < 2 or not labels.numel():
         return None  # not a batch of label rows: the loss refuses it itself
     read = labels[:, 1:]
     ignored = read == -100
     if labels.device.type == "cuda":
         return (~ignored & ((read < 0) | (read >= vocab))).any(), f"labels must be in [0, {vocab}) or -100"
-    kept = read[~ignored]
-    if not kept.numel():
+    low, high = (int(v) for v in labels_range(labels))
+    problem = labels_problem(vocab, low, high)
+    if problem:
+        raise TokenIdError(problem)
+    return None
+
+
+def labels_range(labels: Tensor) -> Tensor:
+    """The smallest and largest label a causal-LM loss reads (`labels[:, 1:]`, -100 aside), on
+    the labels' device without a host sync; [0, -1] (high < low) when it reads none."""
+    read = labels[:, 1:].to(torch.int64)
+    ignored = read == -100
+    big = torch.iinfo(torch.int64).max
+    low, high = torch.where(ignored, big, read).amin(), torch.where(ignored, -big, read).amax()
+    none = ignored.all()
+    return torch.stack([torch.where(none, 0, low), torch.where(none, -1, high)])
+
+
+def labels_problem(vocab: int, low: int, high: int) -> str | None:
+    """Why labels in [low, high] (high < low: none read) do not fit a vocabulary of `vocab`, or None."""
+    if high < low or (0 <= low and high < vocab):
         return None
-    low, high = (int(v) for v in torch.aminmax(kept))
-    if 0 <= low and high < vocab:
-        return None
-    raise TokenIdError(f"labels must be in [0, {vocab}) or -100 (ignored) for the causal-LM loss (the model's "
-                       f"vocabulary has {vocab} entries), got values in [{low}, {high}] (labels[:, 0] is not read)")
+    return (f"labels must be in [0, {vocab}) or -100 (ignored) for the causal-LM loss (the model's vocabulary has "
+            f"{vocab} entries), got values in [{low}, {high}] (labels[:, 0] is not read)")
+
+
+def reads_labels(labels, loss_fn) -> bool:
+    """Whether `loss_fn` is a causal-LM loss whose labels the step checks (Note [labels in range]),
+    and `labels` a batch of label rows it reads."""
+    from parallel_layers.pipeline.hf import causal_lm_loss, causal_lm_loss_sum
+
+    return (loss_fn in (causal_lm_loss, causal_lm_loss_sum) and isinstance(labels, Tensor) and labels.dim() == 2
+            and not labels.is_floating_point() and not labels.is_complex() and labels.dtype != torch.bool
+            and labels.shape[1] >= 2 and labels.numel() > 0)

@@ -72,7 +72,7 @@ from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
 from parallel_layers._replica_refusal import refuse_together
-from parallel_layers._token_ids import check_labels, check_token_ids
+from parallel_layers._token_ids import check_labels, check_token_ids, reads_labels
 from parallel_layers._loss_scale import LossScale
 from parallel_layers.checkpoint import _dist
 from parallel_layers.data_parallel import DataParallel
@@ -235,7 +235,7 @@ class Parallelized:
         if isinstance(inputs, Tensor) and hasattr(model, "config"):
             flags.append(check_token_ids(inputs, model))  # Note [token ids in range] in _token_ids.py
             vocab = getattr(model.config, "vocab_size", None)
-            if self.loss_fn in (hf_pipeline.causal_lm_loss, hf_pipeline.causal_lm_loss_sum) and isinstance(vocab, int):
+            if reads_labels(targets, self.loss_fn) and isinstance(vocab, int):
                 flags.append(check_labels(targets, vocab))  # Note [labels in range]
         if (isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape

@@ -746,10 +746,12 @@ def _token_id_errors(rank, ws, directory, layout):
                    _error(lambda: par.forward_backward(ids, ids, attention_mask=torch.ones(4, 8 if replica else 16,
                                                                                  dtype=torch.int64))),
                    _error(lambda: par.evaluate(bad if replica == 1 else ids, ids))]
-    if pp == 1:  # labels out of range for the causal-LM loss, on one replica (Note [labels in range])
-        labels = ids.clone()
-        labels[0, 0], labels[1, 3], labels[2, 2], labels[3, 4] = 999, 128, -100, -7  # column 0 is not read
-        errors.append(_error(lambda: par.forward_backward(ids, labels if replica == 1 else ids)))
+    while len(errors) < 5:
+        errors.append(None)  # (one replica: nothing to refuse on one replica only)
+    # labels out of range for the causal-LM loss, on the last replica (Note [labels in range])
+    labels = ids.clone()
+    labels[0, 0], labels[1, 3], labels[2, 2], labels[3, 4] = 999, 128, -100, -7  # column 0 is not read
+    errors.append(_error(lambda: par.forward_backward(ids, labels if replica == ws // pp // tp - 1 else ids)))
     # training goes on in step: one step on the same batch everywhere, as the plain model takes it
     par.forward_backward(ids, ids)
     par.step()
@@ -799,11 +801,12 @@ def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
             alone = layout in ("dp2", "dp2-tp2")
             assert errors[4] == (f"TokenIdError: {expected}" if replica == 1 else "no error" if alone else
                                  f"TokenIdError: data-parallel replica 1's batch was refused: {expected}")
-        if not layout.startswith("pp2"):  # F.cross_entropy's "Target 128 is out of bounds." on one rank before
-            labels = ("labels must be in [0, 128) or -100 (ignored) for the causal-LM loss (the model's vocabulary "
-                      "has 128 entries), got values in [-7, 128] (labels[:, 0] is not read)")
-            assert errors[5] == (f"TokenIdError: {labels}" if replica == 1 else
-                                 f"TokenIdError: data-parallel replica 1's batch was refused: {labels}")
+        # F.cross_entropy's "Target 128 is out of bounds." on one rank before (under a pipeline: on
+        # every rank at the step's end, as the last stage's failure)
+        labels = ("labels must be in [0, 128) or -100 (ignored) for the causal-LM loss (the model's vocabulary "
+                  "has 128 entries), got values in [-7, 128] (labels[:, 0] is not read)")
+        assert errors[5] == (f"TokenIdError: {labels}" if replica == 1 or layout == "pp2" else
+                             f"TokenIdError: data-parallel replica 1's batch was refused: {labels}")
         assert 0 < loss < 10  # a next-token loss of a 128-token vocabulary, ~ln(128) = 4.85
         assert loss == pytest.approx(plain, rel=1e-5)  # no replica a step ahead, no gradient of a refused batch
 

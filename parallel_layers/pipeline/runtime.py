@@ -41,7 +41,7 @@ from torch import Tensor
 from parallel_layers import _same_batch, fault
 from parallel_layers._replica_refusal import refuse_together
 from parallel_layers.expert_parallel import used_in as expert_parallel_used_in
-from parallel_layers._token_ids import TokenIdError, token_ids_problem
+from parallel_layers._token_ids import TokenIdError, labels_problem, labels_range, reads_labels, token_ids_problem
 from parallel_layers._accumulation import token_divisor
 from parallel_layers.grad_norm import clip_grad_norm_
 from parallel_layers.pipeline._p2p import _DTYPES, _HEADER, Messenger, signature
@@ -148,7 +148,11 @@ class PipelineParallel:
             and inputs.dtype in (torch.int64, torch.int32) else None
         ids_range = torch.stack(torch.aminmax(ids)).to(self.device, torch.int64) if ids is not None else \
             torch.tensor([0, -1], dtype=torch.int64, device=self.device)
-        mine = torch.cat([mine[:-1], ids_range, mine[-1:]])
+        # and the labels a causal-LM loss reads, on the last rank (Note [labels in range])
+        reads = self.stages.input_vocab is not None and reads_labels(targets, self.loss_fn)
+        labels = labels_range(targets).to(self.device) if reads else \
+            torch.tensor([0, -1], dtype=torch.int64, device=self.device)
+        mine = torch.cat([mine[:-1], ids_range, labels, mine[-1:]])
         sizes = [mine]
         if self.ranks > 1:
             sizes = [torch.zeros_like(mine) for _ in range(self.ranks)]
@@ -183,9 +187,13 @@ class PipelineParallel:
             if self.stages.input_problem is not None and sig[1] >= 0 else None
         if problem:  # the first layer's own check, on every rank (pipeline/hf.py)
             raise ValueError(problem)
-        low, high = sizes[0][-3], sizes[0][-2]
+        low, high = sizes[0][-5], sizes[0][-4]
         problem = token_ids_problem(self.stages.input_vocab, low, high) if high >= low else None
         if problem:  # rank 0's ids against the first layer's table, on every rank
+            raise TokenIdError(problem)
+        low, high = sizes[self.last_rank][-3], sizes[self.last_rank][-2]
+        problem = labels_problem(self.stages.input_vocab, low, high) if self.stages.input_vocab else None
+        if problem:  # the last rank's labels, against the vocabulary (the input embedding's, as a causal LM's head)
             raise TokenIdError(problem)
         mask_sig = tuple(sizes[0][3 + _HEADER:3 + 2 * _HEADER])
         pos_sig = tuple(sizes[0][3 + 2 * _HEADER:3 + 3 * _HEADER])
