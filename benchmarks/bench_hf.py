@@ -60,6 +60,24 @@ tp_plan="auto" leaves the parameters it does not shard as plain tensors, which t
 fused kernels refuse to mix with its DTensors: for those two, each variant's DTensor and plain
 parameters go in separate parameter groups (as a user of that plan would have to).
 Writes benchmarks/results/bench_hf.json (every trial's times) and bench_hf.png.
+--lora R: a LoRA fine-tune instead. Every variant loads the model as above and adapts it with
+peft.get_peft_model(model, LoraConfig(r=R, lora_alpha=2R, target_modules="all-linear",
+lora_dropout=0.0)) (examples/finetune_hf.py's with_lora), the same initial adapters in every
+variant and on every rank (torch.manual_seed(1) first); only the adapters train, AdamW over the
+parameters that require grad. Variants:
+  tp=2  ours:         parallelize(peft_model, init_parallel(tp=2), tp_plan="auto"): its LoRA layers
+                      split with their base layers (tensor_parallel/lora.py), as finetune_hf.py --lora
+        hf_tp:        transformers' tp_plan="auto" model, then get_peft_model over it (if it fails,
+                      the error is printed and the variant left out)
+  dp=2  dataparallel: parallelize(peft_model, init_parallel(dp=2), zero_stage=0)
+        zero1, zero3: the same with zero_stage=1, 3 (ZeRO-3's default units)
+        zero3_unfused: zero3 with fused_kernels=False (the model's own modules, as the peers run it)
+        fsdp2:        fully_shard on each decoder layer, then on the root, the frozen base weights and
+                      the adapters in the same units (FSDP2 shards per parameter, so mixed
+                      requires_grad in a unit is allowed; torchtune's LoRA recipes shard so)
+        ddp:          DistributedDataParallel over the peft model
+  Each variant's losses over the warm-up and timed steps (the same batch every step) are
+  recorded, and which of our modules ran fused (fused.py leaves peft's LoRA layers alone).
 Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15 (the same-kernel
 zero3_unfused / ddp and zero3 / ddp_fused are held to 1.15 too).
 --model mixtral: the same step on a Mixtral of the same attention, with 8 experts of the Llama's
@@ -99,6 +117,12 @@ RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.
           ("zero3_ep", "fsdp2", 0.85), ("zero3_ep", "ddp", 1.15),
           # the same kernels on both sides: unfused, and fused (the target held to zero3 / ddp's)
           ("zero3_unfused", "ddp", 1.15), ("zero3", "ddp_fused", 1.15))
+# --lora R: a LoRA fine-tune (peft); its variants and ratios (the targets borrowed from the
+# full fine-tune's: 0.85 against a sharding / TP peer, 1.15 against DDP)
+LORA_AXES = {"tp": ("ours", "hf_tp"), "dp": ("dataparallel", "zero1", "zero3", "zero3_unfused", "fsdp2", "ddp")}
+LORA_RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15),
+               ("zero3_unfused", "fsdp2", 0.85), ("zero3_unfused", "ddp", 1.15),
+               ("zero1", "ddp", 1.15), ("dataparallel", "ddp", 1.15), ("dataparallel", "fsdp2", 0.85))
 # --adamw: torch.optim.AdamW's implementations, the same one for every variant
 ADAMW_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -138,9 +162,43 @@ def phi3_config(hidden: int, layers: int, vocab: int, seq: int):
 CONFIGS = {"llama": llama_config, "mixtral": mixtral_config, "phi3": phi3_config}
 
 
+def with_lora(model, lora: int):
+    """`model` adapted by peft as examples/finetune_hf.py's with_lora does, the same initial
+    adapters in every variant and on every rank."""
+    import peft
+
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear",
+                                                      lora_dropout=0.0))
+
+
+def fused_summary(model) -> dict[str, int]:
+    """How many modules of each kind of ours `model` runs (fused or tensor-parallel), and its
+    decoder layers given the fused residual add; LoRA layers of peft's are counted apart."""
+    import functools
+
+    from parallel_layers import _peft, fused
+
+    counts: dict[str, int] = {}
+    for _, m in model.named_modules():
+        cls = type(m)
+        key = None
+        if cls.__module__.startswith("parallel_layers"):
+            key = cls.__name__
+        elif isinstance(vars(m).get("forward"), functools.partial) and \
+                vars(m)["forward"].func is fused._decoder_layer_forward:
+            key = f"{cls.__name__} (fused residual add)"
+        elif _peft.is_lora_layer(m):
+            key = f"peft {cls.__name__} (base: {type(m.base_layer).__name__})"
+        if key:
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed", adamw_impl: str = "fused",
-             lr: float = 1e-4):
-    """(step function of token ids) for one variant, built in this process."""
+             lr: float = 1e-4, lora: int = 0, info: dict | None = None):
+    """(step function of token ids) for one variant, built in this process; the step returns
+    its loss. info: filled with what ran fused (ours)."""
     import transformers
 
     from parallel_layers import init_parallel, parallelize
@@ -150,7 +208,7 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
         return causal_lm_loss(output.logits, ids)
 
     def adamw(params):
-        params = list(params)
+        params = [p for p in params if p.requires_grad] if lora else list(params)
         if adamw_impl != "default":
             # transformers' tp_plan leaves the parameters it does not shard as plain tensors, and
             # the foreach / fused kernels refuse a list that mixes them with DTensors: one
@@ -166,20 +224,28 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
 
         model = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto"))
+        if lora:
+            model = with_lora(model, lora)
         return _plain_step(model, adamw(model.parameters()), loss_fn)
     # Mixed precision keeps float32 weights: FSDP2 and DDP take the float32 model and cast (below).
     mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp", "ddp_fused")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if mixed else dtype)
-    if kind in ("ours", "zero3", "zero3_ep", "zero3_unfused"):
+    if lora:
+        model = with_lora(model, lora)
+    if kind in ("ours", "zero3", "zero3_ep", "zero3_unfused", "dataparallel", "zero1"):
         ctx = init_parallel(tp=2 if kind == "ours" else 1, device="cpu")
+        stage = {"ours": 0, "dataparallel": 0, "zero1": 1}.get(kind, 3)
         par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan="auto" if kind == "ours" else None,
-                          zero_stage=0 if kind == "ours" else 3, expert_parallel=kind == "zero3_ep",
+                          zero_stage=stage, expert_parallel=kind == "zero3_ep",
                           fused_kernels=kind != "zero3_unfused")
+        if info is not None:
+            info["fused"] = fused_summary(par.module)
 
         def step(ids):
-            par.forward_backward(ids, ids)
+            loss = par.forward_backward(ids, ids)
             par.step()
             par.zero_grad()
+            return loss
         return step
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -188,7 +254,7 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
         mesh = init_device_mesh("cpu", (2,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else \
             MixedPrecisionPolicy()
-        for layer in model.model.layers:
+        for layer in (model.get_base_model() if lora else model).model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return _plain_step(model, adamw(model.parameters()), loss_fn)
@@ -207,36 +273,73 @@ def _plain_step(model, opt, loss_fn, autocast: bool = False):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
     return step
 
 
-def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16, adamw_impl, model):
+def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16, adamw_impl, model,
+          lora=0):
     # transformers' distributed loading reads the torchrun variables; the process group is ours
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_WORLD_SIZE=str(ws))
     times = {}
+    extra = {"losses": {}, "fused": {}, "failed": {}}
     for axis in axes:  # one axis's variants at a time: the others' memory is freed first
-        kinds = (MOE_AXES if model == "mixtral" else AXES)[axis]
+        kinds = (LORA_AXES if lora else MOE_AXES if model == "mixtral" else AXES)[axis]
         kinds = kinds[::-1] if reverse else kinds
-        steps = {kind: _variant(kind, model_dir, getattr(torch, dtype_name), bf16, adamw_impl) for kind in kinds}
+        steps = {}
+        for kind in kinds:
+            info = {}
+            try:
+                steps[kind] = _variant(kind, model_dir, getattr(torch, dtype_name), bf16, adamw_impl, lora=lora,
+                                       info=info)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run LoRA is reported, not timed
+                if not (lora and kind == "hf_tp"):
+                    raise
+                extra["failed"][kind] = f"{type(e).__name__}: {e}"
+                continue
+            if "fused" in info:
+                extra["fused"][kind] = info["fused"]
+        if lora and "hf_tp" in steps:  # get_peft_model may succeed and the step fail: try one
+            try:
+                probe = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(99))
+                hf = _variant("hf_tp", model_dir, getattr(torch, dtype_name), bf16, adamw_impl, lora=lora)
+                hf(probe)
+                del hf
+            except Exception as e:  # noqa: BLE001
+                import traceback
+
+                where = traceback.extract_tb(e.__traceback__)[-3:]
+                extra["failed"]["hf_tp"] = f"{type(e).__name__}: {e} (at " + " <- ".join(
+                    f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(where)) + ")"
+                del steps["hf_tp"]
         # tp: every rank the same batch; dp: each rank its own
         g = torch.Generator().manual_seed(rank if axis == "dp" else 0)
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        times.update(time_interleaved({kind: (lambda fn=fn: fn(ids)) for kind, fn in steps.items()}, reps))
-        del steps
+        if lora:  # each step's loss, recorded (a float per step: negligible next to the step)
+            for kind in steps:
+                extra["losses"][kind] = []
+
+            def run(kind, fn):
+                extra["losses"][kind].append(float(fn(ids).detach()))
+            fns = {kind: (lambda kind=kind, fn=fn: run(kind, fn)) for kind, fn in steps.items()}
+        else:
+            fns = {kind: (lambda fn=fn: fn(ids)) for kind, fn in steps.items()}
+        times.update(time_interleaved(fns, reps))
+        del steps, fns
         gc.collect()
-    return times
+    return (times, extra) if lora else times
 
 
-def plot(results: dict, path: Path, model: str = "llama") -> None:
+def plot(results: dict, path: Path, model: str = "llama", ratio_table=RATIOS) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     configs = list(results)
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(configs) + 2), 3.8))
-    width = 0.8 / len(RATIOS)
-    for i, (a, b, target) in enumerate(RATIOS):
-        xs = [j + (i - (len(RATIOS) - 1) / 2) * width for j in range(len(configs))]
+    width = 0.8 / len(ratio_table)
+    for i, (a, b, target) in enumerate(ratio_table):
+        xs = [j + (i - (len(ratio_table) - 1) / 2) * width for j in range(len(configs))]
         ax.bar(xs, [results[c]["ratios"].get(f"{a}_over_{b}", math.nan) for c in configs], width,
                       label=f"{a} / {b} (target <= {target})")
         for x in xs:  # each bar's target, drawn over the bars
@@ -269,7 +372,11 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=3, help="fresh process pairs; ratios are medians over them")
     ap.add_argument("--model", choices=list(CONFIGS), default="llama")
     ap.add_argument("--name", default="bench_hf", help="result file name under benchmarks/results/")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="a LoRA fine-tune (peft, rank R, every linear layer of the decoder; only the adapters train) "
+                         "instead of a full one; llama only")
     args = ap.parse_args(argv)
+    ratio_table = LORA_RATIOS if args.lora else RATIOS
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_hf-") as tmp:
         for hidden in args.hidden:
@@ -285,32 +392,48 @@ def main(argv=None):
             for dtype in args.dtypes:
                 config = f"h{hidden} {dtype}" + (f" ({args.bf16})" if dtype == "bfloat16" and "dp" in args.axes
                                                   else "")
-                trials = []
+                trials, extras = [], []
                 for trial in range(args.trials):
                     ranks = spawn(_rank, 2, (args.axes, model_dir, dtype, args.batch, args.seq, args.vocab,
-                                             args.reps, trial % 2 == 1, args.bf16, args.adamw, args.model))
+                                             args.reps, trial % 2 == 1, args.bf16, args.adamw, args.model,
+                                             args.lora))
+                    if args.lora:
+                        extras.append([r[1] for r in ranks])
+                        ranks = [r[0] for r in ranks]
                     times = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the slower rank's median
                     trials.append(times)
                 ratios, trial_ratios = {}, {}
-                for a, b, _ in RATIOS:
+                for a, b, _ in ratio_table:
                     if a in trials[0] and b in trials[0]:
                         trial_ratios[f"{a}_over_{b}"] = [t[a] / t[b] for t in trials]
                         ratios[f"{a}_over_{b}"] = statistics.median(trial_ratios[f"{a}_over_{b}"])
                 step_s = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
                 results[config] = {"hidden": hidden, "dtype": dtype, "params": params, "step_s": step_s,
                                    "trials": trials, "trial_ratios": trial_ratios, "ratios": ratios}
+                if args.lora:  # each trial's, each rank's: losses per step, what ran fused, what failed
+                    results[config]["lora"] = extras
                 print(f"{args.model} h={hidden} x {args.layers} layers ({params / 1e6:.1f}M params), {dtype}, "
                       f"[{args.batch}x{args.seq}] tokens, ms per step over {args.trials} trials:")
                 for kind in step_s:
                     print(f"  {kind:13s} " + "  ".join(f"{t[kind] * 1e3:8.1f}" for t in trials))
-                for a, b, target in RATIOS:
+                for a, b, target in ratio_table:
                     if f"{a}_over_{b}" in ratios:
                         per_trial = ", ".join(f"{v:.2f}" for v in trial_ratios[f"{a}_over_{b}"])
                         print(f"  {a} / {b} = {ratios[f'{a}_over_{b}']:.2f} (trials {per_trial}; target <= {target})")
+                if args.lora:
+                    first = extras[0]
+                    for kind, why in first[0]["failed"].items():
+                        print(f"  {kind} failed under LoRA: {why}")
+                    for kind, counts in first[0]["fused"].items():
+                        print(f"  {kind} runs: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+                    for rank, extra in enumerate(first):
+                        print(f"  losses, trial 1, rank {rank} (the same batch every step):")
+                        for kind, losses in extra["losses"].items():
+                            print(f"    {kind:13s} " + " ".join(f"{v:.6f}" for v in losses[:5]))
     load = os.getloadavg()
     path = write_json(args.name, {"benchmark": "hf", "machine": {**machine(), "loadavg_after": load},
                                   "args": vars(args), "results": results})
-    plot(results, RESULTS / f"{args.name}.png", args.model)
+    plot(results, RESULTS / f"{args.name}.png", args.model, ratio_table)
     print(f"load average after the run {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; wrote {path}")
 
 

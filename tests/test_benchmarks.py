@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -60,3 +62,23 @@ def test_queued_entry_marks_the_variants_whose_host_time_was_the_queued_time():
     assert entry["forward_calls"] == 20 and entry["forward_backward_host_s"] is None
     assert host_bound_note(entry, ("ours", "gemm")) == "; host-bound: fwd ours"
     assert host_bound_note(entry, ("gemm",)) == ""
+
+
+def test_bench_hf_lora_runs_every_variant_on_the_same_losses(tmp_path):
+    """bench_hf.py --lora R (small sizes, one trial): every dp variant - ours and DDP / FSDP2 over
+    the same peft model - trains to the same losses in float32, so the step times it compares are
+    of the same training; transformers' tp_plan + peft peer is reported, not fatal, where it fails."""
+    import json
+    import os
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hf.py"), "--hidden", "64", "--layers", "1",
+                        "--seq", "16", "--vocab", "256", "--reps", "1", "--trials", "1", "--dtypes", "float32",
+                        "--lora", "4", "--name", "lora_smoke"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "zero3 / fsdp2 = " in r.stdout and "7 peft Linear" in r.stdout  # one layer's 7 LoRA layers, as printed
+    (result,) = json.loads((tmp_path / "lora_smoke.json").read_text())["results"].values()
+    for rank_losses in result["lora"][0]:
+        losses = rank_losses["losses"]
+        for kind in ("zero1", "zero3", "zero3_unfused", "fsdp2", "ddp"):
+            assert losses[kind] == pytest.approx(losses["dataparallel"], rel=1e-5), (kind, losses)

@@ -106,6 +106,35 @@ SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 POOL_MIN_BYTES = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", 32 * 2**20))
 
 
+
+# Note [carried bit for bit]: a unit of several dtypes gathers in one buffer where it can - one
+# collective, not one per dtype (Note [mixed dtypes in a group]). The buffer takes the dtype of
+# most of the unit's bytes; a member of another dtype whose element is a whole number of the
+# buffer's (a LoRA layer's float32 adapters in a bfloat16 base's buffer: two words each) is
+# carried in it bit for bit, its shard read as the buffer's words and its gathered rows read
+# back as its own dtype - nothing rounded, since an all-gather only moves bytes. Its rows are
+# written whole into a temporary (a carried shard of n elements is 2n words; the copy-out would
+# lay 2n words of a tensor out as rows of ceil(2n / world), not 2 ceil(n / world)), then copied
+# into the parameter. On the bench's bfloat16 Llama with LoRA r=8 at dp=2 (gloo; bench_hf.py
+# --lora 8) the second gather per unit made 18 collectives a step where float32 made 10
+# (helper-80); carried, ZeRO-3's step went from 241 to 206-219 ms and from 0.98 to 0.91 of
+# FSDP2's. A dtype narrower than the buffer's keeps a gather of its own.
+def _carried(kinds: dict[torch.dtype, list]) -> list[tuple[torch.dtype, list[tuple]]]:
+    """The all-gathers of a unit whose members are gathered in `kinds`' dtypes: [(buffer dtype,
+    [(member, its own dtype where carried bit for bit, else None)])], the same on every rank."""
+    if len(kinds) == 1:
+        return [(dtype, [(sp, None) for sp in members]) for dtype, members in kinds.items()]
+    main = max(kinds, key=lambda d: sum(sp.full.numel() for sp in kinds[d]) * d.itemsize)
+    gathers = [(main, [(sp, None) for sp in kinds[main]])]
+    for dtype, members in kinds.items():
+        if dtype == main:
+            continue
+        if dtype.itemsize % main.itemsize == 0:
+            gathers[0][1].extend((sp, dtype) for sp in members)
+        else:
+            gathers.append((dtype, [(sp, None) for sp in members]))
+    return gathers
+
 class _Works:
     """The work handles of one gloo all-gather's sends and receives, waited on as one."""
 
@@ -237,7 +266,9 @@ class ParamGroup:
         self.param_dtype, self.reduce_dtype = first.param_dtype, first.reduce_dtype
         self.offload = first.offload  # ZeRO-Offload: shards, their grads and the optimizer on the CPU
         self.keep_full = first.keep_full  # False: the full parameters are freed between uses (ZeRO-3)
-        self._inflight = None  # [(buffer, work handle, members)] of the all-gathers started by prefetch
+        # [(buffer, work handle, [(member, the dtype it is carried in or None)])] of the all-gathers
+        # started by prefetch
+        self._inflight = None
         # (output, work handle, input, gloo receive buffer, members) of a reduce-scatter not yet finished
         self._reducing = None
         self._gloo = dist.get_backend(self.group) == "gloo"
@@ -291,10 +322,13 @@ class ParamGroup:
         device = self.members[0].full.device
         inflight = []
         with _all_gather_stream(device):
-            for dtype, members in kinds.items():
-                shards = [sp.gather_input(device) for sp in members]
-                if len({t.dtype for t in shards}) > 1:  # frozen shards beside float32 masters (Note [frozen shards keep their dtype])
-                    shards = [t if t.dtype == dtype else t.to(dtype) for t in shards]
+            for dtype, members in _carried(kinds):
+                shards = []
+                for sp, own in members:
+                    # frozen shards beside float32 masters: each in the dtype it is gathered in
+                    # (Note [frozen shards keep their dtype]); a carried one then read as the buffer's words
+                    t = sp.gather_input(device).to(own or dtype)
+                    shards.append(t.reshape(-1).view(dtype) if own is not None else t)
                 buf = shard_copy.all_gather_copy_in(shards, self.world, self.rank, dtype,
                                                     empty=self._empty(device, gather=True))
                 inflight.append((buf, self._launch_all_gather(buf), members))
@@ -338,16 +372,24 @@ class ParamGroup:
             index = inflight[0][0].device.index
             torch.cuda.current_stream(index).wait_stream(_SIDE_STREAMS[index])
         for buf, _, members in inflight:
-            fulls = [sp.refill_full(self.pool) for sp in members]
-            # of the buffer's dtype but under param_dtype, where a member kept another (a cast
-            # through a temporary of the buffer's dtype)
-            odd = {i for i, t in enumerate(fulls) if t.dtype != buf.dtype}
-            outs = [torch.empty_like(t, dtype=buf.dtype) if i in odd else t for i, t in enumerate(fulls)]
+            outs, through = [], []  # (full, the temporary it is written through)
+            for sp, own in members:
+                full = sp.refill_full(self.pool)
+                if own is not None:  # carried (Note [carried bit for bit]): its padded rows in its own dtype
+                    rows = torch.empty(self.world * shard_copy.shard_numel(full.numel(), self.world), dtype=own,
+                                       device=buf.device)
+                    outs.append(rows.view(buf.dtype))
+                    through.append((full, rows[:full.numel()].view(full.shape)))
+                elif full.dtype != buf.dtype:  # under param_dtype, a member that kept another: cast through
+                    outs.append(torch.empty_like(full, dtype=buf.dtype))  # a temporary of the buffer's dtype
+                    through.append((full, outs[-1]))
+                else:
+                    outs.append(full)
             shard_copy.all_gather_copy_out(buf, outs)
-            for i in odd:
-                fulls[i].copy_(outs[i])
+            for full, temporary in through:
+                full.copy_(temporary)
             self._give_back(buf)
-            for sp in members:
+            for sp, _ in members:
                 sp.is_unsharded = True
 
     def reshard(self) -> None:

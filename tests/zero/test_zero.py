@@ -742,12 +742,16 @@ def test_a_unit_of_float32_and_bfloat16_parameters(stage, scalar_first):
 
 def _lora_like_unit(rank, ws):
     """A LoRA layer of a bfloat16 model: a frozen bfloat16 base weight beside float32 adapters
-    (peft's autocast_adapter_dtype); the dtype and elements of each all-gather of one step."""
+    (peft's autocast_adapter_dtype); the dtype and elements of each all-gather of one step, and
+    whether every bit came back."""
     from parallel_layers.zero import _group
 
     torch.manual_seed(0)
     base = nn.Linear(32, 32, bias=False).to(torch.bfloat16).requires_grad_(False)
-    lora_a, lora_b = nn.Linear(32, 4, bias=False), nn.Linear(4, 32, bias=False)
+    lora_a, lora_b = nn.Linear(32, 4, bias=False), nn.Linear(4, 33)  # its bias: 33 elements, 17 a rank (padded)
+    with torch.no_grad():  # odd float32 bits (a NaN's payload, a subnormal): an all-gather moves bytes
+        lora_a.weight[0, :3] = torch.tensor([0x7FC00123, 0x00000001, -0x7FFFFFF9], dtype=torch.int32).view(torch.float32)
+    before = [p.detach().clone() for p in (base.weight, lora_a.weight, lora_b.weight, lora_b.bias)]
     model = nn.ModuleDict({"base": base, "a": lora_a, "b": lora_b})
     zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=3, wrap=lambda m: False)
     gathered = []
@@ -755,18 +759,23 @@ def _lora_like_unit(rank, ws):
     _group.shard_copy.all_gather_copy_in = lambda shards, world, rank, dtype, **k: (
         gathered.append((str(dtype).removeprefix("torch."), sum(t.numel() for t in shards))),
         copy_in(shards, world, rank, dtype, **k))[1]
-    before = base.weight.detach().clone()
+    zero.root_group.reshard()
     zero.root_group.refresh_full()
     _group.shard_copy.all_gather_copy_in = copy_in
-    return gathered, torch.equal(base.weight, before)
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return gathered, [torch.equal(p.view(bits[p.dtype]), b.view(bits[b.dtype]))
+                      for p, b in zip((base.weight, lora_a.weight, lora_b.weight, lora_b.bias), before)]
 
 
-def test_a_unit_of_a_bfloat16_base_and_float32_adapters_gathers_each_in_its_dtype():
-    """Note [mixed dtypes in a group]: one all-gather per dtype - the base's 512 elements a rank
-    in bfloat16, the adapters' 64 + 64 in float32; gathered in the widest, the base moved as
-    float32 (twice its bytes) and came back through a float32 temporary."""
-    for gathered, same in run_distributed(_lora_like_unit, 2):
-        assert gathered == [("bfloat16", 512), ("float32", 128)] and same, gathered
+def test_a_unit_of_a_bfloat16_base_and_float32_adapters_gathers_once_carrying_them_bit_for_bit():
+    """Note [mixed dtypes in a group], Note [carried bit for bit]: the base's 512 elements a rank
+    in bfloat16 and the float32 adapters' 64 + 66 + 17 (a bias of 33, padded) carried in the same
+    buffer as 294 bfloat16 words - one all-gather, every bit back (odd values included). Gathered in the
+    widest dtype (a first version), the base moved as float32 (twice its bytes); one gather per
+    dtype (the version before) cost a second collective a unit: 18 gathers a step for a bfloat16
+    LoRA Llama where the float32 one made 10 (helper-80)."""
+    for gathered, exact in run_distributed(_lora_like_unit, 2):
+        assert gathered == [("bfloat16", 512 + 2 * (64 + 66 + 17))] and exact == [True] * 4, (gathered, exact)
 
 
 class _WithCounts(nn.Module):
