@@ -22,6 +22,20 @@ constexpr int kThreads = 256;
 template <typename A, typename B>
 using acc_t = std::conditional_t<std::is_same_v<A, double> || std::is_same_v<B, double>, double, float>;
 
+// A value moved into another float type through float (double); into its own type as it is,
+// bit for bit: ZeRO carries another dtype's bits in a buffer's words (Note [carried bit for bit]
+// in parallel_layers/zero/_group.py), and a round trip through float would rewrite them (a
+// bfloat16 word that reads as a NaN came back as the canonical NaN: review finding, helper-81).
+// The CPU twins copy with ATen's copy_, a byte copy for equal types.
+template <typename src_t, typename dst_t>
+__device__ __forceinline__ dst_t moved(const src_t& v) {
+  if constexpr (std::is_same_v<src_t, dst_t>) {
+    return v;
+  } else {
+    return static_cast<dst_t>(static_cast<acc_t<src_t, dst_t>>(v));
+  }
+}
+
 // p: a slot position of the group (0 <= p < g.size), grid-stride.
 #define PL_GRID_STRIDE(p, n) \
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < (n); p += int64_t{blockDim.x} * gridDim.x)
@@ -33,7 +47,7 @@ __global__ void all_gather_copy_in_kernel(const __grid_constant__ ShardGroup g, 
   PL_GRID_STRIDE(p, g.size) {
     const int64_t i = find_tensor(g.offset, g.count, p);
     const auto* src = reinterpret_cast<const src_t*>(g.ptr[i]);
-    row[g.base + p] = static_cast<dst_t>(static_cast<acc_t<src_t, dst_t>>(src[p - g.offset[i]]));
+    row[g.base + p] = moved<src_t, dst_t>(src[p - g.offset[i]]);
   }
 }
 
@@ -47,7 +61,7 @@ __global__ void all_gather_copy_out_kernel(const __grid_constant__ ShardGroup g,
     for (int64_t r = 0; r < world; ++r) {
       const int64_t el = element_of_slot(r, g.shard[i], g.offset[i], p);
       if (el < g.numel[i]) {
-        out[el] = static_cast<dst_t>(static_cast<acc_t<src_t, dst_t>>(gathered[r * g.total + g.base + p]));
+        out[el] = moved<src_t, dst_t>(gathered[r * g.total + g.base + p]);
       }
     }
   }

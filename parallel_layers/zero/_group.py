@@ -112,7 +112,9 @@ POOL_MIN_BYTES = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", 32 * 2**20))
 # most of the unit's bytes; a member of another dtype whose element is a whole number of the
 # buffer's (a LoRA layer's float32 adapters in a bfloat16 base's buffer: two words each) is
 # carried in it bit for bit, its shard read as the buffer's words and its gathered rows read
-# back as its own dtype - nothing rounded, since an all-gather only moves bytes. Its rows are
+# back as its own dtype - nothing rounded: an all-gather only moves bytes, and so do the copy
+# kernels between tensors of one dtype (the CUDA ones copied through float, which rewrote a word
+# that reads as a NaN: review finding, helper-81; csrc/cuda/shard_copy_kernels.cu). Its rows are
 # written whole into a temporary (a carried shard of n elements is 2n words; the copy-out would
 # lay 2n words of a tensor out as rows of ceil(2n / world), not 2 ceil(n / world)), then copied
 # into the parameter. On the bench's bfloat16 Llama with LoRA r=8 at dp=2 (gloo; bench_hf.py

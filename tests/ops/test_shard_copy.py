@@ -69,6 +69,30 @@ def test_all_gather_round_trip(world, src, dst, device):
         torch.testing.assert_close(o, t.to(dst).to(src), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("carried, words", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                            (torch.float64, torch.float32)])
+def test_a_copy_into_the_same_dtype_moves_bits_as_they_are(world, carried, words, device):
+    """Note [carried bit for bit] (zero/_group.py): ZeRO gathers float32 adapters as a bfloat16
+    buffer's words. Every bit pattern - words that read as NaNs, subnormals - comes back: the
+    CUDA kernels copied through float, which rewrote a NaN-looking word as the canonical NaN
+    (0.4% of random float32 values; review finding, helper-81), where the CPU's copy_ moves bytes."""
+    g = torch.Generator().manual_seed(world)
+    bits = torch.int32 if carried == torch.float32 else torch.int64
+    fulls = [torch.randint(torch.iinfo(bits).min, torch.iinfo(bits).max, (n,), generator=g, dtype=bits)
+             .view(carried).to(device) for n in (33, 4096, 1)]
+    rows = []
+    for r in range(world):
+        shards = [ref_shards(t, world)[r].view(words) for t in fulls]  # a carried shard: the buffer's words
+        rows.append(all_gather_copy_in(shards, world, r, words)[r])
+    gathered = torch.stack(rows)  # the all-gather, simulated
+    padded = [torch.empty(world * shard_numel(t.numel(), world), dtype=carried, device=device) for t in fulls]
+    all_gather_copy_out(gathered, [t.view(words) for t in padded])
+    for full, back in zip(fulls, padded):
+        assert torch.equal(back[:full.numel()].view(bits), full.view(bits))
+
+
 # ---- reduce-scatter ---------------------------------------------------------------------
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
