@@ -35,25 +35,31 @@ def token_ids_problem(vocab: int, low: int, high: int) -> str | None:
             f"[{low}, {high}]")
 
 
-def check_token_ids(ids: Tensor, model: nn.Module) -> tuple[Tensor, str] | None:
-    """Raise unless `ids` are integer ids within `model`'s input embedding (a transformers
-    model's `get_input_embeddings()`, an nn.Embedding or a VocabParallelEmbedding): on the CPU
-    naming the values; on a GPU returns a device flag of ids out of range and the message to
-    assert it with, for the step to reduce over the data-parallel replicas first (Note [a refusal
-    on every replica] in _replica_refusal.py)."""
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"forward_backward needs token ids (an integer tensor, torch.int64) as the inputs of a "
-                        f"transformers model; got {ids.dtype}")
+def input_vocab(model: nn.Module) -> int | None:
+    """The rows of `model`'s input embedding (a transformers model's `get_input_embeddings()`, an
+    nn.Embedding or a VocabParallelEmbedding, whose num_embeddings is the whole table's), or None
+    for a model without one."""
     try:
         embedding = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a model of the user's own, or one without the accessor
         return None
     from parallel_layers.tensor_parallel.vocab import VocabParallelEmbedding  # it imports TokenIdError from here
 
-    # a VocabParallelEmbedding checks its ids too, on its TP group only; its num_embeddings is the whole table's
-    if not isinstance(embedding, (nn.Embedding, VocabParallelEmbedding)) or not ids.numel():
+    return embedding.num_embeddings if isinstance(embedding, (nn.Embedding, VocabParallelEmbedding)) else None
+
+
+def check_token_ids(ids: Tensor, model: nn.Module) -> tuple[Tensor, str] | None:
+    """Raise unless `ids` are integer ids within `model`'s input embedding (`input_vocab`): on the
+    CPU naming the values; on a GPU returns a device flag of ids out of range and the message to
+    assert it with, for the step to reduce over the data-parallel replicas first (Note [a refusal
+    on every replica] in _replica_refusal.py). A VocabParallelEmbedding checks its ids too, on
+    its TP group only."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"forward_backward needs token ids (an integer tensor, torch.int64) as the inputs of a "
+                        f"transformers model; got {ids.dtype}")
+    vocab = input_vocab(model)
+    if vocab is None or not ids.numel():
         return None
-    vocab = embedding.num_embeddings
     if ids.device.type == "cuda":
         return ((ids < 0) | (ids >= vocab)).any(), f"token ids must be in [0, {vocab})"
     low, high = (int(v) for v in torch.aminmax(ids))
@@ -66,7 +72,10 @@ def check_token_ids(ids: Tensor, model: nn.Module) -> tuple[Tensor, str] | None:
 # Note [labels in range]: F.cross_entropy given a label outside the logits raises "IndexError:
 # Target 130 is out of bounds." on the CPU (no range) and asserts on a GPU, on the rank given
 # that batch only. For the causal-LM losses of parallel_layers.pipeline.hf the step knows what
-# the loss reads - the labels after the first column, each in [0, vocab) or -100 - and checks
+# the loss reads - the labels after the first column, each in [0, vocab) or -100, vocab the
+# input embedding's rows, as the ids' check and the pipeline's take it (a causal LM's head has as
+# many; config.vocab_size, which a hand-edited config can leave stale, is not read: review
+# finding, helper-81) - and checks
 # them beside the inputs, so that the error names the values and is agreed over the replicas
 # (Note [a refusal on every replica]); under a pipeline the last rank's range travels in the
 # batch check's all-gather, as rank 0's ids do. A loss of the user's own is left to raise as it does.
@@ -76,10 +85,9 @@ def check_labels(labels: Tensor, vocab: int) -> tuple[Tensor, str] | None:
     if not isinstance(labels, Tensor) or labels.dim() != 2 or labels.is_floating_point() or \
             labels.dtype == torch.bool or labels.shape[1] < 2 or not labels.numel():
         return None  # not a batch of label rows: the loss refuses it itself
-    read = labels[:, 1:]
-    ignored = read == -100
     if labels.device.type == "cuda":
-        return (~ignored & ((read < 0) | (read >= vocab))).any(), f"labels must be in [0, {vocab}) or -100"
+        read = labels[:, 1:]
+        return ((read != -100) & ((read < 0) | (read >= vocab))).any(), f"labels must be in [0, {vocab}) or -100"
     low, high = (int(v) for v in labels_range(labels))
     problem = labels_problem(vocab, low, high)
     if problem:

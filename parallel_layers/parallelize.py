@@ -72,7 +72,7 @@ from parallel_layers import expert_parallel as expert_parallel_module
 from parallel_layers import _optimizer, _same_batch, fused, meta
 from parallel_layers._accumulation import token_divisor
 from parallel_layers._replica_refusal import refuse_together
-from parallel_layers._token_ids import check_labels, check_token_ids, reads_labels
+from parallel_layers._token_ids import check_labels, check_token_ids, input_vocab, reads_labels
 from parallel_layers._loss_scale import LossScale
 from parallel_layers.checkpoint import _dist
 from parallel_layers.data_parallel import DataParallel
@@ -234,8 +234,8 @@ class Parallelized:
         model = _innermost(self.module)
         if isinstance(inputs, Tensor) and hasattr(model, "config"):
             flags.append(check_token_ids(inputs, model))  # Note [token ids in range] in _token_ids.py
-            vocab = getattr(model.config, "vocab_size", None)
-            if reads_labels(targets, self.loss_fn) and isinstance(vocab, int):
+            vocab = input_vocab(model)
+            if reads_labels(targets, self.loss_fn) and vocab is not None:
                 flags.append(check_labels(targets, vocab))  # Note [labels in range]
         if (isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
@@ -257,7 +257,8 @@ class Parallelized:
         flags = [f for f in flags if f is not None]  # on a GPU: one device flag, and the messages
         if not flags:
             return None
-        return functools.reduce(torch.logical_or, [f for f, _ in flags]), "; ".join(m for _, m in flags)
+        flag = functools.reduce(lambda a, b: a | b.to(a.device), [f for f, _ in flags])  # ids and labels may differ
+        return flag, "; ".join(m for _, m in flags)
 
     def checkpoint_parts(self) -> tuple[nn.Module, torch.optim.Optimizer, str]:
         """What `checkpoint.save(root, step, par)` / `load(path, par)` save and load: the module as

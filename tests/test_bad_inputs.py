@@ -752,6 +752,10 @@ def _token_id_errors(rank, ws, directory, layout):
     labels = ids.clone()
     labels[0, 0], labels[1, 3], labels[2, 2], labels[3, 4] = 999, 128, -100, -7  # column 0 is not read
     errors.append(_error(lambda: par.forward_backward(ids, labels if replica == ws // pp // tp - 1 else ids)))
+    if layout == "dp2":  # a stale config.vocab_size is not the bound: the tables' rows are (review finding, helper-81)
+        model.config.vocab_size, labels[1, 3], labels[3, 4] = 160, 150, 5
+        errors.append(_error(lambda: par.forward_backward(ids, labels if replica == 1 else ids)))
+        model.config.vocab_size = 128
     # training goes on in step: one step on the same batch everywhere, as the plain model takes it
     par.forward_backward(ids, ids)
     par.step()
@@ -807,6 +811,10 @@ def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
                   "has 128 entries), got values in [-7, 128] (labels[:, 0] is not read)")
         assert errors[5] == (f"TokenIdError: {labels}" if replica == 1 or layout == "pp2" else
                              f"TokenIdError: data-parallel replica 1's batch was refused: {labels}")
+        if layout == "dp2":
+            stale = labels.replace("[-7, 128]", "[5, 150]")
+            assert errors[6] == (f"TokenIdError: {stale}" if replica == 1 else
+                                 f"TokenIdError: data-parallel replica 1's batch was refused: {stale}")
         assert 0 < loss < 10  # a next-token loss of a 128-token vocabulary, ~ln(128) = 4.85
         assert loss == pytest.approx(plain, rel=1e-5)  # no replica a step ahead, no gradient of a refused batch
 
