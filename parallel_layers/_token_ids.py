@@ -13,8 +13,9 @@ from torch import Tensor
 # parallelism (tensor_parallel/vocab.py, which keeps its own check): on the CPU one min / max pass
 # over the batch's ids, and an error naming them and the valid range; on a GPU a device-side
 # assert with that message (Note [range checks on a device] there), since reading the values back
-# would stall the host every step. Without a pipeline the refusal, or the device's flag, is
-# reduced over the data-parallel replicas, so that every replica raises (Note [a refusal on every
+# would stall the host every step (its message names the range, not the values). Without a
+# pipeline the refusal, or the device's flag, is reduced over the data-parallel replicas, so that
+# every replica raises (the CPU) or stops at its next sync (a GPU; Note [a refusal on every
 # replica] in _replica_refusal.py); under a pipeline rank 0's range travels in the batch check's
 # all-gather and every pipeline rank raises it (pipeline/runtime.py). Every layout raises a
 # TokenIdError, both an IndexError and a ValueError.

@@ -734,7 +734,7 @@ def _token_id_errors(rank, ws, directory, layout):
     ctx = init_parallel(pp=pp, tp=tp, dp=ws // pp // tp, device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     par = compose(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=causal_lm_loss,
-                  zero_stage=3 if layout == "dp2-zero3" else 0, pipeline_layers="auto" if pp > 1 else None,
+                  zero_stage=3 if layout.endswith("zero3") else 0, pipeline_layers="auto" if pp > 1 else None,
                   tp_plan="auto" if tp > 1 else None, expert_parallel=layout.endswith("ep"))
     replica = ctx.coordinate("dp")
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -767,7 +767,7 @@ def _token_id_errors(rank, ws, directory, layout):
         return errors, par.evaluate(ids, ids).item(), causal_lm_loss(plain.eval()(ids).logits, ids).item()
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero3", "dp2", "pp2", "dp2-tp2", "dp2-ep", "pp2-dp2-ep"])
+@pytest.mark.parametrize("layout", ["dp2-zero3", "dp2", "pp2", "dp2-tp2", "dp2-ep", "pp2-dp2-ep", "pp2-dp2-zero3"])
 def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
     """Review findings (helper-76, helper-77): without tensor parallelism a transformers model's embedding
     raised torch's "index out of range in self" (no value, no range), and a float batch an error
@@ -779,7 +779,7 @@ def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
 
     (_tiny.save_tiny_mixtral if layout.endswith("ep") else _tiny.save_tiny_llama)(tmp_path)  # ep: experts spread
     expected = "token ids must be in [0, 128) (the model's input embedding has 128 rows), got values in [-1, 130]"
-    results = run_distributed(_token_id_errors, 4 if layout in ("dp2-tp2", "pp2-dp2-ep") else 2,
+    results = run_distributed(_token_id_errors, 4 if layout in ("dp2-tp2", "pp2-dp2-ep", "pp2-dp2-zero3") else 2,
                               args=(str(tmp_path), layout))
     for rank, (errors, loss, plain) in enumerate(results):
         replica = rank // 2 if layout == "dp2-tp2" else rank % 2  # the mesh is (pp, dp, tp)

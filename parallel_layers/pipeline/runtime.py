@@ -281,12 +281,13 @@ class PipelineParallel:
         # count over the replicas), and one replica may evaluate while the others train - as
         # evaluate runs without a pipeline. Its flag all-reduces over dp met the training
         # replicas' gradient buckets (gloo aborted; review finding). With token_count (the
-        # divisor) or expert parallelism (the all-to-alls) every replica evaluates together: then
-        # they agree on the batches too.
+        # divisor), expert parallelism (the all-to-alls) or ZeRO-3 (the gathers) every replica
+        # evaluates together: then they agree on the batches too.
         grads = torch.is_grad_enabled()
         if self._expert_parallel is None:
             self._expert_parallel = expert_parallel_used_in(self.stages)
-        together = grads or self.token_count is not None or self._expert_parallel
+        together = (grads or self.token_count is not None or self._expert_parallel
+                    or getattr(self.data_parallel, "stage", 0) == 3)  # ZeRO-3's gathers (review finding, helper-82)
         self._agree_on_batches(refused, replicas=self._replicas() if together else 1)
         m = self.microbatches if grads else evaluation_microbatches(sig[2], self.microbatches)
         side = self._side_inputs({"attention_mask": attention_mask, "position_ids": position_ids},

@@ -70,7 +70,7 @@ whose units are still gathered for every forward and backward; nothing of it is 
 gathered after the step. Backward computes the frozen matrices' input gradients only: 4 flops
 per parameter and token where training all of them takes 6 (the adapters 6). The head stays
 frozen. The activations are those without adapters but for these terms (--verify measured a
-Llama 1.08-1.22 of the estimate without them, helper-79; tests/test_plan_hf.py counts a layer's
+Llama 1.03-1.22 of the estimate without them, helper-79; tests/test_plan_hf.py counts a layer's
 saved tensors): each adapter acting on tokens keeps its lora_A output, r float32 elements a
 token (in float32, the input it keeps is the base layer's own: lora_dropout=0 is an Identity);
 a 16-bit model's adapter casts its input to the adapters' float32 for lora_A (peft's
