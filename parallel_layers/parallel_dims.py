@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallel_layers import fault
 
 MESH_AXES = ("pp", "dp", "tp")
+DEFAULT_TIMEOUT_S = 600.0  # init_parallel's collective timeout when neither the caller nor a process group sets one
 
 
 def divisors(n: int, limit: int = 1024) -> list[int]:
@@ -126,17 +127,23 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: torch.device | str | None = None,
-                  timeout_s: float = 600.0) -> ParallelContext:
+                  timeout_s: float | None = None) -> ParallelContext:
     """Build the (pp, dp, tp) mesh and its groups; initialise torch.distributed if needed.
 
     The backend follows the device: NCCL for CUDA, gloo for CPU. Collectives time out after
-    `timeout_s` instead of hanging forever; on NCCL, torch's async error handling and flight
-    recorder are turned on unless the environment sets them (Note [collective watchdog] in
-    parallel_layers/fault.py). Works under torchrun (reads the usual env vars) and after an
-    existing `init_process_group` (tests). End the job with `shutdown()`.
+    `timeout_s` instead of hanging forever (None: 600 s, or the timeout of a process group the
+    caller initialised already; Note [one timeout for every group]); on NCCL, torch's async
+    error handling and flight recorder are turned on unless the environment sets them (Note
+    [collective watchdog] in parallel_layers/fault.py). Works under torchrun (reads the usual env
+    vars) and after an existing `init_process_group` (tests). End the job with `shutdown()`.
     """
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not 0 < timeout_s < float("inf")):
+        raise ValueError(f"init_parallel: timeout_s must be a positive number of seconds after which a collective "
+                         f"that has not completed fails (or None: {DEFAULT_TIMEOUT_S:g} s, or an existing process "
+                         f"group's own), got {timeout_s!r}")
     device = resolve_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = _world_timeout(timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -153,6 +160,50 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
     mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_AXES,
                             backend_override=_axis_timeouts(dims, timeout))
     return ParallelContext(dims=dims, mesh=mesh, device=device)
+
+
+# Note [one timeout for every group]: `timeout_s` is every group's - the world group's and each
+# axis group's (Note [axis groups time out too]). A process group the caller initialised before
+# init_parallel kept its own timeout (gloo's default is 30 min) while the docstring promised
+# timeout_s: a job that asked for 60 s could hang half an hour in a world-sized collective.
+# Given, timeout_s now replaces the existing world group's (torch's `ProcessGroup.set_timeout`,
+# which NCCL and gloo honour); not given, the existing group's timeout stands and the axis groups
+# take it too, so one job has one timeout. Without an existing group, None is 600 s.
+def _world_timeout(timeout_s: float | None) -> datetime.timedelta:
+    if timeout_s is not None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if dist.is_initialized():
+            _set_timeout(dist.group.WORLD, timeout)
+        return timeout
+    existing = _timeout_of(dist.group.WORLD) if dist.is_initialized() else None
+    return existing if existing is not None else datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def _backends(group) -> list:
+    """The backends of `group` whose options can carry a timeout (none for a backend without
+    options, such as the tests' fake one)."""
+    found = []
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except (RuntimeError, ValueError):  # no backend for that device type
+            continue
+        if hasattr(backend, "options") and backend not in found:
+            found.append(backend)
+    return found
+
+
+def _timeout_of(group) -> datetime.timedelta | None:
+    timeouts = [b.options._timeout for b in _backends(group)]
+    return max(timeouts) if timeouts else None
+
+
+def _set_timeout(group, timeout: datetime.timedelta) -> None:
+    if hasattr(group, "set_timeout"):  # torch 2.14; its backends' own setter before
+        group.set_timeout(timeout)
+        return
+    for backend in _backends(group):
+        backend._set_default_timeout(timeout)
 
 
 # Note [axis groups time out too]: init_device_mesh creates a process group for every axis

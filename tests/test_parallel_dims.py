@@ -1,5 +1,7 @@
 """ParallelDims validation and init_parallel's (pp, dp, tp) groups on real processes."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,9 +54,9 @@ def _axis_timeouts(rank, world):
     import time
 
     ctx = init_parallel(tp=2, device="cpu", timeout_s=2.0)
-    # the world group is the harness's (its own timeout); the axes of 2 of 4 ranks are new groups
-    seconds = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-               for g in (ctx.tp_group, ctx.dp_group)]
+    # the world group is the harness's (created with 60 s), the axes of 2 of 4 ranks new groups:
+    # timeout_s is every one's (Note [one timeout for every group])
+    seconds = [_seconds(g) for g in (ctx.tp_group, ctx.dp_group, dist.group.WORLD)]
     if rank == 1:
         time.sleep(6)  # hung outside any collective, past the timeout
         return seconds, None
@@ -74,9 +76,53 @@ def test_every_axis_group_times_out_after_timeout_s():
     peer for half an hour (Note [axis groups time out too] in parallel_dims.py)."""
     results = run_distributed(_axis_timeouts, 4, timeout_s=60)
     for seconds, _ in results:
-        assert seconds == [2.0, 2.0]
+        assert seconds == [2.0, 2.0, 2.0]
     waited = results[0][1]
     assert isinstance(waited, float) and waited < 5.0, waited
+
+
+def _seconds(group) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _world_hang(rank, world, timeout_s):
+    import time
+
+    ctx = init_parallel(tp=2, device="cpu", timeout_s=timeout_s)
+    seconds = [_seconds(g) for g in (ctx.tp_group, ctx.dp_group, dist.group.WORLD)]
+    if rank == 1:
+        time.sleep(6)  # hung outside any collective
+        return seconds, None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))  # the world group's
+    except RuntimeError:
+        return seconds, time.monotonic() - start
+    return seconds, "returned"
+
+
+def test_an_existing_process_group_takes_timeout_s_and_lends_its_own_without_it():
+    """Note [one timeout for every group]: a process group initialised before init_parallel kept
+    its own timeout - torch's 30 min on gloo, the harness's 60 s here - so a world-sized collective
+    waited that long for a hung rank whatever timeout_s said. Given, timeout_s is the world
+    group's too (the peers of the hung rank fail within seconds); not given, the existing group's
+    timeout is every axis group's."""
+    (seconds, waited), *others = run_distributed(_world_hang, 4, args=(2.0,), timeout_s=60, collective_timeout_s=60)
+    assert all(s == [2.0, 2.0, 2.0] for s, _ in [(seconds, waited), *others]), [seconds, *others]
+    assert isinstance(waited, float) and waited < 5.0, waited
+    kept = run_distributed(_lent, 4, collective_timeout_s=45)
+    assert kept == [[45.0, 45.0, 45.0]] * 4, kept
+
+
+def _lent(rank, world):
+    ctx = init_parallel(tp=2, device="cpu")
+    return [_seconds(g) for g in (ctx.tp_group, ctx.dp_group, dist.group.WORLD)]
+
+
+@pytest.mark.parametrize("bad", [0, -3.0, float("nan"), float("inf"), "60", True])
+def test_timeout_s_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match=r"timeout_s must be a positive number of seconds .* got " + re.escape(repr(bad))):
+        init_parallel(device="cpu", timeout_s=bad)
 
 
 def test_an_index_less_cuda_device_is_this_ranks_gpu(monkeypatch):
