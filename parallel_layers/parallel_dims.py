@@ -188,7 +188,7 @@ def _backends(group) -> list:
             backend = group._get_backend(torch.device(device))
         except (RuntimeError, ValueError):  # no backend for that device type
             continue
-        if hasattr(backend, "options") and backend not in found:
+        if getattr(getattr(backend, "options", None), "_timeout", None) is not None and backend not in found:
             found.append(backend)
     return found
 
@@ -199,10 +199,11 @@ def _timeout_of(group) -> datetime.timedelta | None:
 
 
 def _set_timeout(group, timeout: datetime.timedelta) -> None:
-    if hasattr(group, "set_timeout"):  # torch 2.14; its backends' own setter before
+    backends = _backends(group)
+    if backends and hasattr(group, "set_timeout"):  # torch 2.14; its backends' own setter before
         group.set_timeout(timeout)
         return
-    for backend in _backends(group):
+    for backend in backends:
         backend._set_default_timeout(timeout)
 
 
