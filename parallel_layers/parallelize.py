@@ -224,14 +224,14 @@ class Parallelized:
             _same_batch.check((inputs, targets, attention_mask, position_ids),
                               ("inputs", "targets", "attention_mask", "position_ids"), self.ctx.tp_group,
                               "tensor-parallel")
-        if isinstance(inputs, Mapping) and hasattr(_innermost(self.module), "config"):
+        model = _innermost(self.module)
+        if isinstance(inputs, Mapping) and hasattr(model, "config"):
             # a tokenizer's output given to a transformers model (which would take it as input_ids); a model
             # of the user's own may take a dict
             raise TypeError(f"forward_backward needs its inputs as one tensor; got {type(inputs).__name__} (a "
                             "tokenizer's output or a dict? pass its input_ids as the inputs and its attention_mask as "
                             "attention_mask=)")
         flags = []
-        model = _innermost(self.module)
         if isinstance(inputs, Tensor) and hasattr(model, "config"):
             flags.append(check_token_ids(inputs, model))  # Note [token ids in range] in _token_ids.py
             vocab = input_vocab(model)
@@ -239,14 +239,14 @@ class Parallelized:
                 flags.append(check_labels(targets, vocab))  # Note [labels in range]
         if (isinstance(attention_mask, Tensor) and isinstance(inputs, Tensor)
                 and attention_mask.dim() == 2 and attention_mask.shape != inputs.shape
-                and hasattr(_innermost(self.module), "config")):
+                and hasattr(model, "config")):
             # a transformers model takes a [batch, seq] mask of another width without a word (it
             # slices or broadcasts it): a left-padded batch's loss changed (review finding); the
             # pipeline refuses it too (errors.md row 109d). A 4-D mask is the user's own, passed on.
             raise ValueError(f"attention_mask must have the inputs' shape {list(inputs.shape)} (1: a token to attend "
                              f"to, 0: padding); got shape {list(attention_mask.shape)}")
         if (position_ids is not None and isinstance(inputs, Tensor)
-                and hasattr(_innermost(self.module), "config")
+                and hasattr(model, "config")
                 and (not isinstance(position_ids, Tensor) or position_ids.is_floating_point()
                      or position_ids.dim() != 2 or position_ids.shape[-1] != inputs.shape[-1]
                      or position_ids.shape[0] not in (1, inputs.shape[0]))):
