@@ -15,7 +15,8 @@ of a refusal flag over the data-parallel group, and every replica raises when an
   on every replica) with the refusing replica's message, gathered only on a refusal;
 - on a GPU without a pipeline, a device-side assert on the reduced flag (Note [range checks on a
   device] in tensor_parallel/vocab.py): no host sync a step, and the job stops on every rank at
-  its next sync. Token ids are checked on the device there, so their flag joins the all-reduce
+  its next sync - the refusing rank too, which raises its exception first: there the batch cannot
+  be caught and skipped, since its peers have stopped. Token ids are checked on the device there, so their flag joins the all-reduce
   rather than asserting on its own rank, which would stop that rank before the collective and
   leave the others waiting in it.
 
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel_layers import fault
+from parallel_layers._device_assert import assert_async
 from parallel_layers._same_batch import _device, _scalar
 from parallel_layers._token_ids import TokenIdError
 
@@ -63,7 +65,7 @@ def refuse_together(refused: Exception | None, group, *, flagged: Tensor | None 
     n = replicas(group)
     if n == 1:
         if flagged is not None:
-            torch._assert_async(~flagged, flagged_message)
+            assert_async(~flagged, flagged_message)
         if refused is not None:
             raise refused
         return
@@ -73,11 +75,13 @@ def refuse_together(refused: Exception | None, group, *, flagged: Tensor | None 
     with fault.collective("data-parallel batch check (all_reduce)", group):
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     if _on_device(device, sync):
+        # the refusing rank asserts too: caught and skipped there, its next step would wait for
+        # peers the assert stopped (review finding, helper-83)
+        assert_async(flags[0] == 0, "a data-parallel replica refused its batch (its rank raised the reason); "
+                                    "every replica stops")
+        assert_async(flags[1] == 0, f"{flagged_message} on a data-parallel replica; every replica stops")
         if refused is not None:
             raise refused
-        torch._assert_async(flags[0] == 0, "a data-parallel replica refused its batch (its rank raised the reason); "
-                                           "every replica stops")
-        torch._assert_async(flags[1] == 0, f"{flagged_message} on a data-parallel replica; every replica stops")
         return
     refusing, bad_on_device = (bool(v) for v in flags.tolist())
     if bad_on_device:  # a device flag read back: only a CUDA batch over a gloo group

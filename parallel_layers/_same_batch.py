@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel_layers import fault
+from parallel_layers._device_assert import assert_async
 
 _NONE, _NOT_TENSOR = -1, -2
 _GOLDEN, _PRIME = 0x9E3779B1, 2**31 - 1  # a multiplicative hash of the position, in [1, 2^31)
@@ -52,6 +53,23 @@ def _digest(t, device: torch.device) -> list[Tensor]:
     data = t.detach().contiguous().view(-1).view(word).to(device=device, dtype=torch.int64)
     weights = torch.arange(data.numel(), device=device, dtype=torch.int64) * _GOLDEN % _PRIME + 1
     return [(data * weights).sum(), _scalar(t.numel(), device)]
+
+
+def device_message(what: str, ranks: Sequence[int]) -> str:
+    """The device assert's message: the group's ranks named in short (Note [a device assert's
+    message]), the hint in full."""
+    return (f"the {what} ranks {_ranks_text(ranks)} were given different batches: shard the data by "
+            "ctx.coordinate('dp'), not by the global rank")
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """A group's ranks in a few characters (Note [a device assert's message])."""
+    if len(ranks) <= 4:
+        return str(list(ranks))
+    step = ranks[1] - ranks[0]
+    if all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        return f"{ranks[0]}..{ranks[-1]}" + (f" (every {step}th)" if step > 1 else "")
+    return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
 def _device(group) -> torch.device:
@@ -88,11 +106,11 @@ def check(tensors: Sequence, names: Sequence[str], group, what: str,
         compared = torch.ones_like(given)  # given to some ranks only (a mask or positions on one TP rank)
     agree = (~compared | (table == ref[None]).all(-1)).all(0)  # [tensor]
     ranks = dist.get_process_group_ranks(group)
+    if device.type == "cuda":
+        assert_async(agree.all(), device_message(what, ranks))
+        return
     hint = (f"every rank of a {what} group must be given the same batch (only the data-parallel replicas take "
             "different rows): shard the data by ctx.coordinate('dp'), not by the global rank")
-    if device.type == "cuda":
-        torch._assert_async(agree.all(), f"the ranks {ranks} were given different batches: {hint}")
-        return
     if bool(agree.all()):
         return
     differ = []

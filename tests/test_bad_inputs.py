@@ -820,9 +820,16 @@ def test_out_of_vocabulary_ids_name_the_values_and_the_range(tmp_path, layout):
 
 
 def _refusals_asserted_on_the_device(rank, ws):
-    from parallel_layers import _replica_refusal
+    from parallel_layers import _device_assert, _replica_refusal
 
     _replica_refusal._on_device = lambda device, sync: not sync  # a GPU group's path, on gloo's CPU tensors
+    failed = []  # the asserts that would fire, recorded as CUDA's do: asynchronously, after the host's raise
+
+    def record(condition, message):
+        assert len(_device_assert.fitted(message)) < 255, message  # CUDA's bound on the message
+        if not bool(condition):
+            failed.append(_device_assert.fitted(message))
+    _replica_refusal.assert_async = record
     group = dist.group.WORLD
     flag = torch.tensor(rank == 1)
     calls = [lambda: _replica_refusal.refuse_together(None, group, flagged=torch.tensor(False),
@@ -833,7 +840,11 @@ def _refusals_asserted_on_the_device(rank, ws):
                                                       sync=False),
              # read back on the host: a peer raises the nearest kind it knows (review finding, helper-78)
              lambda: _replica_refusal.refuse_together(_OwnTypeError("a dict") if rank == 1 else None, group)]
-    return [_error(call) for call in calls]
+    results = []
+    for call in calls:
+        failed.clear()
+        results.append((_error(call), list(failed)))
+    return results
 
 
 class _OwnTypeError(TypeError):
@@ -842,16 +853,42 @@ class _OwnTypeError(TypeError):
 
 def test_a_refusal_on_a_gpu_group_is_asserted_on_every_replica():
     """Note [a refusal on every replica]: on a GPU the flags are reduced and asserted on the device
-    (no host sync a step); recorded here with the CPU's assert, which raises at once: one replica's
-    ids out of range or refused batch stops every replica, and no refusal stops none."""
+    (no host sync a step); the asserts recorded here as they would fire: one replica's ids out of
+    range or refused batch stops every replica - the refusing one too, after raising its own
+    error (review finding, helper-83: caught there, its next step waited for stopped peers) -
+    and no refusal stops none."""
     results = run_distributed(_refusals_asserted_on_the_device, 2)
+    refused = "a data-parallel replica refused its batch (its rank raised the reason); every replica stops"
     for rank, (none, ids, mask, kind) in enumerate(results):
-        assert kind == ("_OwnTypeError: a dict" if rank == 1 else
-                        "TypeError: data-parallel replica 1's batch was refused: a dict")
-        assert none == "no error"
-        assert ids == "RuntimeError: ids out of range on a data-parallel replica; every replica stops"
-        assert mask == ("ValueError: a bad mask" if rank == 1 else "RuntimeError: a data-parallel replica refused its "
-                        "batch (its rank raised the reason); every replica stops")
+        assert kind == (("_OwnTypeError: a dict" if rank == 1 else
+                         "TypeError: data-parallel replica 1's batch was refused: a dict"), [])
+        assert none == ("no error", [])
+        assert ids == ("no error", ["ids out of range on a data-parallel replica; every replica stops"])
+        assert mask == ("ValueError: a bad mask" if rank == 1 else "no error", [refused])
+
+
+def test_a_device_assert_message_fits_cudas_bound(monkeypatch):
+    """Note [a device assert's message]: CUDA's _assert_async refuses a message of 255 characters
+    or more, on the host, whether the condition holds or not; the same-batch check named every
+    rank of its group and wrote 255 for the TP ranks 8-15 of a two-node tp=8 job (review finding,
+    helper-83). Every device assert's message is fitted, and the same-batch one names a group's
+    ranks in short."""
+    from parallel_layers import _device_assert, _same_batch
+
+    seen = []
+    monkeypatch.setattr(_device_assert.torch, "_assert_async", lambda condition, message: seen.append(message))
+    _device_assert.assert_async(torch.tensor(True), "x" * 1000)
+    _device_assert.assert_async(torch.tensor(True), "short")
+    assert seen == ["x" * 246 + "...", "short"]
+    assert _same_batch._ranks_text([8, 9, 10, 11, 12, 13, 14, 15]) == "8..15"
+    assert _same_batch._ranks_text([3, 11, 19, 27, 35]) == "3..35 (every 8th)"
+    assert _same_batch._ranks_text([0, 1, 2]) == "[0, 1, 2]"
+    assert _same_batch._ranks_text([0, 1, 5, 9, 1023]) == "[0, 1, ..., 1023] (5 ranks)"
+    for what in ("tensor-parallel", "pipeline"):
+        for ranks in ([1016 + i for i in range(8)], list(range(0, 1024, 8)), [0, 3, 700, 1023, 4095]):
+            message = _same_batch.device_message(what, ranks)
+            assert len(message) < 255 and message == _device_assert.fitted(message), message
+            assert "shard the data by ctx.coordinate('dp')" in message
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallel_layers import fault
+from parallel_layers._device_assert import assert_async
 from parallel_layers._token_ids import TokenIdError
 from parallel_layers.tensor_parallel import comm
 from parallel_layers.tensor_parallel.sharding import check_size, keep_requires_grad, sharded_parameter
@@ -292,7 +293,7 @@ def _assert_on_device(values: Tensor, valid: Callable[[], Tensor], message: str)
     checks on a device]; torch has the assert's kernel for CUDA and the CPU only). The CPU's
     values are checked by the caller, with an error that names them."""
     if values.device.type == "cuda" and values.numel():
-        torch._assert_async(valid().all(), message)
+        assert_async(valid().all(), message)
 
 
 # Note [vocab-parallel head]: a head tied to the input embedding reads the embedding module
