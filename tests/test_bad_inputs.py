@@ -892,6 +892,16 @@ def test_a_device_assert_message_fits_cudas_bound(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_long_device_assert_message_on_cuda_is_taken():
+    """Note [a device assert's message]: torch's CUDA assert raised on the host for a message of
+    255 characters or more, even when the condition held; fitted, a true condition passes."""
+    from parallel_layers._device_assert import assert_async
+
+    assert_async(torch.tensor(True, device="cuda"), "x" * 1000)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_token_ids_on_a_gpu_give_a_device_flag_for_the_replicas_to_reduce():
     """On a GPU the ids are checked on the device and the flag returned, not asserted on this rank
     alone (which would stop it before the replicas' all-reduce); with no other replica it is asserted."""

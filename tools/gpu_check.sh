@@ -40,9 +40,9 @@ step "CUDA tests"
 # Eight worker processes (pytest-xdist, where installed): a crash takes down one worker, reported
 # with its test, not the whole run.
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
-timeout 360 python3 -m pytest -p no:cacheprovider -q -o addopts="-ra" -m "not slow" -k cuda $xdist \
+timeout 360 python3 -m pytest -p no:cacheprovider -q -o addopts="-ra" -m "not slow" -k "cuda or gpu" $xdist \
     tests/ops tests/zero/test_zero.py tests/test_fused.py tests/tensor_parallel/test_vocab.py \
-    tests/test_activation_checkpointing.py > "$out/pytest.txt" 2>&1
+    tests/test_activation_checkpointing.py tests/test_bad_inputs.py > "$out/pytest.txt" 2>&1
 echo "pytest exit: $?"; grep -v "^SKIPPED" "$out/pytest.txt" | tail -30
 
 step "compute-sanitizer memcheck"

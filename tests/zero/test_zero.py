@@ -740,19 +740,22 @@ def test_a_unit_of_float32_and_bfloat16_parameters(stage, scalar_first):
         assert worst < 1e-6, worst
 
 
-def _lora_like_unit(rank, ws):
+def _lora_like_unit(rank, ws, device="cpu"):
     """A LoRA layer of a bfloat16 model: a frozen bfloat16 base weight beside float32 adapters
     (peft's autocast_adapter_dtype); the dtype and elements of each all-gather of one step, and
     whether every bit came back."""
     from parallel_layers.zero import _group
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     torch.manual_seed(0)
     base = nn.Linear(32, 32, bias=False).to(torch.bfloat16).requires_grad_(False)
     lora_a, lora_b = nn.Linear(32, 4, bias=False), nn.Linear(4, 33)  # its bias: 33 elements, 17 a rank (padded)
     with torch.no_grad():  # odd float32 bits (a NaN's payload, a subnormal): an all-gather moves bytes
         lora_a.weight[0, :3] = torch.tensor([0x7FC00123, 0x00000001, -0x7FFFFFF9], dtype=torch.int32).view(torch.float32)
     before = [p.detach().clone() for p in (base.weight, lora_a.weight, lora_b.weight, lora_b.bias)]
-    model = nn.ModuleDict({"base": base, "a": lora_a, "b": lora_b})
+    model = nn.ModuleDict({"base": base, "a": lora_a, "b": lora_b}).to(device)
+    base, lora_a, lora_b = model["base"], model["a"], model["b"]
     zero = ZeRO(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=3, wrap=lambda m: False)
     gathered = []
     copy_in = _group.shard_copy.all_gather_copy_in
@@ -763,7 +766,7 @@ def _lora_like_unit(rank, ws):
     zero.root_group.refresh_full()
     _group.shard_copy.all_gather_copy_in = copy_in
     bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
-    return gathered, [torch.equal(p.view(bits[p.dtype]), b.view(bits[b.dtype]))
+    return gathered, [torch.equal(p.view(bits[p.dtype]).cpu(), b.view(bits[b.dtype]))
                       for p, b in zip((base.weight, lora_a.weight, lora_b.weight, lora_b.bias), before)]
 
 
@@ -776,6 +779,15 @@ def test_a_unit_of_a_bfloat16_base_and_float32_adapters_gathers_once_carrying_th
     LoRA Llama where the float32 one made 10 (helper-80)."""
     for gathered, exact in run_distributed(_lora_like_unit, 2):
         assert gathered == [("bfloat16", 512 + 2 * (64 + 66 + 17))] and exact == [True] * 4, (gathered, exact)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (the CUDA kernels are "
+                    "compiled, not run)")
+def test_carried_adapters_on_cuda_come_back_bit_for_bit():
+    """The same on one GPU over NCCL (world 1 still runs the CUDA copy-in, the side stream and
+    the copy-out): float32 words carried through the bfloat16 kernels, a NaN's payload included."""
+    gathered, exact = run_distributed(_lora_like_unit, 1, args=("cuda",), backend="nccl")[0]
+    assert gathered == [("bfloat16", 1024 + 2 * (128 + 132 + 33))] and exact == [True] * 4, (gathered, exact)
 
 
 class _WithCounts(nn.Module):
