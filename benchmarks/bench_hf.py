@@ -82,7 +82,9 @@ Targets: ours / hf_tp <= 0.85; zero3 / fsdp2 <= 0.85 and zero3 / ddp <= 1.15 (th
 zero3_unfused / ddp and zero3 / ddp_fused are held to 1.15 too).
 --model mixtral: the same step on a Mixtral of the same attention, with 8 experts of the Llama's
 MLP width and 2 per token (Mixtral 8x7B's shape: experts of 3.5 x hidden); at tp=2 ours splits
-each expert as its MLP (tensor_parallel/experts.py), as transformers' "moe_tp_experts" does; at
+each expert as its MLP (tensor_parallel/experts.py), as transformers' "moe_tp_experts" does,
+and a third variant, ours_experts, gives each rank 4 whole experts instead (Experts(split=
+"experts"), Note [whole experts per rank]), held to the same target; at
 dp=2 a fourth variant, zero3_ep: ZeRO-3 with expert_parallel=True (each rank 4 whole experts,
 tokens exchanged by all-to-all; parallel_layers/expert_parallel.py), the layout torchtitan and
 Megatron train mixtures of experts with; its ratios are held to ZeRO-3's targets.
@@ -110,10 +112,10 @@ from _common import RESULTS, machine, spawn, time_interleaved, write_json  # noq
 
 AXES = {"tp": ("ours", "hf_tp"), "dp": ("zero3", "fsdp2", "ddp", "zero3_unfused", "ddp_fused")}
 # a mixture of experts also runs ZeRO-3 with its experts spread over dp (expert_parallel=True)
-MOE_AXES = {"tp": AXES["tp"], "dp": ("zero3", "zero3_ep", "fsdp2", "ddp")}
+MOE_AXES = {"tp": ("ours", "ours_experts", "hf_tp"), "dp": ("zero3", "zero3_ep", "fsdp2", "ddp")}
 # (numerator, denominator, target): the issue's targets for each ratio of step times; the
 # expert-parallel ZeRO-3 is held to ZeRO-3's
-RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15),
+RATIOS = (("ours", "hf_tp", 0.85), ("ours_experts", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15),
           ("zero3_ep", "fsdp2", 0.85), ("zero3_ep", "ddp", 1.15),
           # the same kernels on both sides: unfused, and fused (the target held to zero3 / ddp's)
           ("zero3_unfused", "ddp", 1.15), ("zero3", "ddp_fused", 1.15))
@@ -232,10 +234,16 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if mixed else dtype)
     if lora:
         model = with_lora(model, lora)
-    if kind in ("ours", "zero3", "zero3_ep", "zero3_unfused", "dataparallel", "zero1"):
-        ctx = init_parallel(tp=2 if kind == "ours" else 1, device="cpu")
+    if kind in ("ours", "ours_experts", "zero3", "zero3_ep", "zero3_unfused", "dataparallel", "zero1"):
+        ctx = init_parallel(tp=2 if kind in ("ours", "ours_experts") else 1, device="cpu")
+        plan = "auto" if kind == "ours" else None
+        if kind == "ours_experts":  # whole experts per TP rank (Note [whole experts per rank])
+            from parallel_layers.tensor_parallel.experts import Experts
+            from parallel_layers.tensor_parallel.plan import published_plan
+
+            plan = {**published_plan(model), "model.layers.*.mlp.experts": Experts(split="experts")}
         stage = {"ours": 0, "dataparallel": 0, "zero1": 1}.get(kind, 3)
-        par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan="auto" if kind == "ours" else None,
+        par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan=plan,
                           zero_stage=stage, expert_parallel=kind == "zero3_ep",
                           fused_kernels=kind != "zero3_unfused")
         if info is not None:
