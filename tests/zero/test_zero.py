@@ -431,11 +431,16 @@ def shard_of(p, ws, rank):
     return F.pad(p.reshape(-1).float(), (0, s * ws - p.numel()))[rank * s:(rank + 1) * s]
 
 
+@pytest.mark.parametrize("ws", [2, 3])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_bfloat16_params_keep_float32_masters(stage):
+def test_bfloat16_params_keep_float32_masters(stage, ws):
     # Same arithmetic in both: the masters agree to float32 rounding (1e-5), where keeping the
-    # masters in bfloat16 would be off by ~1e-3.
-    assert max(run_distributed(_bf16_parity, 2, args=(stage, "cpu"))) < 1e-5
+    # masters in bfloat16 would be off by ~1e-3. At world 3 (shards padded, 1/3 not exact in
+    # float32) too: against plain training, a world that is not a power of two differs more in
+    # bfloat16 - each replica's backward carries 3x the whole batch's gradient, and bfloat16
+    # rounding commutes with that scale only for powers of two (helper-84: ZeRO matched its own
+    # arithmetic done by hand bit for bit at worlds 2-4, on a LoRA and a full bfloat16 Llama).
+    assert max(run_distributed(_bf16_parity, ws, args=(stage, "cpu"))) < 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (the CUDA kernels are "
