@@ -83,8 +83,8 @@ zero3_unfused / ddp and zero3 / ddp_fused are held to 1.15 too).
 --model mixtral: the same step on a Mixtral of the same attention, with 8 experts of the Llama's
 MLP width and 2 per token (Mixtral 8x7B's shape: experts of 3.5 x hidden); at tp=2 ours splits
 each expert as its MLP (tensor_parallel/experts.py), as transformers' "moe_tp_experts" does,
-and a third variant, ours_experts, gives each rank 4 whole experts instead (Experts(split=
-"experts"), Note [whole experts per rank]), held to the same target; at
+and with --whole-experts a third variant, ours_experts, gives each rank 4 whole experts instead
+(Experts(split="experts"), Note [whole experts per rank]), held to the same target; at
 dp=2 a fourth variant, zero3_ep: ZeRO-3 with expert_parallel=True (each rank 4 whole experts,
 tokens exchanged by all-to-all; parallel_layers/expert_parallel.py), the layout torchtitan and
 Megatron train mixtures of experts with; its ratios are held to ZeRO-3's targets.
@@ -112,7 +112,7 @@ from _common import RESULTS, machine, spawn, time_interleaved, write_json  # noq
 
 AXES = {"tp": ("ours", "hf_tp"), "dp": ("zero3", "fsdp2", "ddp", "zero3_unfused", "ddp_fused")}
 # a mixture of experts also runs ZeRO-3 with its experts spread over dp (expert_parallel=True)
-MOE_AXES = {"tp": ("ours", "ours_experts", "hf_tp"), "dp": ("zero3", "zero3_ep", "fsdp2", "ddp")}
+MOE_AXES = {"tp": AXES["tp"], "dp": ("zero3", "zero3_ep", "fsdp2", "ddp")}
 # (numerator, denominator, target): the issue's targets for each ratio of step times; the
 # expert-parallel ZeRO-3 is held to ZeRO-3's
 RATIOS = (("ours", "hf_tp", 0.85), ("ours_experts", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15),
@@ -286,13 +286,15 @@ def _plain_step(model, opt, loss_fn, autocast: bool = False):
 
 
 def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, reverse, bf16, adamw_impl, model,
-          lora=0):
+          lora=0, whole_experts=False):
     # transformers' distributed loading reads the torchrun variables; the process group is ours
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_WORLD_SIZE=str(ws))
     times = {}
     extra = {"losses": {}, "fused": {}, "failed": {}}
     for axis in axes:  # one axis's variants at a time: the others' memory is freed first
         kinds = (LORA_AXES if lora else MOE_AXES if model == "mixtral" else AXES)[axis]
+        if whole_experts and model == "mixtral" and axis == "tp":
+            kinds = ("ours", "ours_experts", "hf_tp")
         kinds = kinds[::-1] if reverse else kinds
         steps = {}
         for kind in kinds:
@@ -383,6 +385,8 @@ def main(argv=None):
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="a LoRA fine-tune (peft, rank R, every linear layer of the decoder; only the adapters train) "
                          "instead of a full one; llama only")
+    ap.add_argument("--whole-experts", action="store_true",
+                    help="--model mixtral --axes tp: also time whole experts per TP rank (Experts(split='experts'))")
     args = ap.parse_args(argv)
     ratio_table = LORA_RATIOS if args.lora else RATIOS
     results = {}
@@ -404,7 +408,7 @@ def main(argv=None):
                 for trial in range(args.trials):
                     ranks = spawn(_rank, 2, (args.axes, model_dir, dtype, args.batch, args.seq, args.vocab,
                                              args.reps, trial % 2 == 1, args.bf16, args.adamw, args.model,
-                                             args.lora))
+                                             args.lora, args.whole_experts))
                     if args.lora:
                         extras.append([r[1] for r in ranks])
                         ranks = [r[0] for r in ranks]

@@ -23,6 +23,7 @@ from parallel_layers import fault
 
 MESH_AXES = ("pp", "dp", "tp")
 DEFAULT_TIMEOUT_S = 600.0  # init_parallel's collective timeout when neither the caller nor a process group sets one
+MAX_TIMEOUT_S = 1e12  # ~31,700 years; torch's timeouts overflow a C int of days from ~1.9e14 s
 
 
 def divisors(n: int, limit: int = 1024) -> list[int]:
@@ -132,16 +133,17 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
 
     The backend follows the device: NCCL for CUDA, gloo for CPU. Collectives time out after
     `timeout_s` instead of hanging forever (None: 600 s, or the timeout of a process group the
-    caller initialised already; Note [one timeout for every group]); on NCCL, torch's async
+    caller initialised already; given, it also becomes that world group's timeout, for the rest
+    of the job: Note [one timeout for every group]); on NCCL, torch's async
     error handling and flight recorder are turned on unless the environment sets them (Note
     [collective watchdog] in parallel_layers/fault.py). Works under torchrun (reads the usual env
     vars) and after an existing `init_process_group` (tests). End the job with `shutdown()`.
     """
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                  or not 0 < timeout_s < float("inf")):
-        raise ValueError(f"init_parallel: timeout_s must be a positive number of seconds after which a collective "
-                         f"that has not completed fails (or None: {DEFAULT_TIMEOUT_S:g} s, or an existing process "
-                         f"group's own), got {timeout_s!r}")
+                                  or not 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"init_parallel: timeout_s must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}, "
+                         f"after which a collective that has not completed fails (or None: {DEFAULT_TIMEOUT_S:g} s, "
+                         f"or an existing process group's own), got {timeout_s!r}")
     device = resolve_device(device)
     timeout = _world_timeout(timeout_s)
     if not dist.is_initialized():
@@ -159,6 +161,9 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
     dims = ParallelDims.infer(dist.get_world_size(), tp=tp, pp=pp, dp=dp)
     mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_AXES,
                             backend_override=_axis_timeouts(dims, timeout))
+    for axis, size in zip(MESH_AXES, dims.mesh_shape):  # a world group of several backends ("cpu:gloo,
+        if 1 < size < dist.get_world_size():  # cuda:nccl") gets no override above: set on each backend
+            _set_timeout(mesh.get_group(axis), timeout)
     return ParallelContext(dims=dims, mesh=mesh, device=device)
 
 
@@ -168,7 +173,8 @@ def init_parallel(*, tp: int = 1, pp: int = 1, dp: int | None = None, device: to
 # timeout_s: a job that asked for 60 s could hang half an hour in a world-sized collective.
 # Given, timeout_s now replaces the existing world group's (torch's `ProcessGroup.set_timeout`,
 # which NCCL and gloo honour); not given, the existing group's timeout stands and the axis groups
-# take it too, so one job has one timeout. Without an existing group, None is 600 s.
+# take it too, so one job has one timeout. Without an existing group, None is 600 s. The groups
+# of an earlier init_parallel keep the timeout they were built with.
 def _world_timeout(timeout_s: float | None) -> datetime.timedelta:
     if timeout_s is not None:
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -212,7 +218,10 @@ def _set_timeout(group, timeout: datetime.timedelta) -> None:
 # NCCL), not the world group's, unless it is handed backend options that carry one. A rank
 # hung outside any collective at tp2 x dp2 held its peers for the default (the job ran past a
 # 300 s limit with timeout_s=10; at world 2 the axes are the world group, so the tests saw the
-# right timeout: review finding). Axes as large as the world keep the world group itself.
+# right timeout: review finding). Axes as large as the world keep the world group itself. A
+# world group of several backends (init_process_group("cpu:gloo,cuda:nccl")) has no one options
+# type to hand over; init_parallel sets the axis groups' timeout on each of their backends after
+# (review finding, helper-85: they kept 30 min there).
 def _axis_timeouts(dims: ParallelDims, timeout: datetime.timedelta) -> dict:
     backend = dist.get_backend()
     options = {"gloo": getattr(dist.ProcessGroupGloo, "_Options", None),

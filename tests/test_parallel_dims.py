@@ -119,9 +119,25 @@ def _lent(rank, world):
     return [_seconds(g) for g in (ctx.tp_group, ctx.dp_group, dist.group.WORLD)]
 
 
-@pytest.mark.parametrize("bad", [0, -3.0, float("nan"), float("inf"), "60", True])
+def _every_backends_seconds(rank, world, timeout_s):
+    ctx = init_parallel(tp=2, device="cpu", timeout_s=timeout_s)
+    return [sorted({g._get_backend(torch.device(d)).options._timeout.total_seconds() for d in ("cpu", "cuda")})
+            for g in (ctx.tp_group, ctx.dp_group, dist.group.WORLD)]
+
+
+@pytest.mark.parametrize("timeout_s", [None, 3.0])
+def test_a_world_group_of_two_backends_gives_every_group_one_timeout(timeout_s):
+    """Note [axis groups time out too]: a world group of several backends ("cpu:gloo,cuda:nccl"
+    on a GPU; two gloo ones here) has no one options type for init_device_mesh's override, and
+    its axis groups kept torch's 30 min (review finding, helper-85)."""
+    want = [timeout_s or 45.0]  # the group's backend for either device type
+    assert run_distributed(_every_backends_seconds, 4, args=(timeout_s,), backend="cpu:gloo,cuda:gloo",
+                           collective_timeout_s=45) == [[want] * 3] * 4
+
+
+@pytest.mark.parametrize("bad", [0, -3.0, float("nan"), float("inf"), 1e15, "60", True])
 def test_timeout_s_must_be_a_positive_number(bad):
-    with pytest.raises(ValueError, match=r"timeout_s must be a positive number of seconds .* got " + re.escape(repr(bad))):
+    with pytest.raises(ValueError, match=r"timeout_s must be a positive number of seconds.* got " + re.escape(repr(bad))):
         init_parallel(device="cpu", timeout_s=bad)
 
 
