@@ -72,6 +72,9 @@ parameters that require grad. Variants:
   dp=2  dataparallel: parallelize(peft_model, init_parallel(dp=2), zero_stage=0)
         zero1, zero3: the same with zero_stage=1, 3 (ZeRO-3's default units)
         zero3_unfused: zero3 with fused_kernels=False (the model's own modules, as the peers run it)
+        zero3_mp:     --bf16 mixed bfloat16 only: zero3 over the float32 model with
+                      param_dtype=torch.bfloat16, FSDP2's mixed precision policy as fsdp2 gets it
+                      (the adapters compute in bfloat16; Note [mixed precision by the parameters])
         fsdp2:        fully_shard on each decoder layer, then on the root, the frozen base weights and
                       the adapters in the same units (FSDP2 shards per parameter, so mixed
                       requires_grad in a unit is allowed; torchtune's LoRA recipes shard so)
@@ -121,8 +124,10 @@ RATIOS = (("ours", "hf_tp", 0.85), ("ours_experts", "hf_tp", 0.85), ("zero3", "f
           ("zero3_unfused", "ddp", 1.15), ("zero3", "ddp_fused", 1.15))
 # --lora R: a LoRA fine-tune (peft); its variants and ratios (the targets borrowed from the
 # full fine-tune's: 0.85 against a sharding / TP peer, 1.15 against DDP)
-LORA_AXES = {"tp": ("ours", "hf_tp"), "dp": ("dataparallel", "zero1", "zero3", "zero3_unfused", "fsdp2", "ddp")}
+LORA_AXES = {"tp": ("ours", "hf_tp"),
+             "dp": ("dataparallel", "zero1", "zero3", "zero3_mp", "zero3_unfused", "fsdp2", "ddp")}
 LORA_RATIOS = (("ours", "hf_tp", 0.85), ("zero3", "fsdp2", 0.85), ("zero3", "ddp", 1.15),
+               ("zero3_mp", "fsdp2", 0.85), ("zero3_mp", "ddp", 1.15),
                ("zero3_unfused", "fsdp2", 0.85), ("zero3_unfused", "ddp", 1.15),
                ("zero1", "ddp", 1.15), ("dataparallel", "ddp", 1.15), ("dataparallel", "fsdp2", 0.85))
 # --adamw: torch.optim.AdamW's implementations, the same one for every variant
@@ -230,11 +235,11 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
             model = with_lora(model, lora)
         return _plain_step(model, adamw(model.parameters()), loss_fn)
     # Mixed precision keeps float32 weights: FSDP2 and DDP take the float32 model and cast (below).
-    mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp", "ddp_fused")
+    mixed = dtype == torch.bfloat16 and bf16 == "mixed" and kind in ("fsdp2", "ddp", "ddp_fused", "zero3_mp")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if mixed else dtype)
     if lora:
         model = with_lora(model, lora)
-    if kind in ("ours", "ours_experts", "zero3", "zero3_ep", "zero3_unfused", "dataparallel", "zero1"):
+    if kind in ("ours", "ours_experts", "zero3", "zero3_ep", "zero3_unfused", "zero3_mp", "dataparallel", "zero1"):
         ctx = init_parallel(tp=2 if kind in ("ours", "ours_experts") else 1, device="cpu")
         plan = "auto" if kind == "ours" else None
         if kind == "ours_experts":  # whole experts per TP rank (Note [whole experts per rank])
@@ -245,7 +250,8 @@ def _variant(kind: str, model_dir: str, dtype: torch.dtype, bf16: str = "mixed",
         stage = {"ours": 0, "dataparallel": 0, "zero1": 1}.get(kind, 3)
         par = parallelize(model, ctx, optimizer=adamw, loss_fn=loss_fn, tp_plan=plan,
                           zero_stage=stage, expert_parallel=kind == "zero3_ep",
-                          fused_kernels=kind != "zero3_unfused")
+                          fused_kernels=kind != "zero3_unfused",
+                          param_dtype=torch.bfloat16 if kind == "zero3_mp" and mixed else None)
         if info is not None:
             info["fused"] = fused_summary(par.module)
 
@@ -295,6 +301,8 @@ def _rank(rank, ws, axes, model_dir, dtype_name, batch, seq, vocab, reps, revers
         kinds = (LORA_AXES if lora else MOE_AXES if model == "mixtral" else AXES)[axis]
         if whole_experts and model == "mixtral" and axis == "tp":
             kinds = ("ours", "ours_experts", "hf_tp")
+        if dtype_name != "bfloat16" or bf16 != "mixed":  # zero3_mp is zero3 there
+            kinds = tuple(k for k in kinds if k != "zero3_mp")
         kinds = kinds[::-1] if reverse else kinds
         steps = {}
         for kind in kinds:

@@ -82,6 +82,7 @@ from parallel_layers.pipeline import PipelineParallel, PipelineStages
 from parallel_layers.pipeline import hf as hf_pipeline
 from parallel_layers.tensor_parallel import plan as tp_plan_module
 from parallel_layers.zero import ZeRO
+from parallel_layers.zero._param import check_dtypes
 from parallel_layers.zero.api import refuse_non_floating, route_zero_grad
 
 
@@ -411,6 +412,21 @@ def declared_blocks(model: nn.Module) -> Callable[[nn.Module], bool] | None:
     return lambda m: type(m).__name__ in names and id(m) not in inner
 
 
+# Note [mixed precision by the parameters]: FSDP2's mixed precision is a property of the
+# parameters, not of the ops: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
+# over a float32 model casts every parameter to bfloat16 as it gathers it, so the whole forward
+# and backward run in bfloat16, and the gradients are reduced in float32 into float32 shards
+# that the optimizer steps. ZeRO has had the same (`ZeRO(param_dtype=)`: the full parameter is
+# cast once, the masters stay float32, each step's gather is in param_dtype); `param_dtype=`
+# hands it to parallelize. Against loading the model in bfloat16 (ZeRO's float32 masters of
+# what trains, the same arithmetic for a full fine-tune) it differs where the model holds
+# float32 parameters of its own: peft's adapters on a bfloat16 base are float32
+# (autocast_adapter_dtype), so peft casts each adapter's input to float32 and runs the adapter
+# there - under param_dtype they compute in bfloat16, as under FSDP2's policy; and a frozen
+# float32 base keeps float32 shards (half the saving of a bfloat16 base) but is gathered in
+# bfloat16. Buffers keep their dtype (rotary's inv_freq), as under FSDP2. Only ZeRO gathers its
+# parameters: without it (DataParallel, tensor or pipeline parallelism alone) the dtype of the
+# compute is the model's or autocast's, so param_dtype is refused there.
 def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[list], torch.optim.Optimizer],
                 loss_fn: Callable[[Tensor, Tensor], Tensor], tp_plan: dict | str | None = None,
                 sequence_parallel: bool = False,
@@ -419,7 +435,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None,
                 split_points: list[int] | None = None, fused_kernels: bool = True,
                 token_count: Callable[[Tensor], Tensor] | None = None, expert_parallel: bool | int = False,
-                loss_scale: str | float | None = None, offload_optimizer: bool = False) -> Parallelized:
+                loss_scale: str | float | None = None, offload_optimizer: bool = False,
+                param_dtype: torch.dtype | None = None) -> Parallelized:
     """Parallelize `model` over `ctx`'s mesh in the order of Note [parallelize order].
 
     optimizer: factory from a list of parameters to a torch.optim optimizer. loss_fn(output,
@@ -455,6 +472,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     offload_optimizer: with ZeRO (zero_stage 1-3), its master shards, their gradients and the
     optimizer state live in host memory and the optimizer steps there (ZeRO-Offload; ZeRO's
     offload_optimizer, parallel_layers/zero/api.py).
+    param_dtype: with ZeRO, the dtype its full parameters are gathered and computed in (torch.bfloat16
+    or torch.float16; float32 master shards, gradients reduced in float32): FSDP2's
+    MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32) over a float32 model, frozen
+    parameters and peft's adapters included (Note [mixed precision by the parameters]). None: each
+    parameter's own dtype.
     """
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"parallelize(model, ctx, ...) composes every kind of parallelism over the ParallelContext of "
@@ -481,6 +503,13 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     if token_count is not None and not callable(token_count):  # else it would raise on the last stage only
         raise TypeError(f"token_count must be None or a function of the targets returning how many items loss_fn "
                         f"sums (e.g. pipeline.hf.causal_lm_tokens), got {type(token_count).__name__}")
+    if param_dtype is not None:  # Note [mixed precision by the parameters]
+        check_dtypes(param_dtype, torch.float32)
+        if not zero_stage:
+            raise ValueError(f"parallelize: param_dtype={param_dtype} casts the parameters ZeRO gathers (FSDP2's "
+                             f"MixedPrecisionPolicy); it needs zero_stage 1, 2 or 3, got zero_stage={zero_stage!r}. "
+                             "Without ZeRO, run forward_backward under torch.autocast(device, dtype) (DDP's mixed "
+                             "precision) or load the model in that dtype")
     scaler = LossScale.from_argument(loss_scale)
     if zero_stage:  # the whole model, before anything is converted: after a pipeline's cut each rank
         refuse_non_floating(model)  # would see its own stages only (review finding)
@@ -553,7 +582,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     try:
         if zero_stage:
             wrapper = ZeRO(net, optimizer, stage=zero_stage, group=ctx.dp_group, wrap=zero_units,
-                           offload_optimizer=offload_optimizer)
+                           offload_optimizer=offload_optimizer, param_dtype=param_dtype)
             opt = wrapper.optimizer  # ZeRO checked it against net's parameters; these were the model's before TP
             _optimizer.check(opt, [s for g in wrapper.groups for s in g.shards], "parallelize", replaced=originals)
         else:

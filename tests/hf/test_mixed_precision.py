@@ -1,0 +1,113 @@
+"""parallelize(..., param_dtype=torch.bfloat16): ZeRO's mixed precision over a float32 model, as
+FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) gives it (Note [mixed
+precision by the parameters] in parallel_layers/parallelize.py), against the same arithmetic done
+by hand in one process."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.dist_harness import run_distributed
+from tests.hf import _tiny
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+STEPS, BATCH, SEQ, VOCAB, LR = 3, 4, 16, 128, 1e-2
+
+
+def _model(directory, lora: bool):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    if lora:
+        torch.manual_seed(0)  # the same adapters in every process
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           lora_dropout=0.0, init_lora_weights=False))
+    return model
+
+
+def _trained(model) -> dict:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def _run(rank, world, directory, stage, lora, fused):
+    from parallel_layers import checkpoint, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(dp=world, device="cpu")
+    model = _model(directory, lora)
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
+                      zero_stage=stage, fused_kernels=fused, param_dtype=torch.bfloat16)
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    losses = _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
+    return losses, dtypes, checkpoint.save(directory + f"-out{stage}{lora}{fused}", STEPS, par)
+
+
+def _by_hand(directory, lora, world):
+    """Each replica's rows through a copy of the float32 model whose parameters are bfloat16 (its
+    buffers as they are), their gradients averaged in float32 into the float32 model, AdamW there:
+    mixed precision as FSDP2 and ZeRO define it."""
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    master = _model(directory, lora)
+    params = [p for p in master.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    losses = []
+    for ids in _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        mean = 0.0
+        for rows in ids.chunk(world):
+            low = copy.deepcopy(master)
+            for q in low.parameters():  # the parameters, not the buffers (rotary's inv_freq stays float32)
+                q.data = q.data.to(torch.bfloat16)
+            loss = causal_lm_loss(low(rows).logits, rows)
+            loss.backward()
+            mean += loss.item() / world
+            for p, q in zip(master.parameters(), low.parameters()):
+                if p.requires_grad:
+                    p.grad += q.grad.float() / world
+        opt.step()
+        losses.append(mean)
+    return losses, _trained(master)
+
+
+@pytest.mark.parametrize("stage, lora", [(3, True), (1, True), (3, False)])
+def test_param_dtype_trains_as_mixed_precision_by_hand(tmp_path, stage, lora):
+    """A float32 Llama (with peft's float32 LoRA adapters on every linear layer, or all of it
+    training) at dp2: every parameter computes in bfloat16 - the adapters too, where they ran in
+    float32 before - while the masters, the optimizer and the checkpoint stay float32, and every
+    step and every trained tensor is the hand-made mixed precision's (float32 rounding)."""
+    _tiny.save_tiny_llama(tmp_path / "src")
+    directory = str(tmp_path / "src")
+    got = run_distributed(_run, 2, args=(directory, stage, lora, False), timeout_s=300)
+    want_losses, want = _by_hand(directory, lora, 2)
+    from parallel_layers import checkpoint
+
+    for rank, (_, dtypes, _) in enumerate(got):
+        assert dtypes == ["bfloat16"], (rank, dtypes)  # the model as the forward sees it
+    mean = [sum(pair) / 2 for pair in zip(got[0][0], got[1][0])]
+    assert mean == pytest.approx(want_losses, abs=1e-6), (mean, want_losses)
+    state = {k: v.float() for k, v in checkpoint.export_state_dict(got[0][2]).items()}
+    assert sorted(state) == sorted(want)
+    worst = max((state[k] - v).abs().max().item() for k, v in want.items())
+    assert worst < 1e-5, worst
+    start = _trained(_model(directory, lora))
+    moved = max((want[k] - start[k]).abs().max().item() for k in want if (lora and "lora_" in k) or not lora)
+    assert moved > 1e-3  # it trained: the comparison above sees the updates (100x its tolerance)
+    if lora:  # the frozen base as loaded, in float32
+        assert all(torch.equal(state[k], start[k]) for k in start if "lora_" not in k)
+
+
+def test_param_dtype_needs_zero():
+    from parallel_layers import parallelize
+    from parallel_layers.parallel_dims import ParallelContext
+
+    ctx = object.__new__(ParallelContext)
+    with pytest.raises(ValueError, match=r"param_dtype=torch.bfloat16 casts the parameters ZeRO gathers .* needs "
+                                         r"zero_stage 1, 2 or 3, got zero_stage=0"):
+        parallelize(torch.nn.Linear(2, 2), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    loss_fn=torch.nn.functional.mse_loss, param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"param_dtype must be None .* got torch.int8"):
+        parallelize(torch.nn.Linear(2, 2), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    loss_fn=torch.nn.functional.mse_loss, zero_stage=3, param_dtype=torch.int8)
