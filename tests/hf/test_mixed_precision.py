@@ -111,3 +111,32 @@ def test_param_dtype_needs_zero():
     with pytest.raises(ValueError, match=r"param_dtype must be None .* got torch.int8"):
         parallelize(torch.nn.Linear(2, 2), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                     loss_fn=torch.nn.functional.mse_loss, zero_stage=3, param_dtype=torch.int8)
+
+
+def _loaded(rank, world, directory, on_meta):
+    from parallel_layers import hf, init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(dp=world, device="cpu")
+    if on_meta:  # too big for one device: built without storage, the shards filled from the files
+        config = transformers.AutoConfig.from_pretrained(directory)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = _model(directory, lora=False)
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
+                      zero_stage=3, param_dtype=torch.bfloat16)
+    if on_meta:
+        hf.load_pretrained(directory, par)
+    return _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
+
+
+def test_param_dtype_on_a_model_built_on_the_meta_device():
+    """Built on the meta device and loaded from the files by hf.load_pretrained, the bfloat16
+    parameters and float32 masters train exactly as the model loaded whole does."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _tiny.save_tiny_llama(tmp)
+        whole, meta = (run_distributed(_loaded, 2, args=(tmp, on_meta), timeout_s=300) for on_meta in (False, True))
+    assert meta == whole and whole[0] != whole[1], (meta, whole)
