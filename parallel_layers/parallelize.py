@@ -472,8 +472,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, *, optimizer: Callable[[
     offload_optimizer: with ZeRO (zero_stage 1-3), its master shards, their gradients and the
     optimizer state live in host memory and the optimizer steps there (ZeRO-Offload; ZeRO's
     offload_optimizer, parallel_layers/zero/api.py).
-    param_dtype: with ZeRO, the dtype its full parameters are gathered and computed in (torch.bfloat16
-    or torch.float16; float32 master shards, gradients reduced in float32): FSDP2's
+    param_dtype: with ZeRO, the dtype its full parameters are gathered and computed in (typically
+    torch.bfloat16 or torch.float16; float32 master shards, gradients added and reduced in float32): FSDP2's
     MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32) over a float32 model, frozen
     parameters and peft's adapters included (Note [mixed precision by the parameters]). None: each
     parameter's own dtype.

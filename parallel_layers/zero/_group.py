@@ -435,7 +435,7 @@ class ParamGroup:
             if sp.train_from_now():
                 self.promoted.append(sp)
         for sp in members:  # Note [a parameter no rank used] in api.py
-            sp.used = sp.used or sp.full.grad is not None
+            sp.used = sp.used or sp.has_grad()
         grads = [sp.grad_to_reduce() for sp in members]
         widest = functools.reduce(torch.promote_types, [g.dtype for g in grads])
         grads = [g if g.dtype == widest else g.to(widest) for g in grads]  # one dtype a call: the widest
@@ -444,7 +444,7 @@ class ParamGroup:
         del grads
         if free_full_grads:  # buf holds their copy
             for sp in members:
-                sp.full.grad = None
+                sp.forget_grad()
         handle, recv = None, None
         if self.world > 1:
             fault.check_agreement(f"ZeRO reduce_scatter of {self.name}", buf, self.group)

@@ -170,6 +170,12 @@ class ShardedParam:
         self.shard = nn.Parameter(self._master_shard(alias_full and not offload), requires_grad=param.requires_grad)
         if param_dtype is not None:
             param.data = param.data.to(param_dtype)
+        # Note [accumulating in the reduce dtype]: earlier backward passes' gradient, summed in
+        # reduce_dtype, while this parameter is gathered in a narrower param_dtype
+        self.accumulated: Tensor | None = None
+        if (param_dtype is not None and param.requires_grad
+                and torch.finfo(param_dtype).bits < torch.finfo(reduce_dtype).bits):
+            param.register_hook(self._bank_grad)
         # what refill_full gives back: the bytes of the parameter as gathered (after the cast; taken
         # before it, a bfloat16 parameter was refilled at its float32 size, twice what it needs)
         self._storage_nbytes = param.untyped_storage().nbytes()
@@ -291,10 +297,39 @@ class ShardedParam:
         when offloaded)."""
         return self.shard.detach().to(device, non_blocking=True)
 
+    # Note [accumulating in the reduce dtype]: with param_dtype narrower than reduce_dtype
+    # (parallelize's param_dtype=torch.bfloat16: Note [mixed precision by the parameters]), the
+    # full parameter's .grad is bfloat16, and autograd adds every backward pass of a step into it
+    # there - a pipeline's or `microbatches`' microbatches, backward passes under no_sync, ZeRO-1's
+    # passes before its step - rounding each sum to bfloat16 (helper-86: 0.016 off the trained
+    # tensors of a float32-accumulating reference after 3 steps of 2 microbatches). FSDP2 adds them
+    # in its reduce dtype. So does ZeRO now: a hook that runs before autograd accumulates a new
+    # gradient moves the one already there into `accumulated` (float32), and the reduction reads
+    # their sum. One backward pass a step never finds a gradient there, and costs nothing.
+    def _bank_grad(self, grad: Tensor) -> Tensor:
+        held = self.full.grad
+        if held is not None:
+            if self.accumulated is None:
+                self.accumulated = held.to(self.reduce_dtype)
+            else:
+                self.accumulated.add_(held)
+            self.full.grad = None  # autograd now stores `grad` as it is
+        return grad
+
+    def has_grad(self) -> bool:
+        return self.full.grad is not None or self.accumulated is not None
+
+    def forget_grad(self) -> None:
+        self.full.grad, self.accumulated = None, None
+
     def grad_to_reduce(self) -> Tensor:
         """The full gradient as the reduce-scatter's copy-in reads it: zeros where this rank
-        has none (Note [ZeRO unused parameters] in _hooks.py)."""
+        has none (Note [ZeRO unused parameters] in _hooks.py); with gradients banked in the
+        reduce dtype (Note [accumulating in the reduce dtype]), their sum there, taken."""
         p = self.full
+        if self.accumulated is not None:
+            grad, self.accumulated = self.accumulated, None
+            return (grad.add_(p.grad) if p.grad is not None else grad).contiguous()
         grad = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
         return grad.contiguous()
 

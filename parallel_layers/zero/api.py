@@ -373,6 +373,8 @@ class ZeRO(LocalAccumulation, nn.Module):
         self._hooks.forget_failed_backward()  # what a backward that raised left in flight lands first
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for g in self.groups:
+            for sp in g.members:
+                sp.accumulated = None  # Note [accumulating in the reduce dtype] in _param.py
             for p in g.params:
                 if set_to_none or p.grad is None:
                     p.grad = None
