@@ -305,7 +305,10 @@ class ShardedParam:
     # tensors of a float32-accumulating reference after 3 steps of 2 microbatches). FSDP2 adds them
     # in its reduce dtype. So does ZeRO now: a hook that runs before autograd accumulates a new
     # gradient moves the one already there into `accumulated` (float32), and the reduction reads
-    # their sum. One backward pass a step never finds a gradient there, and costs nothing.
+    # their sum. One backward pass a step never finds a gradient there, and costs nothing. A
+    # model loaded in bfloat16 without param_dtype accumulates in its .grad, as plain bfloat16
+    # training (the tests' reference for it) does; a parameter frozen at build and trained later
+    # has no hook (autograd takes none on a tensor that does not require grad) and does too.
     def _bank_grad(self, grad: Tensor) -> Tensor:
         held = self.full.grad
         if held is not None:
