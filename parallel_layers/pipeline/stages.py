@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import fault, placement
+from parallel_layers import _grad_bank, fault, placement
 from parallel_layers.pipeline.schedule import check_arguments
 
 
@@ -242,19 +242,28 @@ class PipelineStages(nn.Module):
     def scale_tied_grads_before_step(self) -> None:
         """Divide the tied copies' gradients by the number of copies (Note [tied gradients accumulate])."""
         for p, tie_group, _ in self._ties:
-            if p.grad is not None:
-                p.grad.div_(dist.get_world_size(tie_group))
+            for grad in (p.grad, _grad_bank.banked(p)):
+                if grad is not None:
+                    grad.div_(dist.get_world_size(tie_group))
 
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of tied parameters over the ranks holding a copy."""
+        """Sum the gradients of tied parameters over the ranks holding a copy: the whole of each
+        copy's, with what ZeRO banked of its earlier backward passes (Note [accumulating in the
+        reduce dtype] in zero/_param.py), in the bank's dtype, then banked again."""
         for p, tie_group, _ in self._ties:
             if not p.requires_grad:  # frozen (on every copy alike): no gradient, as the plain model has none
                 continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            fault.check_agreement("tied-parameter gradient all_reduce", p.grad, tie_group)
+            banks = _grad_bank.dtype_of(p) is not None  # the same on every copy: ZeRO's settings
+            grad = _grad_bank.take(p) if banks else p.grad
+            if grad is None:
+                grad = torch.zeros_like(p, dtype=_grad_bank.dtype_of(p) if banks else None)
+            fault.check_agreement("tied-parameter gradient all_reduce", grad, tie_group)
             with fault.collective("tied-parameter gradient all_reduce", tie_group):
-                dist.all_reduce(p.grad, group=tie_group)
+                dist.all_reduce(grad, group=tie_group)
+            if banks:
+                _grad_bank.set_banked(p, grad)
+            else:
+                p.grad = grad
 
     def counted_once(self, p: nn.Parameter) -> bool:
         """False for the copies of a tied parameter that are not on its lowest stage's rank."""

@@ -54,6 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from parallel_layers import _grad_bank
 from parallel_layers.ops import shard_copy
 from parallel_layers.zero._group import BufferPool, ParamGroup
 
@@ -172,10 +173,10 @@ class ShardedParam:
             param.data = param.data.to(param_dtype)
         # Note [accumulating in the reduce dtype]: earlier backward passes' gradient, summed in
         # reduce_dtype, while this parameter is gathered in a narrower param_dtype
-        self.accumulated: Tensor | None = None
-        if (param_dtype is not None and param.requires_grad
-                and torch.finfo(param_dtype).bits < torch.finfo(reduce_dtype).bits):
-            param.register_hook(self._bank_grad)
+        self.banks = (param_dtype is not None and param.requires_grad
+                      and torch.finfo(param_dtype).bits < torch.finfo(reduce_dtype).bits)
+        if self.banks:
+            _grad_bank.enable(param, reduce_dtype)
         # what refill_full gives back: the bytes of the parameter as gathered (after the cast; taken
         # before it, a bfloat16 parameter was refilled at its float32 size, twice what it needs)
         self._storage_nbytes = param.untyped_storage().nbytes()
@@ -304,35 +305,34 @@ class ShardedParam:
     # passes before its step - rounding each sum to bfloat16 (helper-86: 0.016 off the trained
     # tensors of a float32-accumulating reference after 3 steps of 2 microbatches). FSDP2 adds them
     # in its reduce dtype. So does ZeRO now: a hook that runs before autograd accumulates a new
-    # gradient moves the one already there into `accumulated` (float32), and the reduction reads
-    # their sum. One backward pass a step never finds a gradient there, and costs nothing. A
-    # model loaded in bfloat16 without param_dtype accumulates in its .grad, as plain bfloat16
-    # training (the tests' reference for it) does; a parameter frozen at build and trained later
-    # has no hook (autograd takes none on a tensor that does not require grad) and does too.
-    def _bank_grad(self, grad: Tensor) -> Tensor:
-        held = self.full.grad
-        if held is not None:
-            if self.accumulated is None:
-                self.accumulated = held.to(self.reduce_dtype)
-            else:
-                self.accumulated.add_(held)
-            self.full.grad = None  # autograd now stores `grad` as it is
-        return grad
+    # gradient moves the one already there into a float32 bank on the parameter (parallel_layers/
+    # _grad_bank.py), and the reduction reads their sum, as does the pipeline's sum of a tied
+    # weight's copies (helper-87: it read the last pass's .grad alone, 40% off). One backward pass
+    # a step never finds a gradient there, and costs nothing. A model loaded in bfloat16 without
+    # param_dtype accumulates in its .grad, as plain bfloat16 training (the tests' reference for
+    # it) does; a parameter frozen at build and trained later has no hook (autograd takes none on
+    # a tensor that does not require grad) and does too.
+    def __setstate__(self, state: dict) -> None:
+        # a copy (deepcopy of the model and its ZeRO, pickling) gets parameters without torch's
+        # hooks or attributes: the copy's parameter banks its gradients too (helper-87)
+        self.__dict__.update(state)
+        if self.banks:
+            _grad_bank.enable(self.full, self.reduce_dtype)
 
     def has_grad(self) -> bool:
-        return self.full.grad is not None or self.accumulated is not None
+        return self.full.grad is not None or _grad_bank.banked(self.full) is not None
 
     def forget_grad(self) -> None:
-        self.full.grad, self.accumulated = None, None
+        self.full.grad = None
+        _grad_bank.set_banked(self.full, None)
 
     def grad_to_reduce(self) -> Tensor:
         """The full gradient as the reduce-scatter's copy-in reads it: zeros where this rank
         has none (Note [ZeRO unused parameters] in _hooks.py); with gradients banked in the
         reduce dtype (Note [accumulating in the reduce dtype]), their sum there, taken."""
         p = self.full
-        if self.accumulated is not None:
-            grad, self.accumulated = self.accumulated, None
-            return (grad.add_(p.grad) if p.grad is not None else grad).contiguous()
+        if _grad_bank.banked(p) is not None:
+            return _grad_bank.take(p).contiguous()
         grad = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
         return grad.contiguous()
 

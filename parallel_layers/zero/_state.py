@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from parallel_layers import fault, placement
+from parallel_layers import _grad_bank, fault, placement
 
 if TYPE_CHECKING:
     from parallel_layers.zero.api import ZeRO
@@ -145,7 +145,7 @@ def memory_bytes(zero: ZeRO) -> dict[str, int]:
             storages[storage.data_ptr()] = storage.nbytes()
     pools = {id(g.pool): g.pool for g in zero.groups if g.pool is not None}.values()
     return {"params": sum(storages.values()),
-            "grads": sum(_bytes(sp.full.grad) for sp in members),
+            "grads": sum(_bytes(sp.full.grad) + _bytes(_grad_bank.banked(sp.full)) for sp in members),
             "master_shards": masters,
             "shard_grads": sum(_bytes(sp.shard.grad) for sp in members),
             "optimizer_state": opt,

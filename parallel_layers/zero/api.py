@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel_layers import _optimizer, placement
+from parallel_layers import _grad_bank, _optimizer, placement
 from parallel_layers.data_parallel import release_frozen_hooks
 from parallel_layers._accumulation import LocalAccumulation
 from parallel_layers.grad_norm import clip_grad_norm_
@@ -374,7 +374,7 @@ class ZeRO(LocalAccumulation, nn.Module):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for g in self.groups:
             for sp in g.members:
-                sp.accumulated = None  # Note [accumulating in the reduce dtype] in _param.py
+                _grad_bank.set_banked(sp.full, None)  # Note [accumulating in the reduce dtype] in _param.py
             for p in g.params:
                 if set_to_none or p.grad is None:
                     p.grad = None

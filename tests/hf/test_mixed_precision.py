@@ -148,3 +148,59 @@ def test_param_dtype_on_a_model_built_on_the_meta_device():
         _tiny.save_tiny_llama(tmp)
         whole, meta = (run_distributed(_loaded, 2, args=(tmp, on_meta), timeout_s=300) for on_meta in (False, True))
     assert meta == whole and whole[0] != whole[1], (meta, whole)
+
+
+def _tied_across_stages(rank, world, directory, stage):
+    """One step of 2 microbatches at pp=2: the tied embedding / head's float32 master, against
+    the by-hand value, on each copy."""
+    from parallel_layers import init_parallel, parallelize
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    ctx = init_parallel(pp=2, device="cpu")
+    model = _model(directory, lora=False)
+    tied = model.get_input_embeddings().weight
+    assert tied is model.get_output_embeddings().weight
+    par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), loss_fn=causal_lm_loss,
+                      zero_stage=stage, fused_kernels=False, param_dtype=torch.bfloat16, pipeline_layers="auto",
+                      microbatches=2)
+    ids = _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0]
+    par.forward_backward(ids, ids)
+    par.step()
+    sp = next(sp for g in par.module.groups for sp in g.members if sp.full is tied)
+    master = sp.shard.detach()[:tied.numel()].view_as(tied)
+    master_grad = _tied_by_hand(directory)
+    start = _model(directory, lora=False).get_input_embeddings().weight.detach()
+    return (master - (start - master_grad)).abs().max().item(), master_grad.abs().max().item()
+
+
+def _tied_by_hand(directory):
+    from parallel_layers.pipeline.hf import causal_lm_loss
+
+    master = _model(directory, lora=False)
+    low = copy.deepcopy(master)
+    for q in low.parameters():
+        q.data = q.data.to(torch.bfloat16)
+    # the two stages' copies, apart: each gets its own bfloat16 gradient, added in float32 (one
+    # tied tensor would add the embedding's and the head's in bfloat16 first)
+    head = low.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    total = torch.zeros_like(master.get_input_embeddings().weight)
+    for micro in _tiny.token_batches(1, BATCH, SEQ, VOCAB)[0].chunk(2):
+        (causal_lm_loss(low(micro).logits, micro) / 2).backward()
+        for copy_ in (low.get_input_embeddings().weight, head.weight):
+            total += copy_.grad.float()
+            copy_.grad = None
+    return total
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_weight_tied_across_pipeline_stages_sums_every_microbatch(tmp_path, stage):
+    """A tied Llama at pp=2 with 2 microbatches: the copies' gradients are summed over the stages
+    with what ZeRO banked of the first microbatch in float32 (Note [accumulating in the reduce
+    dtype]); the sum read the last microbatch's .grad alone (helper-87: 40% of the gradient off),
+    and the two copies drifted apart."""
+    _tiny.save_tiny_llama(tmp_path / "src", tie_word_embeddings=True)
+    (off0, grad), (off1, _) = run_distributed(_tied_across_stages, 2, args=(str(tmp_path / "src"), stage),
+                                              timeout_s=300)
+    assert off0 == off1 and off0 < 1e-6 * max(grad, 1.0) + 1e-6, (off0, off1, grad)
+

@@ -172,6 +172,28 @@ def test_zero_grad_of_a_copied_wrapper_and_of_a_pickled_model():
     assert run_distributed(_copied_and_pickled, 2) == [(True, True)] * 2
 
 
+def _copied_banks(rank, ws):
+    from parallel_layers import _grad_bank
+
+    torch.manual_seed(0)
+    zero = ZeRO(Net(), OPTIMIZERS["sgd"], stage=1, param_dtype=torch.bfloat16)
+    twin = copy.deepcopy(zero)
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for z in (zero, twin):
+        for _ in range(2):  # two passes before ZeRO-1's reduction: the second banks the first's gradient
+            z(torch.randn(4, 7, generator=g).bfloat16()).float().sum().backward()
+        seen.append(sorted({str(_grad_bank.banked(p).dtype) for p in z.module.parameters()}))
+    return seen
+
+
+def test_a_copied_zero_banks_its_gradients_in_float32_too():
+    """Note [accumulating in the reduce dtype]: deepcopy gives parameters without torch's hooks or
+    attributes; the copy's ShardedParams enable the float32 bank on theirs again (helper-87: the
+    copy added its passes in bfloat16)."""
+    assert run_distributed(_copied_banks, 2) == [[["torch.float32"], ["torch.float32"]]] * 2
+
+
 @pytest.mark.parametrize("ws", [2, 4])
 def test_zero3_without_prefetch(ws):
     for rank, worst in enumerate(run_distributed(_zero_parity, ws, args=(3, 2, "adamw", False))):
