@@ -46,10 +46,8 @@ def _bank(p: torch.nn.Parameter, grad: Tensor) -> Tensor:
 
 
 def take(p: torch.nn.Parameter) -> Tensor | None:
-    """The whole gradient - the bank plus .grad, in the bank's dtype - leaving neither; None if
-    there is none (and for a parameter whose gradient is not banked: its .grad, left)."""
-    if dtype_of(p) is None:
-        return p.grad
+    """The whole gradient of a parameter whose gradient is banked - the bank plus .grad, in the
+    bank's dtype - leaving neither; None if there is none."""
     bank, grad = banked(p), p.grad
     set_banked(p, None)
     p.grad = None
