@@ -17,10 +17,14 @@ _BANK, _DTYPE = "_pl_grad_bank", "_pl_grad_bank_dtype"
 
 
 def enable(p: torch.nn.Parameter, dtype: torch.dtype) -> None:
-    """Bank `p`'s gradient in `dtype` before each further backward pass adds to it."""
+    """Bank `p`'s gradient in `dtype` before each further backward pass adds to it - from when it
+    is unfrozen, for a `p` that does not require grad now."""
     setattr(p, _DTYPE, dtype)
     setattr(p, _BANK, None)
+    frozen = not p.requires_grad
+    p.requires_grad_(True)  # autograd takes a hook only then, and keeps it when the flag goes
     p.register_hook(lambda grad: _bank(p, grad))
+    p.requires_grad_(not frozen)
 
 
 def dtype_of(p: torch.nn.Parameter) -> torch.dtype | None:

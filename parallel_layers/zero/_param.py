@@ -172,8 +172,9 @@ class ShardedParam:
         if param_dtype is not None:
             param.data = param.data.to(param_dtype)
         # Note [accumulating in the reduce dtype]: earlier backward passes' gradient, summed in
-        # reduce_dtype, while this parameter is gathered in a narrower param_dtype
-        self.banks = (param_dtype is not None and param.requires_grad
+        # reduce_dtype, while this parameter is gathered in a narrower param_dtype - a frozen one
+        # too, for when it is unfrozen
+        self.banks = (param_dtype is not None and param.is_floating_point()
                       and torch.finfo(param_dtype).bits < torch.finfo(reduce_dtype).bits)
         if self.banks:
             _grad_bank.enable(param, reduce_dtype)
@@ -310,8 +311,8 @@ class ShardedParam:
     # weight's copies (helper-87: it read the last pass's .grad alone, 40% off). One backward pass
     # a step never finds a gradient there, and costs nothing. A model loaded in bfloat16 without
     # param_dtype accumulates in its .grad, as plain bfloat16 training (the tests' reference for
-    # it) does; a parameter frozen at build and trained later has no hook (autograd takes none on
-    # a tensor that does not require grad) and does too.
+    # it) does. A parameter frozen at build gets the hook too (registered while it briefly
+    # requires grad, which autograd keeps): unfrozen later, it banks as the others do.
     def __setstate__(self, state: dict) -> None:
         # a copy (deepcopy of the model and its ZeRO, pickling) gets parameters without torch's
         # hooks or attributes: the copy's parameter banks its gradients too (helper-87)

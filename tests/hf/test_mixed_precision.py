@@ -30,15 +30,19 @@ def _trained(model) -> dict:
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def _run(rank, world, directory, stage, lora, fused, microbatches=1):
+def _run(rank, world, directory, stage, lora, fused, microbatches=1, unfreeze_later=False):
     from parallel_layers import checkpoint, init_parallel, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
 
     ctx = init_parallel(dp=world, device="cpu")
     model = _model(directory, lora)
+    if unfreeze_later:  # a layer frozen when ZeRO is built, trained from the first step
+        model.model.layers[0].requires_grad_(False)
     par = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=causal_lm_loss,
                       zero_stage=stage, fused_kernels=fused, param_dtype=torch.bfloat16,
                       microbatches=microbatches, pipeline_layers="auto" if microbatches > 1 else None)
+    if unfreeze_later:
+        model.model.layers[0].requires_grad_(True)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     losses = _tiny.parallel_losses(par, ctx, _tiny.token_batches(STEPS, BATCH, SEQ, VOCAB))
     return losses, dtypes, checkpoint.save(directory + f"-out{stage}{lora}{fused}", STEPS, par)
@@ -76,19 +80,22 @@ def _by_hand(directory, lora, world, microbatches=1):
     return losses, _trained(master)
 
 
-@pytest.mark.parametrize("stage, lora, microbatches", [(3, True, 1), (1, True, 1), (3, False, 1), (3, False, 2),
-                                                       (1, False, 2)])
-def test_param_dtype_trains_as_mixed_precision_by_hand(tmp_path, stage, lora, microbatches):
+@pytest.mark.parametrize("stage, lora, microbatches, unfreeze_later", [
+    (3, True, 1, False), (1, True, 1, False), (3, False, 1, False), (3, False, 2, False), (1, False, 2, False),
+    (3, False, 2, True)])
+def test_param_dtype_trains_as_mixed_precision_by_hand(tmp_path, stage, lora, microbatches, unfreeze_later):
     """A float32 Llama (with peft's float32 LoRA adapters on every linear layer, or all of it
     training) at dp2: every parameter computes in bfloat16 - the adapters too, where they ran in
     float32 before - while the masters, the optimizer and the checkpoint stay float32, and every
     step and every trained tensor is the hand-made mixed precision's (float32 rounding); with 2
     microbatches their gradients are added in float32, as FSDP2 adds them (Note [accumulating in
-    the reduce dtype] in zero/_param.py; in bfloat16 before: 0.016 off, helper-86). The model's
-    own modules (fused_kernels=False): the fused ones round differently in bfloat16."""
+    the reduce dtype] in zero/_param.py; in bfloat16 before: 0.016 off, helper-86) - a layer
+    frozen when ZeRO was built and unfrozen before the first step too (it added in bfloat16
+    before). The model's own modules (fused_kernels=False): the fused ones round differently in
+    bfloat16."""
     _tiny.save_tiny_llama(tmp_path / "src")
     directory = str(tmp_path / "src")
-    got = run_distributed(_run, 2, args=(directory, stage, lora, False, microbatches), timeout_s=300)
+    got = run_distributed(_run, 2, args=(directory, stage, lora, False, microbatches, unfreeze_later), timeout_s=300)
     want_losses, want = _by_hand(directory, lora, 2, microbatches)
     from parallel_layers import checkpoint
 
