@@ -1,8 +1,11 @@
 """A parameter's gradient of earlier backward passes, kept in a wider dtype than its .grad
 (Note [accumulating in the reduce dtype] in zero/_param.py).
 
-ZeRO under `param_dtype` banks a bfloat16 parameter's gradient here, in float32, each time
-autograd is about to add another backward pass's into its .grad. What reads a parameter's whole
+ZeRO under `param_dtype` banks a bfloat16 parameter's gradient here, in float32, when autograd
+is about to add a second backward pass's into its .grad, and adds each later pass's to the bank
+as soon as it is made: one backward pass a step holds a bfloat16 .grad (2 bytes a parameter),
+several hold the float32 bank (4 bytes), as FSDP2 holds an unsharded gradient it accumulates
+without reducing, and Megatron its main_grad, not the bank and a .grad (6 bytes). What reads a parameter's whole
 gradient before ZeRO reduces it - the pipeline's sum of a tied weight's copies over its stages
 (Note [tied parameters] in pipeline/stages.py) - takes the bank and the .grad together. The bank
 lives on the parameter, so both see one.
@@ -24,6 +27,7 @@ def enable(p: torch.nn.Parameter, dtype: torch.dtype) -> None:
     frozen = not p.requires_grad
     p.requires_grad_(True)  # autograd takes a hook only then, and keeps it when the flag goes
     p.register_hook(lambda grad: _bank(p, grad))
+    p.register_post_accumulate_grad_hook(_fold)
     p.requires_grad_(not frozen)
 
 
@@ -47,6 +51,15 @@ def _bank(p: torch.nn.Parameter, grad: Tensor) -> Tensor:
         set_banked(p, held.to(dtype_of(p)) if bank is None else bank.add_(held))
         p.grad = None  # autograd now stores `grad` as it is
     return grad
+
+
+def _fold(p: torch.nn.Parameter) -> None:
+    """Once a bank holds `p`'s gradient, each later backward pass's is added to it as soon as it is
+    made: the bank and a .grad of the parameter's size are never both held."""
+    bank = banked(p)
+    if bank is not None and p.grad is not None:
+        bank.add_(p.grad)
+        p.grad = None
 
 
 def take(p: torch.nn.Parameter) -> Tensor | None:

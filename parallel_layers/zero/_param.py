@@ -307,9 +307,12 @@ class ShardedParam:
     # tensors of a float32-accumulating reference after 3 steps of 2 microbatches). FSDP2 adds them
     # in its reduce dtype. So does ZeRO now: a hook that runs before autograd accumulates a new
     # gradient moves the one already there into a float32 bank on the parameter (parallel_layers/
-    # _grad_bank.py), and the reduction reads their sum, as does the pipeline's sum of a tied
-    # weight's copies (helper-87: it read the last pass's .grad alone, 40% off). One backward pass
-    # a step never finds a gradient there, and costs nothing. A model loaded in bfloat16 without
+    # _grad_bank.py), one that runs after it adds each later pass's gradient to the bank, and the
+    # reduction reads the bank (and a .grad), as does the pipeline's sum of a tied weight's copies
+    # (helper-87: it read the last pass's .grad alone, 40% off). One backward pass a step never
+    # finds a gradient there, and costs nothing; several hold 4 bytes a parameter, as FSDP2's
+    # float32 accumulation without reducing and Megatron's main_grad do (6 before the second hook:
+    # the bank and the latest pass's .grad). A model loaded in bfloat16 without
     # param_dtype accumulates in its .grad, as plain bfloat16 training (the tests' reference for
     # it) does. A parameter frozen at build gets the hook too (registered while it briefly
     # requires grad, which autograd keeps): unfrozen later, it banks as the others do.

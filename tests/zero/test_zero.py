@@ -194,6 +194,34 @@ def test_a_copied_zero_banks_its_gradients_in_float32_too():
     assert run_distributed(_copied_banks, 2) == [[["torch.float32"], ["torch.float32"]]] * 2
 
 
+def _banked_passes(rank, ws):
+    from parallel_layers import _grad_bank
+    from parallel_layers.zero._state import memory_bytes
+
+    torch.manual_seed(0)
+    zero = ZeRO(Net(), OPTIMIZERS["sgd"], stage=1, param_dtype=torch.bfloat16)
+    params = list(zero.module.parameters())
+    passes = {id(p): [] for p in params}
+    for p in params:  # each pass's gradient as autograd hands it over
+        p.register_hook(lambda grad, p=p: passes[id(p)].append(grad.detach().clone()))
+    g = torch.Generator().manual_seed(1 + rank)
+    held = []
+    for _ in range(3):  # three passes before ZeRO-1's reduction
+        zero(torch.randn(4, 7, generator=g).bfloat16()).float().sum().backward()
+        held.append(memory_bytes(zero)["grads"])
+    numel = sum(p.numel() for p in params)
+    exact = all(torch.equal(_grad_bank.banked(p), sum(t.float() for t in passes[id(p)])) for p in params)
+    return held, [2 * numel, 4 * numel, 4 * numel], all(p.grad is None for p in params), exact
+
+
+def test_a_banked_gradient_takes_each_later_pass_at_once():
+    """Note [accumulating in the reduce dtype]: one pass holds the bfloat16 .grad (2 bytes a
+    parameter); from the second on, the float32 bank alone (4 bytes) - not the bank and the
+    latest pass's .grad (6 bytes, before) - holding the float32 sum of every pass exactly."""
+    for held, want, grads_gone, exact in run_distributed(_banked_passes, 2):
+        assert held == want and grads_gone and exact, (held, want, grads_gone, exact)
+
+
 @pytest.mark.parametrize("ws", [2, 4])
 def test_zero3_without_prefetch(ws):
     for rank, worst in enumerate(run_distributed(_zero_parity, ws, args=(3, 2, "adamw", False))):
