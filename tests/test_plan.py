@@ -42,7 +42,10 @@ def test_model_states_follow_the_zero_paper():
     layer's full gradients being made and the one before it in its float32 reduce-scatter buffer
     for stages 2 and 3, the root group's gradients whole until it is reduced, last, at stages 2
     and 3 (the tied embedding and the final norm), and for stage 3 two layers' gathered params
-    and the root's params whole (Note [ZeRO-3's units in the plan])."""
+    and the root's params whole (Note [ZeRO-3's units in the plan]). Its gradient shards are
+    float32, the reduce dtype (Note [mixed precision in the plan]): 4 / N bytes a parameter where
+    the paper's are 2 / N - at stage 3 the shard is the float32 master too, which the paper
+    counts in the optimizer's 12, so stage 3 is the paper's 16 / N (in the paper's split)."""
     model = ModelSpec(7.5e9, 128, 2048, 1024, vocab=1000)  # small layers: the in-flight terms stay small
     cluster = ClusterSpec(64, 8, 80 * GB)
     states = {}
@@ -54,7 +57,7 @@ def test_model_states_follow_the_zero_paper():
     assert round(states[1], 1) == 31.4  # the paper's figure, to its rounding
     assert states[0] == pytest.approx(16 * psi + 2 * psi, rel=1e-9)
     assert states[1] == pytest.approx((4 + 12 / 64) * psi, rel=1e-9)
-    assert states[2] == pytest.approx((2 + 14 / 64) * psi + (2 + 4) * layer + 2 * 63 / 64 * root, rel=1e-9)
+    assert states[2] == pytest.approx((2 + 16 / 64) * psi + (2 + 4) * layer + 2 * 63 / 64 * root, rel=1e-9)
     assert states[3] == pytest.approx(16 / 64 * psi + (2 * 2 + 2 + 4) * layer + (2 + 2) * 63 / 64 * root, rel=1e-9)
 
 
@@ -88,13 +91,20 @@ def test_with_microbatches_every_stage_reduces_whole_gradients_once():
     train = TrainSpec(global_batch=256)
     one, two, three = (plan.estimate(model, cluster, train, Layout(64, 1, 1, zero, 4)) for zero in (1, 2, 3))
     psi, layer = 7.5e9, model.layer_params
-    assert two.grads == pytest.approx(2 * psi + 4 * layer, rel=1e-9)  # whole, and one float32 reduce buffer
-    assert three.grads == two.grads and one.grads == 2 * psi
+    # whole - in float32, mixed precision's bank (Note [mixed precision in the plan]) - and one
+    # float32 reduce buffer
+    assert two.grads == pytest.approx(4 * psi + 4 * layer, rel=1e-9)
+    assert three.grads == two.grads and one.grads == 4 * psi
+    fp32 = TrainSpec(global_batch=256, precision="fp32")
+    assert plan.estimate(model, cluster, fp32, Layout(64, 1, 1, 1, 4)).grads == 4 * psi
+    # one backward pass a step holds no bank: the bfloat16 gradients
+    assert plan.estimate(model, cluster, train, Layout(64, 1, 1, 1, 1)).grads == 2 * psi
     assert two.comm["dp"] == one.comm["dp"] == pytest.approx(63 / 64 * psi * (2 + 2), rel=1e-9)
     assert three.comm["dp"] == pytest.approx(63 / 64 * psi * (2 + 2 * 2 * 4), rel=1e-9)
     lone = plan.estimate(model, cluster, train, Layout(64, 1, 1, 2, 1))  # one backward: reduced layer by layer
     root = 1000 * 2048 + 2048  # the root group's (tied embedding, final norm), reduced last
-    assert lone.grads == pytest.approx(2 * psi / 64 + (2 + 4) * layer + 2 * 63 / 64 * root, rel=1e-9)
+    # (the shards float32: the reduce dtype, Note [mixed precision in the plan])
+    assert lone.grads == pytest.approx(4 * psi / 64 + (2 + 4) * layer + 2 * 63 / 64 * root, rel=1e-9)
 
 
 # ---- recommendations against docs/parallelism.md's rules ------------------------------------
@@ -449,7 +459,15 @@ def test_launch_args_describe_how_to_run_a_layout():
     assert args["parallelize"] == {"zero_stage": 1, "microbatches": 16, "schedule": "interleaved", "virtual": 2,
                                    "activation_checkpointing": "full", "sequence_parallel": False,
                                    "offload_optimizer": False, "expert_parallel": False, "fused_kernels": True,
-                                   "pipeline_layers": "auto"}
+                                   "pipeline_layers": "auto", "param_dtype": torch.bfloat16}
+    # Note [mixed precision in the plan]: a float32 model, bfloat16 through ZeRO's param_dtype;
+    # float32 without it; a LoRA fine-tune's, a bfloat16 model (peft's adapters float32)
+    assert args["model_dtype"] == torch.float32
+    fp32 = dataclasses.replace(train, precision="fp32")
+    assert plan.launch_args(e, fp32)["parallelize"]["param_dtype"] is None
+    lora = dataclasses.replace(train, lora_rank=8)
+    assert (plan.launch_args(e, lora)["model_dtype"], plan.launch_args(e, lora)["parallelize"]["param_dtype"]) == (
+        torch.bfloat16, None)
     assert args["micro_batch"] == 2 and args["unsupported"] == []
     # parallelize splits the sequence with a pipeline too (Note [sequence parallelism across
     # stages] in pipeline/hf.py; before, this layout was "unsupported")

@@ -171,7 +171,7 @@ def _train_from_args(args) -> TrainSpec:
                      args.context_parallel, args.zero, vocab_parallel_loss=not args.hf_config,
                      expert_parallel={"auto": None, "on": True, "off": False}.get(args.expert_parallel,
                                                                                    args.expert_parallel),
-                     lora_rank=args.lora)
+                     lora_rank=args.lora, float32_softmax=bool(args.hf_config))
 
 
 def _verify_main(ap: argparse.ArgumentParser, args) -> dict:
@@ -190,9 +190,7 @@ def _verify_main(ap: argparse.ArgumentParser, args) -> dict:
     if given:
         ap.error(f"--verify measures this machine's GEMM rate and bandwidth; drop {given} (--gpu-mem may set the "
                  "memory per rank)")
-    if args.precision == "mixed":
-        ap.error("--verify trains in float32 (the worker's dtype): --precision fp32 or leave it out, got mixed")
-    args.precision = "fp32"
+    args.precision = args.precision or "fp32"  # mixed: parallelize's param_dtype (Note [mixed precision in the plan])
     try:
         model = _model_from_args(ap, args)
         train = _train_from_args(args)

@@ -29,8 +29,9 @@ width, t = tp, sequence parallel divides the part outside the TP region by t too
       product; 4f unfused - TrainSpec.fused_kernels=False, and a mixture's experts: gate, up,
       silu(gate), the product, as Hugging Face's eager LlamaMLP keeps);
   attention scores (/ t): eager: a * s * (2e + 1) bytes with dropout (probabilities, mask,
-      dropped; 3e on the CPU), a * s * e without (the probabilities); flash: 4a bytes (fp32
-      log-sum-exp).
+      dropped; 3e on the CPU), a * s * e without (the probabilities), 4 bytes more in 16-bit
+      where the softmax is taken in float32 and kept (transformers' eager attention:
+      TrainSpec.float32_softmax, set for --hf-config); flash: 4a bytes (fp32 log-sum-exp).
   Recomputation: "selective" drops the scores term (recomputed in backward: the 5as/h of the
   formula; nothing changes with flash attention, which recomputes them already); "full" keeps
   only each layer's input, e*h per token (/ t with sequence parallel), plus one layer's full
@@ -57,6 +58,24 @@ step (PCIe both ways and the host's Adam); compute = model flops (6 per matmul p
 token + 12 * layers * seq * q for attention, plus the recomputed forward) at `mfu` of the peak.
 An axis runs at intra-node bandwidth when its group fits on one node (mesh order pp, dp, cp, tp:
 tp innermost), at inter-node bandwidth otherwise.
+
+Note [mixed precision in the plan]: precision "mixed" is, in this library, `parallelize(...,
+param_dtype=torch.bfloat16)` over a float32 model at ZeRO 1-3 (`launch_args` passes it; Note
+[mixed precision by the parameters] in parallelize.py): the full parameters gathered (ZeRO-3) or
+kept (ZeRO-1/2) in bfloat16, float32 masters and Adam state sharded - the ZeRO paper's 2 + 12 bytes
+a parameter. Two of its gradient terms are float32, not the paper's 2 bytes: the gradient shards
+ZeRO reduces into (4 / N bytes a parameter: the reduce dtype), and, with several backward passes
+a step (m > 1: a pipeline's or gradient accumulation's microbatches), the gradients accumulated
+over them (4 bytes a parameter from the second pass on: Note [accumulating in the reduce dtype]
+in zero/_param.py; FSDP2 and Megatron's main_grad hold the same). So ZeRO-2 holds 2 + 16 / N
+bytes a parameter where the paper has 2 + 14 / N. ZeRO-3 holds the paper's 16 / N, split
+otherwise: the shard a rank holds is the float32 master itself (params 4 / N, grads 4 / N, Adam's
+moments 8 / N); the estimate keeps the paper's split (2 / N, 2 / N, 12 / N), whose sum is the
+same. A LoRA
+fine-tune's mixed precision is a bfloat16 model (`launch_args`' model_dtype) with peft's float32
+adapters: nothing of the base trains, and the adapters are float32 anyway. At ZeRO-0 this
+library's DataParallel holds no float32 masters (param_dtype needs ZeRO): the estimate is the
+paper's (other systems' DDP with masters, e.g. Megatron-LM's), which `--verify` skips.
 
 Note [LoRA in the plan]: with TrainSpec.lora_rank = r only the adapters train (A [r, in] and
 B [out, r] on each of a layer's linear layers: q, k, v, o and a dense MLP's; under TP a column
@@ -209,7 +228,10 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
     if train.flash_attention:
         per_token += 4 * a / tp
     elif recompute == "none":
-        per_token += a * s * (2 * e + m if dropout else e) / tp
+        # transformers' eager attention takes the softmax of 16-bit scores in float32 and keeps
+        # that (4 bytes) besides the 16-bit probabilities it casts back (TrainSpec.float32_softmax)
+        upcast = 4 if train.float32_softmax and e < 4 else 0
+        per_token += a * s * (2 * e + m + upcast if dropout else e + upcast) / tp
     return per_token
 
 
@@ -232,8 +254,11 @@ def _loss_vocab(train: TrainSpec, model: ModelSpec, tp: int) -> float:
 def loss_temporaries(model: ModelSpec, train: TrainSpec, tp: int, tokens: float) -> float:
     """Float32 [tokens, vocab] copies the loss holds for a moment beyond the log-softmax kept
     for backward: in forward the logits and the cross-entropy's flattened input beside the
-    log-softmax; in backward the gradient of the log-softmax and of its input beside it."""
-    return 2 * 4 * tokens * _loss_vocab(train, model, tp)
+    log-softmax; in backward the gradient of the log-softmax and of its input beside it. In
+    16-bit the head's own logits too, which the loss casts to float32 (a copy) while they live
+    (--verify, mixed precision: 1.18 of the estimate at ZeRO-1 without them and float32_softmax)."""
+    upcast = train.act_bytes if train.act_bytes < 4 else 0
+    return (2 * 4 + upcast) * tokens * _loss_vocab(train, model, tp)
 
 
 def _token_flops(model: ModelSpec, train: TrainSpec, recompute: str) -> tuple[float, float]:
@@ -306,14 +331,22 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
         grads += trained * tgb  # DataParallel's bucket buffers
     if zero >= 1:
         opt /= shards
+    # Note [mixed precision in the plan]: mixed precision's gradient shards are float32, and so
+    # are its gradients accumulated over several backward passes
+    mixed = train.precision == "mixed" and not lora and zero >= 1
+    shard_gb, accumulated_gb = (_REDUCE_BYTES if zero == 2 else gb, _REDUCE_BYTES if m > 1 else gb) if mixed \
+        else (tgb, tgb)
+    if zero >= 1 and m > 1:
+        grads = trained * accumulated_gb
     if zero >= 2 and m == 1:  # the shards, the layer whose gradients are being made, and the one
         # before it being reduce-scattered meanwhile (Note [overlapped reduce-scatter]: float32)
-        grads = trained * tgb / shards + trained_layer * tgb + (trained_layer * _REDUCE_BYTES if shards > 1 else 0.0)
+        grads = (trained * shard_gb / shards + trained_layer * tgb
+                 + (trained_layer * _REDUCE_BYTES if shards > 1 else 0.0))
         if not lora:  # the root's, whole until it is reduced, last (a LoRA run's root is frozen)
             grads += _root_params(model, tp) * gb * (1 - 1 / shards)
     elif zero >= 2:  # with microbatches (a PipelineParallel step, under no_sync()): the full
         # gradients accumulate as at stage 1 and are reduce-scattered once, after the last one
-        grads = trained * tgb + (trained_layer * _REDUCE_BYTES if shards > 1 else 0.0)
+        grads = trained * accumulated_gb + (trained_layer * _REDUCE_BYTES if shards > 1 else 0.0)
     if zero == 3:  # the shards, two units gathered (Note [ZeRO-3's units in the plan]) and the root whole
         kept = _root_params(model, tp)
         params = (psi - kept) * pb / shards + kept * pb + 2 * layer * pb
@@ -352,7 +385,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     temporaries = max(first, last + loss_temporaries(model, train, tp, tokens)) - max(first, last)
     # With m > 1 a microbatch's gradient of a parameter is made in a buffer of its own and then
     # added to the accumulated one: the largest layer's (often the head's) is in flight too.
-    accumulated = trained * tgb + trained_layer * tgb + (0.0 if lora else experts * gb) if m > 1 else 0.0
+    # (mixed precision: a float32 bank from the second backward pass on, Note [mixed precision in the plan])
+    at_loss_gb = accumulated_gb if m > 2 else tgb
+    accumulated = trained * at_loss_gb + trained_layer * tgb + (0.0 if lora else experts * gb) if m > 1 else 0.0
     at_loss = (trained * tgb if zero == 0 and shards > 1 else 0.0) + accumulated
 
     ring = lambda n: (n - 1) / n  # noqa: E731  (fraction of a buffer each rank sends in a ring pass)

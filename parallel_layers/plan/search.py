@@ -285,9 +285,15 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
     """How to run a layout with this library: `init_parallel`'s and `parallelize`'s keyword
     arguments (what a `--verify` run of the top candidates passes), and under "unsupported" what
     of the layout parallel_layers cannot run yet (then the layout cannot be verified here)."""
+    import torch
+
     lay = e.layout
     unsupported = [f"context parallel cp={lay.cp}"] if lay.cp > 1 else []
+    # Note [mixed precision in the plan] in cost.py: what "mixed" is in this library
+    mixed, lora = train.precision == "mixed", train.lora_rank is not None
     return {
+        # the dtype to build and load the model in
+        "model_dtype": torch.bfloat16 if mixed and lora else torch.float32,
         "init_parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
         # pipeline_layers: "auto" cuts a Hugging Face decoder (a model of your own: its layer list's attribute)
         "parallelize": {"zero_stage": lay.zero, "microbatches": lay.microbatches,
@@ -298,7 +304,8 @@ def launch_args(e: Estimate, train: TrainSpec) -> dict:
                         "sequence_parallel": runs_sequence_parallel(train, lay.tp),
                         "offload_optimizer": lay.offload,
                         "expert_parallel": False if lay.ep == 1 else True if lay.ep == lay.dp else lay.ep,
-                        "fused_kernels": train.fused_kernels},
+                        "fused_kernels": train.fused_kernels,
+                        "param_dtype": torch.bfloat16 if mixed and not lora and lay.zero >= 1 else None},
         "micro_batch": e.micro_batch,
         "unsupported": unsupported,
     }

@@ -88,6 +88,9 @@ class TrainSpec:
     # layer of the decoder layers - attention's q, k, v, o and a dense MLP's -, everything else
     # frozen (Note [LoRA in the plan] in cost.py); None: every parameter trains
     lora_rank: int | None = None
+    # attention takes the softmax of 16-bit scores in float32 and keeps it for backward, as
+    # transformers' eager attention does (Megatron's fused softmax: False)
+    float32_softmax: bool = False
 
     def __post_init__(self):
         if self.precision not in _PRECISIONS:

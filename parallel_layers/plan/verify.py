@@ -97,6 +97,9 @@ def top_candidates(best, rejected, train, n: int, cuda: bool = False) -> tuple[l
         unsupported = plan.launch_args(e, train)["unsupported"]
         if e.layout.offload and not cuda:  # the offloaded state would be counted in the measured peak
             unsupported = [*unsupported, "optimizer offload on a CPU (host memory is the device's: measured together)"]
+        if train.precision == "mixed" and train.lora_rank is None and e.layout.zero == 0:
+            unsupported = [*unsupported, "mixed precision at ZeRO-0 (DataParallel holds no float32 masters: Note "
+                                         "[mixed precision in the plan])"]
         if unsupported:
             skipped.append(f"{e.layout}: {', '.join(unsupported)}")
             continue
@@ -106,6 +109,20 @@ def top_candidates(best, rejected, train, n: int, cuda: bool = False) -> tuple[l
 
 def _spec(cls, fields: dict):
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def _dtype_names(launch: dict) -> dict:
+    """launch_args with its torch dtypes as their names (the report is JSON); `_dtypes` undoes it."""
+    import torch
+
+    return {k: _dtype_names(v) if isinstance(v, dict) else str(v).removeprefix("torch.")
+            if isinstance(v, torch.dtype) else v for k, v in launch.items()}
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, name)
 
 
 def _choose(job: dict, calibration: list[dict], device) -> tuple[dict, list[dict]]:
@@ -118,7 +135,7 @@ def _choose(job: dict, calibration: list[dict], device) -> tuple[dict, list[dict
     cluster = machine_cluster(calibration, job["gpu_mem_bytes"], device.type)
     best, rejected = plan.recommend(model, cluster, train)
     chosen, skipped = top_candidates(best, rejected, train, job["top"], cuda=device.type == "cuda")
-    runs = [{"layout": str(e.layout), "launch": plan.launch_args(e, train), "recommended": e is best,
+    runs = [{"layout": str(e.layout), "launch": _dtype_names(plan.launch_args(e, train)), "recommended": e is best,
              "predicted": {"params": e.params, "grads": e.grads, "optimizer": e.optimizer,
                            "activations": e.activations, "loss_temporaries": e.loss_temporaries,
                            "grads_at_loss": e.grads_at_loss, "memory": e.memory, "step_time": e.step_time}}
@@ -216,7 +233,8 @@ def format_report(report: dict) -> str:
     baseline = max(c["baseline"] for c in cal)
     lines = [report["cluster"]["table"], "",
              f"verify: {report['world']} local processes ({report['device']}), measured on this machine: GEMM "
-             f"{min(c['gemm_flops'] for c in cal) / 1e9:.1f} GFLOP/s per rank (float32, all ranks at once; the "
+             f"{min(c['gemm_flops'] for c in cal) / 1e9:.1f} GFLOP/s per rank ({report.get('gemm_dtype', 'float32')}, "
+             f"all ranks at once; the "
              f"planner's flops at mfu 1), gloo all-reduce {cluster['intra_node_bw'] / 1e9:.2f} GB/s per rank, "
              f"{cluster['gpu_mem_bytes'] / 1e9:.1f} GB per rank for the training state",
              f"memory: the training state the planner predicts (params, grads, optimizer, activations); measured = "
@@ -273,7 +291,7 @@ def _peak(device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _vm("VmHWM")
 
 
-def _warm_gemm_libraries(device) -> None:
+def _warm_gemm_libraries(device, dtype) -> None:
     """One tiny forward + backward of the fused ops, so that the state the GEMM libraries keep for
     the process (oneDNN's JIT kernels and pools: ~4.7 MB on the first call on CPU; MKL's is set up by
     the calibration's torch.mm) is in the baseline, not in the measured training state (Note
@@ -282,16 +300,16 @@ def _warm_gemm_libraries(device) -> None:
 
     from parallel_layers.ops import linear_gelu, linear_swiglu
 
-    x = torch.randn(8, 16, device=device, requires_grad=True)
-    w = torch.randn(32, 16, device=device, requires_grad=True)
+    x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
     (linear_swiglu(x, w).sum() + linear_gelu(x, w).sum()).backward()
 
 
-def _gemm_rate(device, n: int = 512, seconds: float = 0.5) -> float:
-    """Achieved float32 matmul flop/s of this rank (n x n x n, repeated for about `seconds`)."""
+def _gemm_rate(device, dtype, n: int = 512, seconds: float = 0.5) -> float:
+    """Achieved matmul flop/s of this rank in `dtype` (n x n x n, repeated for about `seconds`)."""
     import torch
 
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)
     reps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -324,13 +342,13 @@ def _allreduce_bandwidth(device, nbytes: int = 8 * 2**20, reps: int = 5) -> floa
     return 2 * (n - 1) / n * nbytes / statistics.median(times)
 
 
-def _build_model(config_dir: str, attention: str):
+def _build_model(config_dir: str, attention: str, dtype=None):
     import torch
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(0)  # every rank builds the same model; parallelize keeps this rank's part
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32,
                                                          attn_implementation=attention)
 
 
@@ -375,12 +393,13 @@ def _train(config: str, weights: str, attention: str, launch: dict, seq: int, st
     from parallel_layers import hf, parallelize
     from parallel_layers.pipeline.hf import causal_lm_loss
 
-    par_kwargs = launch["parallelize"]
-    _warm_gemm_libraries(device)
+    par_kwargs = {**launch["parallelize"], "param_dtype": _dtype(launch["parallelize"]["param_dtype"])}
+    model_dtype = _dtype(launch["model_dtype"])
+    _warm_gemm_libraries(device, par_kwargs["param_dtype"] or model_dtype)
     gc.collect()
     baseline = _memory_now(device)
     with torch.device("meta"):  # each rank allocates only what it keeps (Note [measured peak])
-        model = _build_model(config, attention)
+        model = _build_model(config, attention, model_dtype)
         if lora_rank:  # the adapters on the meta device too: load_pretrained draws peft's initialization
             model = _with_lora(model, lora_rank)
     vocab = model.config.vocab_size
@@ -447,7 +466,9 @@ def _run_worker(argv: list[str] | None) -> None:
     lora_rank = job["train"].get("lora_rank")
     weights = _save_random_model(job["config"], rank, os.path.join(os.path.dirname(args.out), "model"), lora_rank)
     gc.collect()
-    calibration = gather({"baseline": _memory_now(device), "gemm_flops": _gemm_rate(device),
+    # the GEMMs' dtype: float32, or mixed precision's bfloat16 (the planner's flops are 16-bit)
+    gemm_dtype = torch.float32 if job["train"]["precision"] == "fp32" else torch.bfloat16
+    calibration = gather({"baseline": _memory_now(device), "gemm_flops": _gemm_rate(device, gemm_dtype),
                           "allreduce_bw": _allreduce_bandwidth(device)})
     chosen = [None]
     if rank == 0:  # one plan, made where the numbers are, broadcast so that every rank runs the same
@@ -466,6 +487,7 @@ def _run_worker(argv: list[str] | None) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"device": device.type, "world": world, "calibration": calibration, "cluster": cluster,
+                       "gemm_dtype": str(gemm_dtype).removeprefix("torch."),
                        "runs": runs}, f)
     ctx.shutdown()
 
