@@ -7,6 +7,7 @@ against plain transformers in one process, checkpoint it, export it and reload t
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --model-dir my-llama/ --tp 2
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --model-dir my-mixtral/ --zero 3 --expert-parallel
     torchrun --standalone --nproc-per-node 8 examples/finetune_hf.py --model-dir my-mixtral/ --zero 2 --expert-parallel 4
+    torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --dp 2 --zero 3 --param-dtype bfloat16
     torchrun --standalone --nproc-per-node 1 examples/finetune_hf.py            # the reference
 
 Without --model-dir, rank 0 makes a small Llama from a config (grouped-query attention, SwiGLU,
@@ -44,12 +45,42 @@ a few 1e-7 between two correct runs (the layouts' orders of sums; the fused kern
 transformers' ops) change that element's step by a sizeable part of lr: with a Qwen2 of hidden 64,
 seq 160, in one process, a few logits differed from the reference's by 3.0e-4 after 3 steps while
 the losses agreed to 9e-8, and with eps = 1e-6 the same runs' logits agreed to 3.4e-6.
+
+--param-dtype bfloat16 is ZeRO's mixed precision (parallelize's param_dtype; torchtitan's
+--training.mixed_precision_param, FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)): every parameter gathered and computed in bfloat16 from float32 masters,
+the gradients added over microbatches and reduced in float32, AdamW on the masters; it needs
+--zero 1-3 (refused up front otherwise). The reference then trains that arithmetic by hand: per
+dp replica's rows and per microbatch, a copy of the float32 model with bfloat16 parameters (the
+fused kernels swapped in, as parallelize does: in bfloat16 they round differently from the
+model's modules), its gradients added and averaged over the replicas in float32 into the float32
+model, AdamW there. The export (the float32 masters) is checked cast the same way (bfloat16
+parameters, fused kernels), since the parallel model's logits are bfloat16 arithmetic. Measured,
+small Llama, 3 steps (10 where said), relative differences:
+
+  layout (bfloat16)               losses, correct   export, correct   export, 4 head rows x 0.97
+  dp2 ZeRO-1 / ZeRO-3             4.3e-8 (10: 4.5e-8)  0                1.8e-2
+  pp2 x dp2 ZeRO-1 (4 microb.)    3.3e-8 (10: 7.6e-8)  0
+  dp2 ZeRO-3 --lora 8             4.3e-8              0
+  tp2 x dp2 ZeRO-3                9.4e-5 (10: 9.4e-5)  5.3e-3 (10: 6.3e-3)  2.0e-2
+  Mixtral dp2 ZeRO-3 --expert-parallel  3.5e-5        3.8e-3
+
+and with a wrong reference, against the correct parallel run (losses): computing in float32
+1.3e-5 - 6.1e-5, without the fused kernels 1.4e-5 - 5.4e-5, gradients added in bfloat16
+7.7e-7 (LoRA) - 2.2e-5 (pp), the final norm's weight not trained 3.7e-6 - 2.4e-5. Without tensor
+or expert parallelism the layout is the reference bit for bit but for the float32 mean of the
+replicas' losses: tolerance 3e-7 for the losses (every wrong variant is above it, the closest
+2.6x), 1e-5 for the export. With them, bfloat16 partial sums round apart from one process's (at
+step 1, before any update, tp2's loss is already 1.5e-5 off): 5e-4 and 1e-2, which pass the
+correct runs with margin but catch only errors larger than that rounding - a wrong shard, the
+corrupted export (2.0e-2) - not the wrong variants above (3.5e-5 - 9.4e-5 at tp2, inside the noise).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import copy
 import datetime
 import os
 import shutil
@@ -59,7 +90,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel_layers import checkpoint, hf, init_parallel, parallelize
+from parallel_layers import checkpoint, fused, hf, init_parallel, parallelize
 from parallel_layers.pipeline import SCHEDULES
 from parallel_layers.pipeline.hf import causal_lm_loss
 
@@ -70,6 +101,22 @@ PARITY_RTOL = 1e-4
 # The export's forward (plain transformers) against the parallel model's (fused kernels, the
 # layout's orders of sums) on the same weights: ~1e-6. A wrong value in the export is far above.
 EXPORT_RTOL = 1e-5
+# --param-dtype: the dtype parallelize's param_dtype gathers and computes in (None: the model's own)
+PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+# --param-dtype bfloat16 (measured: the module doc). Without tensor or expert parallelism the
+# layout computes what the reference does, bit for bit: the losses differ by the float32 mean
+# over the replicas (<= 7.6e-8), the like-for-like export's logits by 0. With them, bfloat16
+# partial sums (TP's row-parallel outputs, the experts' combine) round apart from one process's.
+BF16_PARITY_RTOL, BF16_PARITY_RTOL_SPLIT = 3e-7, 5e-4
+BF16_EXPORT_RTOL, BF16_EXPORT_RTOL_SPLIT = EXPORT_RTOL, 1e-2
+
+
+def tolerances(args) -> tuple[float, float]:
+    """(losses, export) tolerances for this run's dtype and layout (the module doc's measurements)."""
+    if args.param_dtype == "float32":
+        return PARITY_RTOL, EXPORT_RTOL
+    split = args.tp > 1 or args.expert_parallel not in (None, 1)
+    return (BF16_PARITY_RTOL_SPLIT, BF16_EXPORT_RTOL_SPLIT) if split else (BF16_PARITY_RTOL, BF16_EXPORT_RTOL)
 
 
 def small_llama(directory: str, seed: int) -> None:
@@ -168,22 +215,67 @@ def with_lora(model, args):
                                                       target_modules="all-linear", lora_dropout=0.0))
 
 
+def in_param_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `model` whose parameters are `dtype` (its buffers as they are: rotary's inv_freq
+    stays float32): what ZeRO's gather under param_dtype computes with."""
+    low = copy.deepcopy(model)
+    for q in low.parameters():
+        q.data = q.data.to(dtype)
+    return low
+
+
+def mixed_precision_backward(master: torch.nn.Module, ids: torch.Tensor, dp: int, microbatches: int,
+                             dtype: torch.dtype) -> float:
+    """parallelize(param_dtype=dtype)'s gradients of the global batch `ids` by hand, into the
+    float32 `master`'s .grad; returns the loss (the mean over the replicas of their microbatches'
+    mean). Each dp replica's rows through a copy of the master whose parameters are `dtype`; each
+    microbatch's gradient (of a 1 / microbatches share of its mean) added in float32 and averaged
+    over the replicas in float32, as ZeRO does (Note [accumulating in the reduce dtype] in
+    parallel_layers/zero/_param.py; the by-hand reference of tests/hf/test_mixed_precision.py)."""
+    trained = [p for p in master.parameters() if p.requires_grad]
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    mean = 0.0
+    for rows in ids.chunk(dp):
+        low = in_param_dtype(master, dtype)
+        for micro in rows.chunk(microbatches):
+            loss = loss_fn(low(input_ids=micro), micro) / microbatches
+            loss.backward()
+            mean += loss.item() / dp
+            for p, q in zip(master.parameters(), low.parameters()):
+                if p.requires_grad:
+                    p.grad += q.grad.float() / dp
+                    q.grad = None
+    return mean
+
+
 def reference(model_dir: str, args, dp: int) -> tuple[list[float], torch.nn.Module]:
-    """The same training in one process: the plain transformers model, whole global batches."""
+    """The same training in one process: the plain transformers model. In float32, whole global
+    batches (the layouts differ from it in the order of sums only). With --param-dtype bfloat16,
+    the same mixed-precision arithmetic as the parallel model's (`mixed_precision_backward`), on
+    the model with the fused kernels parallelize swaps in (they round differently in bfloat16;
+    in float32 the plain modules agree with them to ~1e-7)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if args.lora:
         model = with_lora(model, args)
+    dtype = PARAM_DTYPES[args.param_dtype]
+    if dtype is not None:
+        fused.fuse(model)
     opt = adamw(args)(model.parameters())
     losses = []
     for step in range(args.steps):
         ids = global_batch(step, args, model.config.vocab_size)
-        loss = loss_fn(model(input_ids=ids), ids)
-        loss.backward()
+        if dtype is None:
+            loss = loss_fn(model(input_ids=ids), ids)
+            loss.backward()
+            loss = loss.item()
+        else:
+            loss = mixed_precision_backward(model, ids, dp, args.microbatches, dtype)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss)
     return losses, model
 
 
@@ -209,6 +301,10 @@ def main():
     ap.add_argument("--expert-parallel", type=int, nargs="?", const=-1, default=None, metavar="EP",
                     help="a mixture of experts' experts spread over the dp ranks, tokens sent by all-to-all; with "
                          "EP (a divisor of dp), over groups of EP consecutive dp ranks, replicated over dp / EP")
+    ap.add_argument("--param-dtype", default="float32", choices=list(PARAM_DTYPES),
+                    help="bfloat16: ZeRO's mixed precision (parallelize's param_dtype, FSDP2's MixedPrecisionPolicy): "
+                         "parameters gathered and computed in bfloat16, float32 masters, gradients added and reduced "
+                         "in float32; needs --zero 1-3")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=8, help="global batch (sequences), split over dp")
     ap.add_argument("--seq-len", type=int, default=32)
@@ -223,6 +319,10 @@ def main():
                          "small Llama")
     args.zero = args.zero if args.zero is not None else (1 if args.pp > 1 else 0)
     args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
+    if args.param_dtype != "float32" and not args.zero:  # every rank, before any collective
+        raise SystemExit(f"--param-dtype {args.param_dtype} needs ZeRO: it is ZeRO's mixed precision (parameters "
+                         f"gathered in {args.param_dtype} from float32 masters); got --zero 0 (DataParallel, the "
+                         "default without --pp). Pass --zero 1, 2 or 3, or --param-dtype float32")
     ctx = init_parallel(tp=args.tp, pp=args.pp, dp=args.dp, device="cpu")
     # rank 0's one-process replay may outlast a collective's timeout: the others wait for its
     # verdict on a group of their own
@@ -252,7 +352,8 @@ def main():
                       else args.activation_checkpointing, zero_stage=args.zero,
                       pipeline_layers="auto" if pipelined else None, schedule=args.schedule,
                       microbatches=args.microbatches, sequence_parallel=args.sequence_parallel,
-                      expert_parallel={None: False, -1: True}.get(args.expert_parallel, args.expert_parallel))
+                      expert_parallel={None: False, -1: True}.get(args.expert_parallel, args.expert_parallel),
+                      param_dtype=PARAM_DTYPES[args.param_dtype])
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -276,14 +377,23 @@ def main():
     verdict = torch.zeros(1)
     if rank == 0:
         ref_losses, ref_model = reference(model_dir, args, dp)
+        dtype = PARAM_DTYPES[args.param_dtype]
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32) \
             if not args.lora else load_adapter(model_dir, export_dir)
+        # the export computing as the parallel model does: under --param-dtype its float32 files cast
+        # to bfloat16 parameters with the fused kernels (its float32 forward: ~6e-3 off, a real
+        # rounding, not an export error)
+        like = exported
+        if dtype is not None:
+            like = in_param_dtype(exported, dtype)
+            fused.fuse(like)
         with torch.no_grad():
-            export_diff = max((relative(exported(input_ids=ids).logits, logits) for ids, logits in trained),
+            export_diff = max((relative(like(input_ids=ids).logits, logits) for ids, logits in trained),
                               default=float("inf"))
             ref_diff = relative(exported(input_ids=probe).logits, ref_model(input_ids=probe).logits)
-        ok_loss, ok_export = loss_diff <= PARITY_RTOL, export_diff <= EXPORT_RTOL
+        parity_rtol, export_rtol = tolerances(args)
+        ok_loss, ok_export = loss_diff <= parity_rtol, export_diff <= export_rtol
         verdict[0] = float(ok_loss and ok_export)
         print(f"model: {type(model).__name__} from {model_dir}")
         pipeline = f", {args.schedule} schedule, {args.microbatches} microbatches" if pipelined else ""
@@ -295,15 +405,16 @@ def main():
               f"{'ZeRO-' + str(args.zero) if args.zero else 'DataParallel' if dp > 1 else 'no data parallelism'}"
               f"{pipeline}{recompute}{experts}, plan: {'the published one' if args.tp > 1 else 'none'}"
               f"{', sequence parallel' if args.sequence_parallel else ''}"
-              f"{f', LoRA rank {args.lora} (peft)' if args.lora else ''}")
+              f"{f', LoRA rank {args.lora} (peft)' if args.lora else ''}"
+              f"{f', parameters in {args.param_dtype} (float32 masters)' if dtype is not None else ''}")
         print(f"{'time per step':28s} {elapsed / args.steps * 1e3:.1f} ms")
         print(f"{'checkpoint':28s} {saved}" + (" (removed at the end; --work-dir keeps it)" if args.work_dir is None
                                                 else ""))
         print(f"parity vs plain transformers: final loss {losses[-1]:.6f} vs {ref_losses[-1]:.6f}, max relative "
-              f"difference over {args.steps} steps {loss_diff:.2e} (tolerance {PARITY_RTOL:g}): "
+              f"difference over {args.steps} steps {loss_diff:.2e} (tolerance {parity_rtol:g}): "
               f"{'PASS' if ok_loss else 'FAIL'}")
         print(f"export {export_dir} reloaded by from_pretrained: logits vs the trained parallel model's own on an "
-              f"unseen batch, max relative difference {export_diff:.2e} (tolerance {EXPORT_RTOL:g}): "
+              f"unseen batch, max relative difference {export_diff:.2e} (tolerance {export_rtol:g}): "
               f"{'PASS' if ok_export else 'FAIL'}")
         print(f"{'':28s} (its logits vs the reference model's: max relative difference {ref_diff:.2e}; no verdict, "
               "see the module doc)")
