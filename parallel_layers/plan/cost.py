@@ -70,8 +70,8 @@ over them (4 bytes a parameter from the second pass on: Note [accumulating in th
 in zero/_param.py; FSDP2 and Megatron's main_grad hold the same). So ZeRO-2 holds 2 + 16 / N
 bytes a parameter where the paper has 2 + 14 / N. ZeRO-3 holds the paper's 16 / N, split
 otherwise: the shard a rank holds is the float32 master itself (params 4 / N, grads 4 / N, Adam's
-moments 8 / N); the estimate keeps the paper's split (2 / N, 2 / N, 12 / N), whose sum is the
-same. A LoRA
+moments 8 / N, where the paper has 2 / N, 2 / N and 12 / N): with no gradient alive at the loss,
+the split matters to the peak (the paper's put a tiny Llama's at 0.87 of --verify's measure). A LoRA
 fine-tune's mixed precision is a bfloat16 model (`launch_args`' model_dtype) with peft's float32
 adapters: nothing of the base trains, and the adapters are float32 anyway. At ZeRO-0 this
 library's DataParallel holds no float32 masters (param_dtype needs ZeRO): the estimate is the
@@ -254,11 +254,8 @@ def _loss_vocab(train: TrainSpec, model: ModelSpec, tp: int) -> float:
 def loss_temporaries(model: ModelSpec, train: TrainSpec, tp: int, tokens: float) -> float:
     """Float32 [tokens, vocab] copies the loss holds for a moment beyond the log-softmax kept
     for backward: in forward the logits and the cross-entropy's flattened input beside the
-    log-softmax; in backward the gradient of the log-softmax and of its input beside it. In
-    16-bit the head's own logits too, which the loss casts to float32 (a copy) while they live
-    (--verify, mixed precision: 1.18 of the estimate at ZeRO-1 without them and float32_softmax)."""
-    upcast = train.act_bytes if train.act_bytes < 4 else 0
-    return (2 * 4 + upcast) * tokens * _loss_vocab(train, model, tp)
+    log-softmax; in backward the gradient of the log-softmax and of its input beside it."""
+    return 2 * 4 * tokens * _loss_vocab(train, model, tp)
 
 
 def _token_flops(model: ModelSpec, train: TrainSpec, recompute: str) -> tuple[float, float]:
@@ -334,8 +331,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     # Note [mixed precision in the plan]: mixed precision's gradient shards are float32, and so
     # are its gradients accumulated over several backward passes
     mixed = train.precision == "mixed" and not lora and zero >= 1
-    shard_gb, accumulated_gb = (_REDUCE_BYTES if zero == 2 else gb, _REDUCE_BYTES if m > 1 else gb) if mixed \
-        else (tgb, tgb)
+    shard_gb, accumulated_gb = (_REDUCE_BYTES, _REDUCE_BYTES if m > 1 else gb) if mixed else (tgb, tgb)
     if zero >= 1 and m > 1:
         grads = trained * accumulated_gb
     if zero >= 2 and m == 1:  # the shards, the layer whose gradients are being made, and the one
@@ -350,6 +346,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: L
     if zero == 3:  # the shards, two units gathered (Note [ZeRO-3's units in the plan]) and the root whole
         kept = _root_params(model, tp)
         params = (psi - kept) * pb / shards + kept * pb + 2 * layer * pb
+        if mixed:  # the shard is the float32 master, which the optimizer's 12 bytes counted
+            params += (psi - kept) * (_REDUCE_BYTES - pb) / shards
+            opt -= (psi - kept) * _REDUCE_BYTES / shards
         if lora:  # the adapters, members of their layers' units: sharded, and gathered with them
             params += trained * tpb / shards + 2 * trained_layer * tpb
         if stage_layers(model, pp, v) >= 3:  # the pool serves the blocks that three or more groups repeat
