@@ -202,6 +202,20 @@ def test_cli_prints_table_recommendation_and_reasons(capsys):
     assert "TP only within a node" in out and "GB per GPU > 80 GB" in out
 
 
+def test_cli_says_a_mixed_precision_ddp_recommendation_runs_here_at_zero_1(capsys):
+    """Note [mixed precision in the plan]: the 350M case's DDP in mixed precision is the ZeRO
+    paper's, with float32 masters, which parallel_layers' DataParallel lacks; in float32 it runs
+    as planned, with nothing to say."""
+    argv = ["--params", "350e6", "--layers", "24", "--hidden", "1024", "--seq", "2048", "--heads", "16", "--vocab",
+            "50257", "--gpus", "8", "--gpus-per-node", "8", "--gpu-mem", "80GB", "--global-batch", "256"]
+    for precision, noted in (("mixed", True), ("fp32", False)):
+        plan.main([*argv, "--precision", precision])
+        out = capsys.readouterr().out
+        assert "recommended: dp=8 tp=1 pp=1 DDP" in out, out
+        assert ("parallel_layers' DataParallel has none (param_dtype needs ZeRO): run this layout at ZeRO-1"
+                in out) is noted, out
+
+
 def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--params", "7e9", "--layers", "32", "--hidden", "4096", "--seq", "4096", "--gpus", "64",

@@ -48,6 +48,11 @@ def format_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, best: 
                      f"{best.tflops_per_gpu(cluster.gpus):.3g} TFLOP/s per GPU")
         if best.modelled_only:
             lines.append(f"  note: {best.modelled_only}")
+        if train.precision == "mixed" and train.lora_rank is None and best.layout.zero == 0 and best.layout.dp > 1:
+            # Note [mixed precision in the plan]
+            lines.append("  note: mixed precision here is the ZeRO paper's DDP with float32 masters; parallel_layers' "
+                         "DataParallel has none (param_dtype needs ZeRO): run this layout at ZeRO-1, the same "
+                         "traffic with the optimizer state sharded, or in float32")
     else:
         # the least memory among the layouts rejected for memory (a rule-breaking layout's estimate
         # is at one microbatch of the whole batch: no measure of anything; review finding, helper-65)
