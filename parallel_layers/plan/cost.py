@@ -20,11 +20,14 @@ Activations, per layer and token (Korthikanti et al. 2022, "Reducing Activation 
 Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit with dropout and eager
 attention; e bytes per element, a heads, q = heads * head_dim, k = kv_heads * head_dim, f the MLP
 width, t = tp, sequence parallel divides the part outside the TP region by t too):
-  outside the TP region: 4h elements (both norms' inputs and outputs), 2h bytes of
+  outside the TP region: 4h elements (both norms' inputs and outputs; with sequence parallel
+      only the inputs are split by t, the outputs are kept gathered by the regions' column
+      layers: Note [sequence parallelism's gathered inputs in the plan]), 2h bytes of
       dropout masks when dropout is on (2h elements on the CPU, whose dropout keeps its mask in
       the input's dtype: TrainSpec.dropout_mask_bytes, set by --verify), 16 bytes of norm
       statistics (fp32);
-  inside it (/ t): q + 2k (Q, K, V) + q (attention output) + the MLP's: GeLU 2f (its input and
+  inside it (/ t): q + 2k (Q, K, V; eager attention keeps K and V repeated to the q heads,
+      transformers' repeat_kv: 2q) + q (attention output) + the MLP's: GeLU 2f (its input and
       output), SwiGLU 3f (parallelize's fused `linear_swiglu`: the packed [gate; up] and their
       product; 4f unfused - TrainSpec.fused_kernels=False, and a mixture's experts: gate, up,
       silu(gate), the product, as Hugging Face's eager LlamaMLP keeps);
@@ -36,7 +39,8 @@ width, t = tp, sequence parallel divides the part outside the TP region by t too
   formula; nothing changes with flash attention, which recomputes them already); "full" keeps
   only each layer's input, e*h per token (/ t with sequence parallel), plus one layer's full
   activations while it is recomputed.
-  The last stage adds the head: final norm input and output (2h elements) and the
+  The last stage adds the head: final norm input and output (2h elements; h / t + h with
+  sequence parallel, the output gathered) and the
   cross-entropy's fp32 softmax over its vocab / t slice (4 * vocab / t bytes; the whole vocab
   when the head's output is gathered, TrainSpec.vocab_parallel_loss=False), and for a moment two
   more such fp32 copies (the logits and the loss's input in forward; two gradients in backward).
@@ -197,6 +201,16 @@ def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1, held_apart: fl
     return stage_layers(model, pp, v) * layer + ends, max(layer, 0.0 if model.tied else embedding)
 
 
+# Note [sequence parallelism's gathered inputs in the plan]: Korthikanti et al.'s sequence
+# parallelism keeps 1 / t of everything outside the TP regions, the regions re-gathering their
+# input in backward. This library's regions keep the gathered input instead: the entry's
+# all-gather (comm.all_gather, tensor_parallel/comm.py:89/95) is saved whole by the column
+# layers (x_full, tensor_parallel/layers.py:126 and :206), and the final norm's gathered output
+# by the head. So per layer and token: the two norms' inputs (the residual stream) 2h / t, their
+# outputs 2h whole; the head: h / t + h. Measured (helper-89, saved_tensors_hooks and the
+# profiler's allocations at the peak, h512 Llama, tp=2): 2 x [8, 256, 512] float32 gathered
+# inputs and 2 x [8, 128, 512] norm inputs per layer; the planner's 4h / t had put tp=2 at 1.10
+# of --verify's measure.
 # Note [ZeRO-3's units in the plan]: parallelize's ZeRO-3 gathers a Hugging Face model's units
 # one at a time with the next one prefetched: the decoder layers and, untied, the embedding and
 # the head each a unit of its own (Note [vocabulary units] in parallelize.py), so two of the
@@ -217,12 +231,18 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
     if recompute == "full":
         return e * h / outside_tp
     m = train.dropout_mask_bytes
-    per_token = (e * 4 * h + (2 * h * m if dropout else 0)) / outside_tp + 16
+    # the norms' inputs split with sequence parallelism; their outputs whole: each region's entry
+    # gathers the sequence and its column layers keep the gathered input for their weight
+    # gradient (Note [sequence parallelism's gathered inputs in the plan])
+    per_token = (e * 2 * h + (2 * h * m if dropout else 0)) / outside_tp + e * 2 * h + 16
     # experts run unfused (tensor_parallel/experts.py), and so does an MLP whose projections peft
     # adapted (fused.py: the LoRA layers keep their own forward; Note [LoRA in the plan])
     swiglu = 3 if train.fused_kernels and not model.experts and not train.lora_rank else 4
     mlp = (model.mlp_kept or (swiglu if model.mlp == "swiglu" else 2)) * model.ffn_width * max(1, model.experts_per_token)
-    per_token += e * (2 * model.q_width + 2 * model.kv_width + mlp) / tp
+    # eager attention keeps K and V repeated to every query head (transformers' repeat_kv: the
+    # copies the score and output matmuls read); flash attention keeps them as they are
+    kv = model.q_width if not train.flash_attention and recompute == "none" else model.kv_width
+    per_token += e * (2 * model.q_width + 2 * kv + mlp) / tp
     if train.lora_rank:
         per_token += _lora_token_bytes(model, train, tp)
     if train.flash_attention:
@@ -241,7 +261,8 @@ def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int, tokens: float,
     total = tokens * layers * _layer_token_bytes(model, train, tp, recompute)
     if head:
         e, outside_tp = train.act_bytes, tp if train.sequence_parallel else 1
-        total += tokens * (e * 2 * model.hidden / outside_tp + 4 * _loss_vocab(train, model, tp))
+        # the final norm's input split with sequence parallelism, its output gathered for the head
+        total += tokens * (e * model.hidden * (1 / outside_tp + 1) + 4 * _loss_vocab(train, model, tp))
     return total
 
 
