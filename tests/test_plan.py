@@ -31,11 +31,11 @@ def test_activations_are_megatrons_formula():
     s, b, h, a = 4096, 2, 4096, 32
     got = plan.activation_bytes(model, train, tp=1, tokens=s * b, layers=1, head=False)
     assert got == pytest.approx(s * b * h * (34 + 5 * a * s / h) + 16 * s * b, rel=1e-12)
-    # Megatron's sequence parallel divides everything but the LayerNorm statistics by tp; this
-    # library's regions keep the two norms' outputs gathered (2 * 2h bytes a token in 16-bit,
-    # whole: Note [sequence parallelism's gathered inputs in the plan]).
+    # Sequence parallel divides everything but the LayerNorm statistics by tp (the regions'
+    # column layers gather their input again in backward: Note [sequence parallelism's gathered
+    # inputs in the plan]).
     sp = plan.activation_bytes(model, train, tp=8, tokens=s * b, layers=1, head=False)
-    assert sp == pytest.approx(s * b * h * ((34 + 5 * a * s / h) / 8 + 4 * (1 - 1 / 8)) + 16 * s * b, rel=1e-12)
+    assert sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / 8 + 16 * s * b, rel=1e-12)
 
 
 def test_model_states_follow_the_zero_paper():
@@ -325,14 +325,12 @@ def test_memory_estimate_matches_a_real_run(dp, tp, zero):
 # Table 2: activation bytes per layer in 16-bit with dropout and eager attention (s seq, b batch,
 # h hidden, a heads, t tp): no parallelism 34sbh + 5as^2b; TP sbh(10 + 24/t + 5as/(ht));
 # TP + SP sbh(34/t + 5as/(ht)); TP + SP + selective 34sbh/t; full recomputation 2sbh (/t with SP).
-# Ours adds the fp32 norm statistics (16 bytes a token) the paper leaves out, and with SP the
-# norms' outputs the regions keep gathered (2 x 2sbh whole where the paper has them / t: Note
-# [sequence parallelism's gathered inputs in the plan]).
+# Ours adds the fp32 norm statistics (16 bytes a token) the paper leaves out.
 @pytest.mark.parametrize("tp, sp, recompute, korthikanti", [
     (1, False, "none", lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
     (8, False, "none", lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
-    (8, True, "none", lambda s, b, h, a, t: s * b * h * (34 / t + 4 * (1 - 1 / t) + 5 * a * s / (h * t))),
-    (8, True, "selective", lambda s, b, h, a, t: s * b * h * (34 / t + 4 * (1 - 1 / t))),
+    (8, True, "none", lambda s, b, h, a, t: s * b * h * (34 / t + 5 * a * s / (h * t))),
+    (8, True, "selective", lambda s, b, h, a, t: s * b * h * 34 / t),
     (8, False, "selective", lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
     (1, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
     (8, True, "full", lambda s, b, h, a, t: 2 * s * b * h / t),

@@ -21,8 +21,8 @@ Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit with d
 attention; e bytes per element, a heads, q = heads * head_dim, k = kv_heads * head_dim, f the MLP
 width, t = tp, sequence parallel divides the part outside the TP region by t too):
   outside the TP region: 4h elements (both norms' inputs and outputs; with sequence parallel
-      only the inputs are split by t, the outputs are kept gathered by the regions' column
-      layers: Note [sequence parallelism's gathered inputs in the plan]), 2h bytes of
+      and LoRA the outputs whole, peft's lora_A keeps the gathered input: Note [sequence
+      parallelism's gathered inputs in the plan]), 2h bytes of
       dropout masks when dropout is on (2h elements on the CPU, whose dropout keeps its mask in
       the input's dtype: TrainSpec.dropout_mask_bytes, set by --verify), 16 bytes of norm
       statistics (fp32);
@@ -203,14 +203,16 @@ def _stage_params(model: ModelSpec, tp: int, pp: int, v: int = 1, held_apart: fl
 
 # Note [sequence parallelism's gathered inputs in the plan]: Korthikanti et al.'s sequence
 # parallelism keeps 1 / t of everything outside the TP regions, the regions re-gathering their
-# input in backward. This library's regions keep the gathered input instead: the entry's
-# all-gather (comm.all_gather, tensor_parallel/comm.py:89/95) is saved whole by the column
-# layers (x_full, tensor_parallel/layers.py:126 and :206), and the final norm's gathered output
-# by the head. So per layer and token: the two norms' inputs (the residual stream) 2h / t, their
-# outputs 2h whole; the head: h / t + h. Measured (helper-89, saved_tensors_hooks and the
-# profiler's allocations at the peak, h512 Llama, tp=2): 2 x [8, 256, 512] float32 gathered
-# inputs and 2 x [8, 128, 512] norm inputs per layer; the planner's 4h / t had put tp=2 at 1.10
-# of --verify's measure.
+# input in backward. This library's regions kept the gathered input instead, saved whole by the
+# column layers for their weight gradients, and the final norm's gathered output by the head:
+# helper-89 measured 2 x [8, 256, 512] float32 gathered inputs and 2 x [8, 128, 512] norm inputs
+# per layer at tp=2 on an h512 Llama (saved_tensors_hooks and the profiler's allocations at the
+# peak), which put tp=2 at 1.10 of --verify's measure. The column layers now keep their chunk
+# and gather it again in backward (Note [re-gathering the sequence in backward] in
+# tensor_parallel/layers.py): per layer and token the norms' inputs and outputs are 4h / t, as the
+# paper has them. Two still keep a gathered input whole: a Hugging Face head, which reads a slice
+# of the final norm's output (logits_to_keep), not the gather's own tensor (h / t + h), and
+# peft's lora_A on an adapted column layer, an nn.Linear of its own (2h / t + 2h a layer).
 # Note [ZeRO-3's units in the plan]: parallelize's ZeRO-3 gathers a Hugging Face model's units
 # one at a time with the next one prefetched: the decoder layers and, untied, the embedding and
 # the head each a unit of its own (Note [vocabulary units] in parallelize.py), so two of the
@@ -231,10 +233,11 @@ def _layer_token_bytes(model: ModelSpec, train: TrainSpec, tp: int, recompute: s
     if recompute == "full":
         return e * h / outside_tp
     m = train.dropout_mask_bytes
-    # the norms' inputs split with sequence parallelism; their outputs whole: each region's entry
-    # gathers the sequence and its column layers keep the gathered input for their weight
-    # gradient (Note [sequence parallelism's gathered inputs in the plan])
-    per_token = (e * 2 * h + (2 * h * m if dropout else 0)) / outside_tp + e * 2 * h + 16
+    # the norms' inputs and outputs split with sequence parallelism: the regions' column layers
+    # keep their chunk and gather it again in backward - but for peft's lora_A, which keeps the
+    # gathered input (Note [sequence parallelism's gathered inputs in the plan])
+    kept_whole = 2 * h if train.lora_rank and outside_tp > 1 else 0
+    per_token = (e * (4 * h - kept_whole) + (2 * h * m if dropout else 0)) / outside_tp + e * kept_whole + 16
     # experts run unfused (tensor_parallel/experts.py), and so does an MLP whose projections peft
     # adapted (fused.py: the LoRA layers keep their own forward; Note [LoRA in the plan])
     swiglu = 3 if train.fused_kernels and not model.experts and not train.lora_rank else 4

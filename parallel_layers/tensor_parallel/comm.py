@@ -77,24 +77,30 @@ def _outer(shape, dim: int) -> int:
     return math.prod(shape[:dim])
 
 
-def all_gather(x: Tensor, dim: int, group) -> Tensor:
-    """Concatenate every rank's `x` along `dim` (rank order); contiguous."""
+def all_gather(x: Tensor, dim: int, group, async_op: bool = False):
+    """Concatenate every rank's `x` along `dim` (rank order); contiguous. With async_op, a
+    function that waits for the collective (fault.wait) and returns the result."""
     ws = group_size(group)
     if ws == 1:
-        return x
+        return (lambda: x) if async_op else x
     dim = dim % x.dim()
     check_agreement(f"all_gather(dim={dim})", x, group)
     x = x.contiguous()
     outer = _outer(x.shape, dim)
     buf = x.new_empty((ws * x.shape[0], *x.shape[1:]))  # rank-major: rank r's x is the r-th block
     with fault.collective("all_gather", group):
-        dist.all_gather_single(buf, x, group=group)
+        handle = dist.all_gather_single(buf, x, group=group, async_op=async_op)
     shape = (*x.shape[:dim], ws * x.shape[dim], *x.shape[dim + 1:])
-    if outer == 1:  # the rank-major buffer is the result (Note [strided sequence chunks])
-        return buf.view(shape)
-    out = x.new_empty(shape)
-    out.view(outer, ws, -1).copy_(buf.view(ws, outer, -1).transpose(0, 1))
-    return out
+
+    def result() -> Tensor:
+        fault.wait(handle, "all_gather", group)
+        if outer == 1:  # the rank-major buffer is the result (Note [strided sequence chunks])
+            return buf.view(shape)
+        out = x.new_empty(shape)
+        out.view(outer, ws, -1).copy_(buf.view(ws, outer, -1).transpose(0, 1))
+        return out
+
+    return result if async_op else result()
 
 
 def reduce_scatter(x: Tensor, group, async_op: bool = False, dim: int = 0):
@@ -260,7 +266,12 @@ def gather_from_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: i
     replicated_consumer=True, keeps this rank's chunk of it (see the module doc)."""
     if group_size(group) == 1 or whole_sequence():
         return x
-    return _GatherFromSP.apply(x, group, seq_dim % x.dim(), replicated_consumer)
+    seq_dim = seq_dim % x.dim()
+    out = _GatherFromSP.apply(x, group, seq_dim, replicated_consumer)
+    # Note [re-gathering the sequence in backward] in layers.py: a column layer reading `out`
+    # saves this chunk for its weight gradient, not `out`
+    out._pl_sp_chunk = (x, group, seq_dim)
+    return out
 
 
 def reduce_scatter_to_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: int = 0) -> Tensor:

@@ -108,6 +108,44 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
 # library's CPU GEMM rules (csrc/gemm.cpp).
 
 
+# Note [re-gathering the sequence in backward]: under sequence parallelism a column layer's
+# input is the sequence gathered from every rank's chunk (by the layer itself, input_comm
+# "sequence", or by its region's entry, comm.gather_from_sp), and its weight gradient needs that
+# whole input. Keeping it from forward to backward kept e * h bytes a token per region whole on
+# every rank - the memory sequence parallelism exists to split (the planner measured it: 1.10 of
+# its estimate at tp=2, helper-89). As Megatron-LM does, the layer saves this rank's chunk
+# instead and gathers it again in backward, launched before the input-gradient GEMM and waited
+# for before the weight-gradient one, which needs it. The entry tags its output with the chunk
+# (`_pl_sp_chunk`: the chunk, group and dim); a tensor without the tag (a cast under autocast,
+# an input from elsewhere) is saved as it is. A frozen weight (a LoRA base) needs no input at all:
+# nothing is saved for it. The regions' column layers (q, k and v; gate and up, packed) each
+# gather again: one all-gather per column layer in backward, where Megatron's fused QKV has one
+# per region.
+def _saved_input(ctx, weight_grad: bool, x: Tensor, x_full: Tensor, group, input_comm: str,
+                 seq_dim: int) -> Tensor | None:
+    """What a column layer saves for its weight gradient (Note [re-gathering the sequence in
+    backward]), setting ctx.regather: (group, dim) to gather it with in backward, or None."""
+    ctx.regather, ctx.x_shape = None, x_full.shape
+    if not weight_grad:
+        return None
+    tag = getattr(x, "_pl_sp_chunk", None) if input_comm != "sequence" else None
+    if input_comm == "sequence":
+        ctx.regather = (group, seq_dim)
+        return x
+    if tag is not None and tag[1] is group:
+        ctx.regather = tag[1:]
+        return tag[0]
+    return x_full
+
+
+def _start_input(ctx, saved: Tensor | None):
+    """The layer's whole input for its weight gradient: a function that returns it, its
+    all-gather launched now when the chunk was saved."""
+    if saved is None or ctx.regather is None:
+        return lambda: saved
+    return comm.all_gather(saved, ctx.regather[1], ctx.regather[0], async_op=True)
+
+
 class _ColumnLinear(torch.autograd.Function):
     """y = act(gather_sp(x) @ W^T + b); backward overlaps the grad-input collective with dW."""
 
@@ -123,22 +161,24 @@ class _ColumnLinear(torch.autograd.Function):
         else:
             y, preact = linear_gelu_forward(x_full, weight, bias, approximate, needs_grad)
         if needs_grad:
-            ctx.save_for_backward(x_full, weight, preact)
+            saved = _saved_input(ctx, ctx.needs_input_grad[1], x, x_full, group, input_comm, seq_dim)
+            ctx.save_for_backward(saved, weight, preact)
         ctx.approximate, ctx.group, ctx.input_comm, ctx.seq_dim = approximate, group, input_comm, seq_dim
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_full, weight, preact = ctx.saved_tensors
+        saved, weight, preact = ctx.saved_tensors
+        x_full = _start_input(ctx, saved)  # Note [re-gathering the sequence in backward]
         n, k = weight.shape
         if ctx.approximate is None:
             dz, db = dy, (dy.reshape(-1, n).sum(0) if ctx.has_bias else None)
         else:
             dz, db = bias_gelu_backward(dy, preact, ctx.approximate)
         dz2 = dz.reshape(-1, n)
-        dx, handle = _input_grad(ctx, dz2, weight, x_full.shape) if ctx.needs_input_grad[0] else (None, None)
-        dw = linear_weight_grad(dz2, x_full.reshape(-1, k)) if ctx.needs_input_grad[1] else None
+        dx, handle = _input_grad(ctx, dz2, weight, ctx.x_shape) if ctx.needs_input_grad[0] else (None, None)
+        dw = linear_weight_grad(dz2, x_full().reshape(-1, k)) if ctx.needs_input_grad[1] else None
         db = db if ctx.has_bias and ctx.needs_input_grad[2] else None
         _wait_input_grad(ctx, handle)
         return dx, dw, db, None, None, None, None
@@ -203,20 +243,23 @@ class _ColumnSwiGLU(torch.autograd.Function):
         bias = _rows_packed(b_gate, b_up) if b_gate is not None else None
         y, preact = linear_swiglu_forward(x_full, _rows_packed(w_gate, w_up), bias, needs_grad)
         if needs_grad:
-            ctx.save_for_backward(x_full, w_gate, w_up, preact)
+            ctx.weight_grad = any(ctx.needs_input_grad[1:3])  # gate's or up's
+            saved = _saved_input(ctx, ctx.weight_grad, x, x_full, group, input_comm, seq_dim)
+            ctx.save_for_backward(saved, w_gate, w_up, preact)
         ctx.group, ctx.input_comm, ctx.seq_dim, ctx.has_bias = group, input_comm, seq_dim, b_gate is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_full, w_gate, w_up, preact = ctx.saved_tensors
+        saved, w_gate, w_up, preact = ctx.saved_tensors
+        x_full = _start_input(ctx, saved)  # Note [re-gathering the sequence in backward]
         packed = w_up is None
         n, k = w_gate.shape[0] // (2 if packed else 1), w_gate.shape[1]
         dz, db = swiglu_backward(dy, preact, ctx.has_bias and any(ctx.needs_input_grad[3:5]))
         dz2 = dz.reshape(-1, 2 * n)
-        dx, handle = (_input_grad(ctx, dz2, _rows_packed(w_gate, w_up), x_full.shape) if ctx.needs_input_grad[0]
+        dx, handle = (_input_grad(ctx, dz2, _rows_packed(w_gate, w_up), ctx.x_shape) if ctx.needs_input_grad[0]
                       else (None, None))
-        dw = linear_weight_grad(dz2, x_full.reshape(-1, k)) if any(ctx.needs_input_grad[1:3]) else None
+        dw = linear_weight_grad(dz2, x_full().reshape(-1, k)) if ctx.weight_grad else None
         db = db if ctx.has_bias and any(ctx.needs_input_grad[3:5]) else None
         _wait_input_grad(ctx, handle)
         if packed:

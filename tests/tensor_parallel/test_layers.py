@@ -260,7 +260,9 @@ def _count_layer(rank, ws, kind, sequence_parallel):
 # docs/parallelism.md: the collectives each layer must issue (forward, backward).
 EXPECTED = {
     ("column", False): ({}, {"all_reduce": 1}),
-    ("column", True): ({"all_gather_single": 1}, {"reduce_scatter_single": 1}),
+    # backward: the input gathered again for the weight gradient (Note [re-gathering the sequence
+    # in backward]: only this rank's chunk was kept), the input gradient reduce-scattered
+    ("column", True): ({"all_gather_single": 1}, {"all_gather_single": 1, "reduce_scatter_single": 1}),
     ("shared column", False): ({}, {}),  # Note [one reduction per region]: the region's copy_to_tp reduces
     ("shared column", True): ({}, {}),  # the region's gather_from_sp gathers and reduce-scatters
     ("row", False): ({"all_reduce": 1}, {}),
