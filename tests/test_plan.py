@@ -447,6 +447,9 @@ def test_new_options_reject_bad_values():
         TrainSpec(dropout_mask_bytes=0.5)
     with pytest.raises(ValueError, match=re.escape("fused_kernels must be True or False (parallelize's), got 'yes'")):
         TrainSpec(fused_kernels="yes")
+    with pytest.raises(ValueError, match=re.escape("float32_softmax must be True (attention keeps a float32 softmax of "
+                                                   "16-bit scores, as transformers' eager attention) or False, got 1")):
+        TrainSpec(float32_softmax=1)
     with pytest.raises(ValueError, match=re.escape("unknown GPU 'v100'; presets: ['a100-40gb', 'a100-80gb', 'h100'")):
         ClusterSpec.preset("v100", 8)
     with pytest.raises(ValueError, match=re.escape("heads 12 must be a multiple of kv_heads 5")):

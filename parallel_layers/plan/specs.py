@@ -125,6 +125,9 @@ class TrainSpec:
                              f"trains), got {self.lora_rank!r}")
         if not isinstance(self.fused_kernels, bool):
             raise ValueError(f"fused_kernels must be True or False (parallelize's), got {self.fused_kernels!r}")
+        if not isinstance(self.float32_softmax, bool):
+            raise ValueError(f"float32_softmax must be True (attention keeps a float32 softmax of 16-bit scores, as "
+                             f"transformers' eager attention) or False, got {self.float32_softmax!r}")
 
     @property
     def act_bytes(self) -> int:
