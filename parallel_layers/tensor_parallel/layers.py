@@ -128,10 +128,10 @@ def _saved_input(ctx, weight_grad: bool, x: Tensor, x_full: Tensor, group, input
     ctx.regather, ctx.x_shape = None, x_full.shape
     if not weight_grad:
         return None
-    tag = getattr(x, "_pl_sp_chunk", None) if input_comm != "sequence" else None
     if input_comm == "sequence":
         ctx.regather = (group, seq_dim)
         return x
+    tag = getattr(x, "_pl_sp_chunk", None)
     if tag is not None and tag[1] is group:
         ctx.regather = tag[1:]
         return tag[0]
