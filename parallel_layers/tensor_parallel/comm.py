@@ -269,8 +269,8 @@ def gather_from_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: i
     seq_dim = seq_dim % x.dim()
     out = _GatherFromSP.apply(x, group, seq_dim, replicated_consumer)
     # Note [re-gathering the sequence in backward] in layers.py: a column layer reading `out`
-    # saves this chunk for its weight gradient, not `out`
-    out._pl_sp_chunk = (x, group, seq_dim)
+    # saves this chunk for its weight gradient, not `out` - while neither was changed in place
+    out._pl_sp_chunk = (x, group, seq_dim, x._version, out._version)
     return out
 
 

@@ -116,8 +116,12 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
 # its estimate at tp=2, helper-89). As Megatron-LM does, the layer saves this rank's chunk
 # instead and gathers it again in backward, launched before the input-gradient GEMM and waited
 # for before the weight-gradient one, which needs it. The entry tags its output with the chunk
-# (`_pl_sp_chunk`: the chunk, group and dim); a tensor without the tag (a cast under autocast,
-# an input from elsewhere) is saved as it is. A frozen weight (a LoRA base) needs no input at all:
+# (`_pl_sp_chunk`: the chunk, group, dim and both tensors' versions); a tensor without the tag
+# (a cast under autocast, an input from elsewhere), or whose chunk or itself was changed in place
+# since the gather (helper-90: the chunk saved then gave a weight gradient 50-100% off), is saved
+# as it is. A chunk changed in place after the layer's forward is refused by autograd's version
+# check in backward ("modified by an inplace operation"), where the whole input saved before
+# hid the change. A frozen weight (a LoRA base) needs no input at all:
 # nothing is saved for it. The regions' column layers (q, k and v; gate and up, packed) each
 # gather again: one all-gather per column layer in backward, where Megatron's fused QKV has one
 # per region.
@@ -132,8 +136,8 @@ def _saved_input(ctx, weight_grad: bool, x: Tensor, x_full: Tensor, group, input
         ctx.regather = (group, seq_dim)
         return x
     tag = getattr(x, "_pl_sp_chunk", None)
-    if tag is not None and tag[1] is group:
-        ctx.regather = tag[1:]
+    if tag is not None and tag[1] is group and (tag[0]._version, x._version) == tag[3:]:
+        ctx.regather = tag[1:3]
         return tag[0]
     return x_full
 
