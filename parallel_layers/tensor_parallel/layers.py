@@ -122,9 +122,11 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
 # as it is. A chunk changed in place after the layer's forward is refused by autograd's version
 # check in backward ("modified by an inplace operation"), where the whole input saved before
 # hid the change. A frozen weight (a LoRA base) needs no input at all:
-# nothing is saved for it. The regions' column layers (q, k and v; gate and up, packed) each
-# gather again: one all-gather per column layer in backward, where Megatron's fused QKV has one
-# per region.
+# nothing is saved for it - so whether this all-gather runs follows the weight's requires_grad,
+# which must then be alike on every TP rank (a weight frozen on some ranks only was already a
+# model whose replicas drift; now its backward waits for the peers' gather). The regions' column
+# layers (q, k and v; gate and up, packed) each gather again: one all-gather per column layer in
+# backward, where Megatron's fused QKV has one per region.
 def _saved_input(ctx, weight_grad: bool, x: Tensor, x_full: Tensor, group, input_comm: str,
                  seq_dim: int) -> Tensor | None:
     """What a column layer saves for its weight gradient (Note [re-gathering the sequence in

@@ -315,7 +315,10 @@ class ShardedParam:
     # the bank and the latest pass's .grad). A model loaded in bfloat16 without
     # param_dtype accumulates in its .grad, as plain bfloat16 training (the tests' reference for
     # it) does. A parameter frozen at build gets the hook too (registered while it briefly
-    # requires grad, which autograd keeps): unfrozen later, it banks as the others do.
+    # requires grad, which autograd keeps): unfrozen later, it banks as the others do. After two
+    # or more passes a banked parameter's .grad is None (its gradient is the bank): torch's own
+    # clip_grad_norm_ over the full parameters sees nothing there, as under ZeRO-2/3 it never
+    # did; ZeRO's clip_grad_norm_ reduces first and reads the shards.
     def __setstate__(self, state: dict) -> None:
         # a copy (deepcopy of the model and its ZeRO, pickling) gets parameters without torch's
         # hooks or attributes: the copy's parameter banks its gradients too (helper-87)
