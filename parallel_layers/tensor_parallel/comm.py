@@ -182,17 +182,28 @@ class _GatherFromTP(torch.autograd.Function):
         return split(grad, -1, ctx.group), None
 
 
+class RegatheredInput:
+    """The sequence a region's column layers gather again in backward, shared by them: the first
+    one's all-gather, until the region's entry has run its backward (Note [re-gathering the
+    sequence in backward] in layers.py)."""
+
+    def __init__(self):
+        self.tensor: Tensor | None = None
+
+
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, seq_dim, replicated_consumer):
+    def forward(ctx, x, group, seq_dim, replicated_consumer, regathered):
         ctx.group, ctx.seq_dim, ctx.replicated_consumer = group, seq_dim, replicated_consumer
+        ctx.regathered = regathered
         return all_gather(x, seq_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
+        ctx.regathered.tensor = None  # every column layer of the region has run its backward
         if ctx.replicated_consumer:  # every rank holds the same whole gradient: keep this rank's chunk
-            return split(grad, ctx.seq_dim, ctx.group), None, None, None
-        return reduce_scatter(grad, ctx.group, dim=ctx.seq_dim)[0], None, None, None
+            return split(grad, ctx.seq_dim, ctx.group), None, None, None, None
+        return reduce_scatter(grad, ctx.group, dim=ctx.seq_dim)[0], None, None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -267,10 +278,11 @@ def gather_from_sp(x: Tensor, group: dist.ProcessGroup | None = None, seq_dim: i
     if group_size(group) == 1 or whole_sequence():
         return x
     seq_dim = seq_dim % x.dim()
-    out = _GatherFromSP.apply(x, group, seq_dim, replicated_consumer)
+    regathered = RegatheredInput()
+    out = _GatherFromSP.apply(x, group, seq_dim, replicated_consumer, regathered)
     # Note [re-gathering the sequence in backward] in layers.py: a column layer reading `out`
     # saves this chunk for its weight gradient, not `out` - while neither was changed in place
-    out._pl_sp_chunk = (x, group, seq_dim, x._version, out._version)
+    out._pl_sp_chunk = (x, group, seq_dim, regathered, x._version, out._version)
     return out
 
 

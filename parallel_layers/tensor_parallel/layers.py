@@ -124,9 +124,10 @@ def reduce_grad_over_tp(param: nn.Parameter, group: dist.ProcessGroup | None) ->
 # hid the change. A frozen weight (a LoRA base) needs no input at all:
 # nothing is saved for it - so whether this all-gather runs follows the weight's requires_grad,
 # which must then be alike on every TP rank (a weight frozen on some ranks only was already a
-# model whose replicas drift; now its backward waits for the peers' gather). The regions' column
-# layers (q, k and v; gate and up, packed) each gather again: one all-gather per column layer in
-# backward, where Megatron's fused QKV has one per region.
+# model whose replicas drift; now its backward waits for the peers' gather). A region's column
+# layers (q, k and v) share one gather: the first whose backward runs gathers, the others take
+# its result (comm.RegatheredInput), which the entry drops in its own backward, after all of
+# theirs - one all-gather per region in backward, as Megatron's fused QKV has.
 def _saved_input(ctx, weight_grad: bool, x: Tensor, x_full: Tensor, group, input_comm: str,
                  seq_dim: int) -> Tensor | None:
     """What a column layer saves for its weight gradient (Note [re-gathering the sequence in
@@ -135,21 +136,32 @@ def _saved_input(ctx, weight_grad: bool, x: Tensor, x_full: Tensor, group, input
     if not weight_grad:
         return None
     if input_comm == "sequence":
-        ctx.regather = (group, seq_dim)
+        ctx.regather = (group, seq_dim, None)
         return x
     tag = getattr(x, "_pl_sp_chunk", None)
-    if tag is not None and tag[1] is group and (tag[0]._version, x._version) == tag[3:]:
-        ctx.regather = tag[1:3]
+    if tag is not None and tag[1] is group and (tag[0]._version, x._version) == tag[4:]:
+        ctx.regather = tag[1:4]
         return tag[0]
     return x_full
 
 
 def _start_input(ctx, saved: Tensor | None):
     """The layer's whole input for its weight gradient: a function that returns it, its
-    all-gather launched now when the chunk was saved."""
+    all-gather launched now when the chunk was saved - or the one another column layer of the
+    region gathered (comm.RegatheredInput)."""
     if saved is None or ctx.regather is None:
         return lambda: saved
-    return comm.all_gather(saved, ctx.regather[1], ctx.regather[0], async_op=True)
+    group, dim, shared = ctx.regather
+    if shared is not None and shared.tensor is not None:
+        return lambda: shared.tensor
+    pending = comm.all_gather(saved, dim, group, async_op=True)
+    if shared is None:
+        return pending
+
+    def gathered() -> Tensor:
+        shared.tensor = pending()
+        return shared.tensor
+    return gathered
 
 
 class _ColumnLinear(torch.autograd.Function):

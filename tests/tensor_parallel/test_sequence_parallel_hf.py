@@ -37,13 +37,12 @@ TIED = ("gpt2", "gemma", "smollm3", "gemma2", "gemma3")  # their heads are tied 
 GATHERED = {"phi3": 1, "olmo2": 3, "olmoe": 3}
 SPLIT_INPUT_ROWS = {"phi3": 1, "olmo2": 1, "olmoe": 1}
 # Note [re-gathering the sequence in backward]: the column layers that read a region's gathered
-# input keep this rank's chunk and gather it again in backward, one all-gather each, in the 2
-# layers: q, k and v and the packed SwiGLU (Llama's 4 a layer), GPT-2's c_attn and c_fc, Gemma's
-# GeLU-gated gate and up apart (5), Phi-3's packed qkv and gate_up (2); a mixture's attention
-# only (its experts gather their own), Qwen2-MoE's dense layer 1 its MLP too (3 + 4). Not the
-# heads: they read a slice of the final norm's output (logits_to_keep), not the gather's own.
-REGATHERED = {"gpt2": 4, "gemma": 10, "gemma2": 10, "gemma3": 10, "phi3": 4, "mixtral": 6, "qwen3_moe": 6,
-              "mixtral_whole_experts": 6, "olmoe": 6, "qwen2_moe": 7}
+# input keep this rank's chunk and the first of them to run its backward gathers it again, for
+# them all: one all-gather per region in the 2 layers - attention's and the MLP's (2 a layer); a
+# mixture's attention only (its experts gather their own), Qwen2-MoE's dense layer 1 its MLP too
+# (1 + 2). Not the heads: they read a slice of the final norm's output (logits_to_keep), not the
+# gather's own tensor.
+REGATHERED = {"mixtral": 2, "qwen3_moe": 2, "mixtral_whole_experts": 2, "olmoe": 2, "qwen2_moe": 3}
 # + post_self_attn_layernorm, post_mlp_layernorm (GLM-4), pre_ and post_feedforward_layernorm
 # (Gemma 2, 3); the others 2
 NORMS_PER_LAYER = {"glm4": 4, "gemma2": 4, "gemma3": 4}
@@ -230,7 +229,7 @@ def test_plan_free_sequence_parallel_matches_single_process(tmp_path):
             # parameters left whole (SUMMED) and the untied column head's input gradient
             assert backward["reduce_scatter_single"] == 2 * layers, (kind, backward)
             assert backward["all_gather_single"] == ((2 + SPLIT_INPUT_ROWS.get(kind, 0)) * layers + 1
-                                                     + REGATHERED.get(kind, 4 * layers)), (kind, backward)
+                                                     + REGATHERED.get(kind, 2 * layers)), (kind, backward)
             assert backward["all_reduce"] == SUMMED[kind] + (kind not in TIED), (kind, backward)
             layer = "transformer.h.0" if kind == "gpt2" else "model.layers.0"
             assert message == (
